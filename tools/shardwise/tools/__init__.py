@@ -1,0 +1,1 @@
+"""Developer tools for shardwise: Bazel helpers, benchmarks, the demo trainer."""
