@@ -1,0 +1,167 @@
+"""shardwise's Bazel macros: one call of `sw_package` per package folder.
+
+    load("//tools/build_defs:defs.bzl", "sw_package")
+    sw_package(name = "mesh", deps = [], test_deps = ["//testing"])
+
+declares, for package folder `mesh/` (import `shardwise.mesh`, wheel `shardwise-mesh`):
+  //mesh:mesh         py_library over mesh/shardwise/mesh/**
+  //mesh:wheel        shardwise_mesh-<VERSION>-py3-none-any.whl
+  //mesh:mypy_test    mypy over the package with the root mypy.ini
+  //mesh:test_<file>  one pytest target per mesh/tests/test_*.py
+"""
+
+load("@rules_python//python:defs.bzl", "py_library", "py_test")
+load("@shardwise_versions//:versions.bzl", "VERSIONS")
+load(":wheel.bzl", "sw_wheel")
+
+_PYTEST_RUNNER = "//tools/build_defs:pytest_runner.py"
+_MYPY_RUNNER = "//tools/build_defs:mypy_runner.py"
+
+# Labels of a remote-execution GPU pool's platform properties; executors read what they know.
+def _gpu_exec_properties(gpu_count):
+    return {
+        "OSFamily": "Linux",
+        "gpu": "nvidia",
+        "gpu-count": str(gpu_count),
+    }
+
+def sw_pytest(name, src, deps = [], data = [], env = {}, tags = [], size = "small", **kwargs):
+    """One pytest file as one test target, run with the pinned interpreter; JUnit XML for CI."""
+    py_test(
+        name = name,
+        srcs = [src, _PYTEST_RUNNER],
+        main = _PYTEST_RUNNER,
+        args = ["$(rootpath {})".format(src)],
+        deps = deps,
+        data = data,
+        env = env,
+        tags = tags,
+        size = size,
+        legacy_create_init = False,
+        python_version = "PY3",
+        **kwargs
+    )
+
+def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = {}, tags = [], size = "medium", **kwargs):
+    """A pytest file whose tests run on `world_size` ranks through shardwise.testing's pool.
+
+    gpu=True: NCCL with one GPU per rank. Tagged `gpu` (filtered out by default, run by
+    --config=gpu), `exclusive` (one GPU test at a time on a machine), and carries exec_properties
+    asking a remote-execution pool (--config=remote) for a machine with `world_size` GPUs.
+    """
+    test_env = dict(env)
+    test_env["SHARDWISE_WORLD_SIZE"] = str(world_size)
+    test_tags = list(tags) + ["multi_rank"]
+    exec_properties = {}
+    if gpu:
+        test_env["SHARDWISE_TEST_BACKEND"] = "nccl"
+        test_tags += ["gpu", "exclusive"]
+        exec_properties = _gpu_exec_properties(world_size)
+    sw_pytest(
+        name = name,
+        src = src,
+        deps = deps,
+        env = test_env,
+        tags = test_tags,
+        size = size,
+        exec_properties = exec_properties,
+        **kwargs
+    )
+
+def sw_mypy_test(name, package, library):
+    """Type-checks one package with the root mypy.ini (strict defs) as a test target."""
+    py_test(
+        name = name,
+        srcs = [_MYPY_RUNNER],
+        main = _MYPY_RUNNER,
+        args = ["shardwise." + package],
+        deps = [library],
+        data = ["//:mypy.ini"],
+        size = "medium",
+        legacy_create_init = False,
+        python_version = "PY3",
+    )
+
+def _test_target_name(src):
+    return src.split("/")[-1][:-len(".py")]
+
+def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data = [], summary = None):
+    """Declares the library, wheel, mypy test and one test target per tests/test_*.py of a package.
+
+    Args:
+      name: the package folder and import name (`shardwise.<name>`).
+      deps: sibling package libraries this package imports (they become wheel requirements too).
+      test_deps: extra libraries the tests import (e.g. "//testing").
+      multi_rank_tests: {"tests/test_x.py": world_size} for files that run on ranks.
+        Files named tests/test_*_gpu.py always run on GPUs (world size from this dict, default 2).
+      test_data: files the tests read.
+      summary: the wheel's one-line description.
+    """
+    if name not in VERSIONS:
+        fail("package {} has no VERSION registered: add it to package_versions in WORKSPACE".format(name))
+    py_library(
+        name = name,
+        srcs = native.glob(["shardwise/**/*.py"]),
+        data = native.glob(["shardwise/**/*.so", "shardwise/**/py.typed"]),
+        imports = ["."],
+        deps = deps,
+        visibility = ["//visibility:public"],
+    )
+    native.filegroup(
+        name = "all_files",
+        srcs = native.glob(["shardwise/**", "tests/**", "README.md", "VERSION"], exclude = ["**/__pycache__/**"]),
+        visibility = ["//visibility:public"],
+    )
+    sw_wheel(
+        name = "wheel",
+        distribution = "shardwise-" + name.replace("_", "-"),
+        version = VERSIONS[name],
+        srcs = native.glob(["shardwise/**"], exclude = ["**/__pycache__/**", "**/*.pyc"]),
+        strip_prefix = native.package_name(),
+        readme = "README.md" if native.glob(["README.md"]) else None,
+        requires = [_wheel_label(dep) for dep in deps],
+        external_requires = ["torch>=2.13,<2.14"],
+        summary = summary or "shardwise " + name,
+        visibility = ["//visibility:public"],
+    )
+    sw_mypy_test(name = "mypy_test", package = name, library = ":" + name)
+
+    helpers = native.glob(["tests/*.py"], exclude = ["tests/test_*.py"])
+    test_libs = [":" + name] + test_deps
+    if helpers:
+        py_library(
+            name = "test_helpers",
+            srcs = helpers,
+            imports = ["tests"],
+            deps = test_libs,
+            testonly = True,
+        )
+        test_libs = test_libs + [":test_helpers"]
+
+    for src in native.glob(["tests/test_*.py"]):
+        target = _test_target_name(src)
+        if src.endswith("_gpu.py"):
+            sw_multi_rank_test(
+                name = target,
+                src = src,
+                world_size = multi_rank_tests.get(src, 2),
+                gpu = True,
+                deps = test_libs,
+                data = test_data,
+            )
+        elif src in multi_rank_tests:
+            sw_multi_rank_test(
+                name = target,
+                src = src,
+                world_size = multi_rank_tests[src],
+                deps = test_libs,
+                data = test_data,
+            )
+        else:
+            sw_pytest(name = target, src = src, deps = test_libs, data = test_data)
+
+def _wheel_label(dep):
+    # "//placement" -> "//placement:wheel"
+    if ":" in dep:
+        return dep.split(":")[0] + ":wheel"
+    return dep + ":wheel"
