@@ -1,0 +1,70 @@
+"""Every package imports only the layers below it; product code never uses PyTorch's DTensor stack."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from shardwise.tools import layers
+
+REPO_ROOT = pathlib.Path.cwd()  # Bazel runs tests from the workspace root of the runfiles tree.
+# BUILD files are not in the runfiles; a package without one has no targets and fails elsewhere.
+PACKAGE_FILES = ("README.md",)
+
+
+def test_repository_has_no_layer_violations() -> None:
+    checked = [path for _, path in layers.python_files(REPO_ROOT, layers.ALLOWED_IMPORTS) if path.exists()]
+    assert len(checked) > 10, f"expected the package sources in the runfiles under {REPO_ROOT}"
+    violations = layers.check_tree(REPO_ROOT)
+    assert not violations, "\n".join(str(violation) for violation in violations)
+
+
+@pytest.mark.parametrize("package", sorted(name for name in layers.ALLOWED_IMPORTS if (REPO_ROOT / name).is_dir()))
+def test_each_package_folder_is_complete(package: str) -> None:
+    folder = REPO_ROOT / package
+    required_files = PACKAGE_FILES if package == "tools" else PACKAGE_FILES + ("VERSION",)
+    for required in required_files:
+        assert (folder / required).is_file(), f"{package}/ has no {required}"
+    assert not (folder / "shardwise" / "__init__.py").exists(), (
+        f"{package}/shardwise/__init__.py would break the PEP 420 namespace shared by all packages"
+    )
+    assert (folder / "shardwise" / package / "__init__.py").is_file()
+
+
+def _violations(package: str, path: str, source: str) -> list[str]:
+    return [v.message for v in layers.check_source(package, pathlib.PurePath(path), source)]
+
+
+def test_upward_import_is_reported() -> None:
+    found = _violations("mesh", "mesh/shardwise/mesh/_x.py", "from shardwise.dtensor_ops import DTensor\n")
+    assert len(found) == 1 and "shardwise.dtensor_ops" in found[0]
+
+
+def test_downward_import_is_allowed() -> None:
+    assert _violations("dtensor_ops", "dtensor_ops/shardwise/dtensor_ops/_x.py", "import shardwise.mesh\n") == []
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from torch.distributed.tensor import DTensor",
+        "import torch.distributed._tensor.api",
+        "from torch.distributed import device_mesh",
+        "from torch.distributed.tensor.parallel import ColwiseParallel",
+    ],
+)
+def test_product_code_may_not_import_pytorch_dtensor(statement: str) -> None:
+    found = _violations("dtensor_ops", "dtensor_ops/shardwise/dtensor_ops/_x.py", statement + "\n")
+    assert len(found) == 1 and "PyTorch's DTensor stack" in found[0]
+
+
+def test_tests_and_benchmarks_may_use_pytorch_dtensor_as_oracle() -> None:
+    source = "from torch.distributed.tensor import DTensor\nfrom shardwise.testing import multi_rank\n"
+    assert _violations("dtensor_ops", "dtensor_ops/tests/test_x.py", source) == []
+    assert _violations("tools", "tools/shardwise/tools/bench_dispatch.py", source) == []
+
+
+def test_tests_may_not_reach_above_their_layer() -> None:
+    found = _violations("mesh", "mesh/tests/test_x.py", "from shardwise.dtensor_ops import DTensor\n")
+    assert len(found) == 1

@@ -1,0 +1,117 @@
+"""Each package's wheel installs alone (plus the sibling wheels it declares) and works.
+
+pip resolves the wheel's requirements against a folder holding every shardwise wheel, with torch
+satisfied by the pinned environment; the resolved set must be exactly the declared siblings. Those
+wheels are installed into an empty target directory and imported by an isolated interpreter that
+sees nothing of the source tree.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+RUNFILES_ROOT = pathlib.Path.cwd()
+WHEELS = sorted(RUNFILES_ROOT.glob("*/shardwise_*-py3-none-any.whl"))
+
+
+def _metadata(wheel: pathlib.Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def _distribution(wheel: pathlib.Path) -> str:
+    return str(_metadata(wheel)["Name"])
+
+
+def _sibling_requirements(wheel: pathlib.Path) -> list[str]:
+    requirements = _metadata(wheel).get_all("Requires-Dist") or []
+    return [r for r in requirements if r.startswith("shardwise-")]
+
+
+def _declared_closure(wheel: pathlib.Path, by_name: dict[str, pathlib.Path]) -> set[str]:
+    closure = {_distribution(wheel)}
+    pending = [wheel]
+    while pending:
+        for requirement in _sibling_requirements(pending.pop()):
+            name = requirement.split(">")[0].split("<")[0].split("=")[0].strip()
+            if name not in closure:
+                closure.add(name)
+                pending.append(by_name[name])
+    return closure
+
+
+def _pip_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # the machine's indexes and find-links must not take part
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def test_every_package_has_a_wheel() -> None:
+    names = {_distribution(w) for w in WHEELS}
+    assert {"shardwise-mesh", "shardwise-placement", "shardwise-testing"} <= names, names
+
+
+@pytest.mark.parametrize("wheel", WHEELS, ids=lambda w: w.name)
+def test_wheel_installs_alone_and_imports(wheel: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    by_name = {_distribution(w): w for w in WHEELS}
+    links = tmp_path / "links"
+    links.mkdir()
+    for other in WHEELS:
+        shutil.copy(other, links / other.name)
+
+    report = tmp_path / "report.json"
+    resolve = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-index",
+         "--find-links", str(links), "--report", str(report), _distribution(wheel)],
+        env=_pip_env(), capture_output=True, text=True,
+    )
+    assert resolve.returncode == 0, resolve.stdout + resolve.stderr
+    resolved = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    assert resolved == _declared_closure(wheel, by_name), (
+        f"pip resolved {sorted(resolved)} for {wheel.name}; its declared requirements give "
+        f"{sorted(_declared_closure(wheel, by_name))}"
+    )
+
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(target),
+         *(str(by_name[name]) for name in sorted(resolved))],
+        env=_pip_env(), capture_output=True, text=True,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+
+    package = _distribution(wheel).removeprefix("shardwise-").replace("-", "_")
+    not_installed = sorted(
+        name.removeprefix("shardwise-").replace("-", "_") for name in set(by_name) - resolved
+    )
+    probe = f"""
+import importlib, pkgutil, sys
+sys.path.insert(0, {str(target)!r})
+import shardwise.{package} as package
+assert package.__file__.startswith({str(target)!r}), package.__file__
+modules = [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+for name in modules:
+    importlib.import_module(name)
+for absent in {not_installed!r}:
+    try:
+        importlib.import_module("shardwise." + absent)
+    except ModuleNotFoundError:
+        continue
+    raise AssertionError("shardwise." + absent + " is importable but was not installed")
+print("imported", 1 + len(modules), "modules of shardwise.{package}")
+"""
+    # -I: no PYTHONPATH, no user site, no script directory: only the target dir and the pinned env.
+    run = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "imported" in run.stdout
