@@ -50,7 +50,7 @@ def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = 
     asking a remote-execution pool (--config=remote) for a machine with `world_size` GPUs.
     """
     test_env = dict(env)
-    test_env["SHARDWISE_WORLD_SIZE"] = str(world_size)
+    test_env["SHARDWISE_TEST_WORLD_SIZE"] = str(world_size)
     test_tags = list(tags) + ["multi_rank"]
     exec_properties = {}
     if gpu:
