@@ -1,0 +1,254 @@
+"""Shard layout math: where each rank's shard lives in the global tensor.
+
+Everything here derives from one 1-D rule, :func:`chunk_size_and_offset`
+(torch.chunk semantics: chunk size ``ceil(n / k)``, trailing chunks smaller or
+empty, but always exactly ``k`` chunks), applied per mesh dim by
+:func:`compute_local_shape_and_global_offset`.  Several mesh dims sharding the
+same tensor dim nest left to right: mesh dim 0 splits the global extent, mesh
+dim 1 splits each of those pieces, and so on.
+
+The local-tensor helpers (:func:`split_tensor`, :func:`pad_dim`,
+:func:`unpad_dim`, :func:`select_local_shard`) are pure torch, no communication;
+redistribution uses them around its collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ._placements import Placement, Shard
+
+__all__ = [
+    "chunk_size_and_offset",
+    "chunk_sizes",
+    "compute_local_shape_and_global_offset",
+    "compute_local_shape",
+    "shard_sizes_along_mesh_dim",
+    "select_local_shard",
+    "split_tensor",
+    "pad_dim",
+    "unpad_dim",
+    "normalize_dim",
+]
+
+
+def normalize_dim(dim: int, ndim: int, *, what: str = "dim") -> int:
+    """Map ``dim`` in ``[-ndim, ndim)`` to ``[0, ndim)``; raise IndexError otherwise."""
+    if -ndim <= dim < ndim:
+        return dim + ndim if dim < 0 else dim
+    if ndim == 0:
+        raise IndexError(f"{what}={dim} is out of range: the tensor is 0-dimensional and has no dims")
+    raise IndexError(
+        f"{what}={dim} is out of range for a tensor with {ndim} dims; expected a dim in [{-ndim}, {ndim - 1}]"
+    )
+
+
+def chunk_size_and_offset(dim_size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """Size and start of chunk ``index`` when ``dim_size`` elements are cut into ``num_chunks``.
+
+    torch.chunk rule: every chunk has ``ceil(dim_size / num_chunks)`` elements
+    except the trailing ones, which are smaller or empty.  Unlike torch.chunk
+    there are always ``num_chunks`` chunks; an empty chunk starts at ``dim_size``
+    so ``[offset, offset + size)`` is always a valid slice.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    if not 0 <= index < num_chunks:
+        raise IndexError(f"chunk index {index} is out of range for {num_chunks} chunks; expected [0, {num_chunks - 1}]")
+    if dim_size < 0:
+        raise ValueError(f"dim_size must be >= 0, got {dim_size}")
+    full_chunk = -(-dim_size // num_chunks)
+    offset = min(index * full_chunk, dim_size)
+    return min(full_chunk, dim_size - offset), offset
+
+
+def chunk_sizes(dim_size: int, num_chunks: int) -> tuple[int, ...]:
+    """Sizes of all ``num_chunks`` torch.chunk-style chunks of ``dim_size`` elements."""
+    return tuple(chunk_size_and_offset(dim_size, num_chunks, i)[0] for i in range(num_chunks))
+
+
+def _check_mesh_args(
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> None:
+    if len(placements) != len(mesh_shape):
+        raise ValueError(
+            f"got {len(placements)} placements {tuple(placements)} for a {len(mesh_shape)}-D mesh of shape "
+            f"{tuple(mesh_shape)}; expected one placement per mesh dim"
+        )
+    if coordinate is None:
+        return
+    if len(coordinate) != len(mesh_shape):
+        raise ValueError(
+            f"coordinate {tuple(coordinate)} has {len(coordinate)} entries but the mesh of shape "
+            f"{tuple(mesh_shape)} has {len(mesh_shape)} dims"
+        )
+    for mesh_dim, (index, size) in enumerate(zip(coordinate, mesh_shape)):
+        if not 0 <= index < size:
+            raise IndexError(
+                f"coordinate {tuple(coordinate)} is outside the mesh of shape {tuple(mesh_shape)}: "
+                f"mesh dim {mesh_dim} has size {size}, got index {index}"
+            )
+
+
+def _shard_tensor_dim(placement: Shard, mesh_dim: int, global_shape: Sequence[int]) -> int:
+    ndim = len(global_shape)
+    dim = placement.dim
+    if -ndim <= dim < ndim:
+        return dim + ndim if dim < 0 else dim
+    expected = f"expected a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-dim tensor cannot be sharded"
+    raise ValueError(
+        f"{placement!r} on mesh dim {mesh_dim} is out of range for a tensor with {ndim} dims "
+        f"(shape {tuple(global_shape)}); {expected}"
+    )
+
+
+def compute_local_shape_and_global_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape of the shard held at mesh ``coordinate`` and where it starts in the global tensor.
+
+    ``Shard(d)`` on mesh dim ``m`` cuts the current extent of tensor dim ``d``
+    into ``mesh_shape[m]`` torch.chunk-style pieces (see
+    :func:`chunk_size_and_offset`) and keeps piece ``coordinate[m]``; mesh dims
+    are applied left to right, so later mesh dims split the pieces of earlier
+    ones.  ``Replicate`` and ``Partial`` keep the full extent.  Negative shard
+    dims count from the end of ``global_shape``.
+
+    An empty shard's offset is the global size of that dim (as in PyTorch), so
+    ``[offset, offset + size)`` is always a valid, empty slice.
+
+    A ``coordinate`` of ``None`` means this rank is not part of the mesh: it holds
+    nothing, so the local shape is 0 on every dim and the offset equals the global
+    shape (for a 0-dim global shape both are ``()``).
+    """
+    _check_mesh_args(mesh_shape, coordinate, placements)
+    ndim = len(global_shape)
+    if coordinate is None:
+        return (0,) * ndim, tuple(global_shape)
+    local_shape = list(global_shape)
+    global_offset = [0] * ndim
+    some_shard_empty = False
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            tensor_dim = _shard_tensor_dim(placement, mesh_dim, global_shape)
+            size, offset = chunk_size_and_offset(local_shape[tensor_dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            local_shape[tensor_dim] = size
+            global_offset[tensor_dim] += offset
+            some_shard_empty = some_shard_empty or size == 0
+    if some_shard_empty:
+        # Same convention as PyTorch (checkpoint metadata relies on it): an empty
+        # shard starts at the end of the global dim, wherever its parent piece was.
+        for tensor_dim, size in enumerate(local_shape):
+            if size == 0:
+                global_offset[tensor_dim] = global_shape[tensor_dim]
+    return tuple(local_shape), tuple(global_offset)
+
+
+def compute_local_shape(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> tuple[int, ...]:
+    """Local shape part of :func:`compute_local_shape_and_global_offset`."""
+    return compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)[0]
+
+
+def shard_sizes_along_mesh_dim(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    mesh_dim: int,
+    tensor_dim: int,
+) -> tuple[int, ...]:
+    """Local size of ``tensor_dim`` for every rank of the ``mesh_dim`` group containing ``coordinate``.
+
+    Entry ``i`` is the size held at ``coordinate`` with its ``mesh_dim`` entry
+    replaced by ``i``: a collective over ``mesh_dim`` pads every rank's piece to
+    ``max(...)`` and trims each received piece back to its entry.
+    """
+    if not -len(mesh_shape) <= mesh_dim < len(mesh_shape):
+        raise IndexError(f"mesh_dim={mesh_dim} is out of range for a mesh of shape {tuple(mesh_shape)}")
+    mesh_dim %= len(mesh_shape)
+    tensor_dim = normalize_dim(tensor_dim, len(global_shape), what="tensor_dim")
+    group_coordinate = list(coordinate)
+    sizes = []
+    for index in range(mesh_shape[mesh_dim]):
+        group_coordinate[mesh_dim] = index
+        local_shape, _ = compute_local_shape_and_global_offset(global_shape, mesh_shape, group_coordinate, placements)
+        sizes.append(local_shape[tensor_dim])
+    return tuple(sizes)
+
+
+def select_local_shard(
+    full_tensor: torch.Tensor,
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> torch.Tensor:
+    """View of ``full_tensor`` holding the shard that lives at ``coordinate`` (no copy).
+
+    Values are not reduced or scaled for ``Partial``: the caller decides what a
+    partial shard holds.  ``coordinate=None`` gives an empty tensor of the same
+    number of dims.
+    """
+    local_shape, global_offset = compute_local_shape_and_global_offset(
+        full_tensor.shape, mesh_shape, coordinate, placements
+    )
+    shard = full_tensor
+    for dim, (size, offset, full_size) in enumerate(zip(local_shape, global_offset, full_tensor.shape)):
+        if size != full_size:
+            shard = shard.narrow(dim, offset, size)
+    return shard
+
+
+def split_tensor(tensor: torch.Tensor, dim: int, num_chunks: int) -> list[torch.Tensor]:
+    """Exactly ``num_chunks`` views of ``tensor`` along ``dim`` with torch.chunk sizes (trailing maybe empty)."""
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    dim = normalize_dim(dim, tensor.dim())
+    dim_size = tensor.size(dim)
+    pieces = []
+    for index in range(num_chunks):
+        size, offset = chunk_size_and_offset(dim_size, num_chunks, index)
+        pieces.append(tensor.narrow(dim, offset, size))
+    return pieces
+
+
+def pad_dim(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` with zeros appended along ``dim`` up to ``size`` (returned as is when already that size)."""
+    dim = normalize_dim(dim, tensor.dim())
+    current = tensor.size(dim)
+    if current == size:
+        return tensor
+    if current > size:
+        raise ValueError(
+            f"cannot pad dim {dim} of a tensor of shape {tuple(tensor.shape)} to {size}: it already has {current}"
+        )
+    # F.pad lists (before, after) pairs starting from the last dim.
+    padding = [0, 0] * (tensor.dim() - 1 - dim) + [0, size - current]
+    return F.pad(tensor, padding)
+
+
+def unpad_dim(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """View of the first ``size`` entries of ``tensor`` along ``dim``: undoes :func:`pad_dim`."""
+    dim = normalize_dim(dim, tensor.dim())
+    current = tensor.size(dim)
+    if current == size:
+        return tensor
+    if not 0 <= size < current:
+        raise ValueError(
+            f"cannot unpad dim {dim} of a tensor of shape {tuple(tensor.shape)} to {size}: "
+            f"expected a size in [0, {current}]"
+        )
+    return tensor.narrow(dim, 0, size)

@@ -1,0 +1,159 @@
+"""Placement types: how one mesh dimension lays out a tensor.
+
+Placements sit inside cache keys on every dispatched op, so they precompute
+their hash and compare with a handful of attribute reads.  They are immutable
+(assignment raises) and pickle by value.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Final, NoReturn
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
+
+SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min"})
+
+
+def _as_tensor_dim(dim: object) -> int:
+    """Accept int-like dims (numpy ints, SymInt-free index types); reject bools and everything else."""
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"Shard(dim=...) expects an int tensor dimension, got {type(dim).__name__} {dim!r}")
+
+
+class Placement:
+    """Base of all placements.  Subclasses answer the three questions below."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(
+            f"{type(self).__name__} is immutable; cannot set attribute {name!r}. "
+            "Create a new placement instead."
+        )
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable; cannot delete attribute {name!r}.")
+
+
+class Shard(Placement):
+    """Split tensor dim ``dim`` into ``mesh.size(mesh_dim)`` torch.chunk-style pieces.
+
+    ``dim`` may be negative; a :class:`DTensorSpec` stores it normalised once the
+    tensor's number of dims is known.
+    """
+
+    __slots__ = ("dim", "_hash")
+    dim: int
+    _hash: int
+
+    def __init__(self, dim: int) -> None:
+        if type(dim) is not int:
+            dim = _as_tensor_dim(dim)
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "_hash", hash((Shard, dim)))
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or self.dim == dim
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Shard:
+            return NotImplemented if not isinstance(other, Placement) else False
+        return self.dim == other.dim
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (Shard, (self.dim,))
+
+
+class Replicate(Placement):
+    """Every rank along the mesh dim holds the full extent of the tensor."""
+
+    __slots__ = ()
+
+    _HASH: Final[int] = hash("shardwise.placement.Replicate")
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is Replicate:
+            return True
+        return NotImplemented if not isinstance(other, Placement) else False
+
+    def __hash__(self) -> int:
+        return Replicate._HASH
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (Replicate, ())
+
+
+class Partial(Placement):
+    """Each rank along the mesh dim holds a partial value; the true value is their reduction.
+
+    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``.
+    """
+
+    __slots__ = ("reduce_op", "_hash")
+    reduce_op: str
+    _hash: int
+
+    def __init__(self, reduce_op: str = "sum") -> None:
+        if not isinstance(reduce_op, str) or reduce_op not in SUPPORTED_REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op={reduce_op!r}) is not supported; expected one of "
+                f"{sorted(SUPPORTED_REDUCE_OPS)}"
+            )
+        object.__setattr__(self, "reduce_op", reduce_op)
+        object.__setattr__(self, "_hash", hash((Partial, reduce_op)))
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Partial:
+            return NotImplemented if not isinstance(other, Placement) else False
+        return self.reduce_op == other.reduce_op
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Partial(reduce_op={self.reduce_op!r})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (Partial, (self.reduce_op,))

@@ -1,0 +1,232 @@
+"""TensorMeta and DTensorSpec: the global description of a distributed tensor."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Iterable, NamedTuple, NoReturn, Sequence, TypeVar
+
+import torch
+
+from ._layout import _shard_tensor_dim, compute_local_shape_and_global_offset
+from ._mesh_protocol import MeshLike
+from ._placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["TensorMeta", "DTensorSpec"]
+
+MeshT = TypeVar("MeshT", bound=MeshLike)
+
+
+class TensorMeta(NamedTuple):
+    """Global shape, stride and dtype of a distributed tensor."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class DTensorSpec(Generic[MeshT]):
+    """How a tensor of (optionally known) global metadata is laid out over ``mesh``.
+
+    Immutable; hashable and compared by ``(mesh, placements, tensor_meta)`` with the
+    hash computed once, so specs can key the dispatch and redistribution caches.
+    ``Shard`` dims are stored normalised (non-negative) when ``tensor_meta`` is given.
+    """
+
+    __slots__ = (
+        "mesh",
+        "placements",
+        "tensor_meta",
+        "_hash",
+        "_num_shards",
+        "_partial_mesh_dims",
+        "_num_shards_per_dim",
+    )
+    mesh: MeshT
+    placements: tuple[Placement, ...]
+    tensor_meta: TensorMeta | None
+    _hash: int
+    _num_shards: int
+    _partial_mesh_dims: tuple[int, ...]
+    _num_shards_per_dim: tuple[int, ...] | None
+
+    def __init__(
+        self,
+        mesh: MeshT,
+        placements: Iterable[Placement],
+        tensor_meta: TensorMeta | None = None,
+    ) -> None:
+        placements = placements if type(placements) is tuple else tuple(placements)
+        mesh_shape = mesh.shape
+        if len(placements) != len(mesh_shape):
+            raise ValueError(
+                f"DTensorSpec got {len(placements)} placements {placements} for a {len(mesh_shape)}-D mesh "
+                f"of shape {tuple(mesh_shape)} ({mesh!r}); expected one placement per mesh dim"
+            )
+        if tensor_meta is not None and not isinstance(tensor_meta, TensorMeta):
+            raise TypeError(f"tensor_meta must be a TensorMeta or None, got {type(tensor_meta).__name__}")
+        global_shape = None if tensor_meta is None else tensor_meta.shape
+
+        num_shards = 1
+        partial_mesh_dims = []
+        normalized: list[Placement] | None = None
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                num_shards *= mesh_shape[mesh_dim]
+                if global_shape is not None and not 0 <= placement.dim < len(global_shape):
+                    normalized = normalized or list(placements)
+                    normalized[mesh_dim] = Shard(_shard_tensor_dim(placement, mesh_dim, global_shape))
+            elif isinstance(placement, Partial):
+                partial_mesh_dims.append(mesh_dim)
+            elif not isinstance(placement, Placement):
+                raise TypeError(
+                    f"placements[{mesh_dim}] is {placement!r} of type {type(placement).__name__}; "
+                    "expected a Placement (Shard, Replicate or Partial)"
+                )
+        if normalized is not None:
+            placements = tuple(normalized)
+
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "tensor_meta", tensor_meta)
+        object.__setattr__(self, "_hash", hash((mesh, placements, tensor_meta)))
+        object.__setattr__(self, "_num_shards", num_shards)
+        object.__setattr__(self, "_partial_mesh_dims", tuple(partial_mesh_dims))
+        object.__setattr__(self, "_num_shards_per_dim", None)
+
+    # -- immutability, hashing, pickling -------------------------------------
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(
+            f"DTensorSpec is immutable; cannot set {name!r}. Use with_placements()/with_tensor_meta()."
+        )
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"DTensorSpec is immutable; cannot delete {name!r}")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DTensorSpec):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.placements == other.placements
+            and self.tensor_meta == other.tensor_meta
+            and self.mesh == other.mesh
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta))
+
+    def __repr__(self) -> str:
+        return f"DTensorSpec(mesh={self.mesh!r}, placements={self.placements!r}, tensor_meta={self.tensor_meta!r})"
+
+    def __str__(self) -> str:
+        layout = "".join(str(p) for p in self.placements)
+        if self.tensor_meta is None:
+            return f"Spec({layout})"
+        return f"Spec({layout} on {tuple(self.tensor_meta.shape)})"
+
+    # -- derived copies ------------------------------------------------------
+
+    def with_placements(self, placements: Iterable[Placement]) -> DTensorSpec[MeshT]:
+        """Same mesh and tensor_meta, other placements."""
+        return DTensorSpec(self.mesh, placements, self.tensor_meta)
+
+    def with_tensor_meta(self, tensor_meta: TensorMeta | None) -> DTensorSpec[MeshT]:
+        """Same mesh and placements, other tensor_meta."""
+        return DTensorSpec(self.mesh, self.placements, tensor_meta)
+
+    # -- tensor metadata -----------------------------------------------------
+
+    def _require_meta(self, what: str) -> TensorMeta:
+        if self.tensor_meta is None:
+            raise ValueError(f"{self!s}: {what} is unknown because this DTensorSpec has no tensor_meta")
+        return self.tensor_meta
+
+    @property
+    def device_mesh(self) -> MeshT:
+        return self.mesh
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._require_meta("shape").shape
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self._require_meta("stride").stride
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._require_meta("dtype").dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._require_meta("ndim").shape)
+
+    # -- layout queries ------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        """Number of distinct shards: product of the mesh sizes of all sharding mesh dims."""
+        return self._num_shards
+
+    @property
+    def num_shards_per_dim(self) -> tuple[int, ...]:
+        """For each tensor dim, into how many pieces it is cut (product over the mesh dims sharding it)."""
+        cached = self._num_shards_per_dim
+        if cached is None:
+            counts = [1] * self.ndim
+            mesh_shape = self.mesh.shape
+            for mesh_dim, placement in enumerate(self.placements):
+                if isinstance(placement, Shard):
+                    counts[placement.dim] *= mesh_shape[mesh_dim]
+            cached = tuple(counts)
+            object.__setattr__(self, "_num_shards_per_dim", cached)
+        return cached
+
+    def shard_mesh_dims(self, tensor_dim: int) -> tuple[int, ...]:
+        """Mesh dims sharding ``tensor_dim``, left to right (the order they split it in)."""
+        if self.tensor_meta is not None and tensor_dim < 0:
+            tensor_dim += len(self.tensor_meta.shape)
+        return tuple(
+            mesh_dim
+            for mesh_dim, placement in enumerate(self.placements)
+            if isinstance(placement, Shard) and placement.dim == tensor_dim
+        )
+
+    @property
+    def partial_mesh_dims(self) -> tuple[int, ...]:
+        """Mesh dims whose placement is Partial."""
+        return self._partial_mesh_dims
+
+    def is_replicated(self) -> bool:
+        """True when every mesh dim replicates."""
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def is_sharded(self) -> bool:
+        """True when at least one mesh dim shards."""
+        return any(isinstance(p, Shard) for p in self.placements)
+
+    def has_partial(self) -> bool:
+        """True when at least one mesh dim is Partial."""
+        return bool(self._partial_mesh_dims)
+
+    def local_shape_and_offset(
+        self, coordinate: Sequence[int] | None = None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Local shape and global offset of the shard at ``coordinate`` (default: this rank's, from the mesh).
+
+        Delegates to :func:`compute_local_shape_and_global_offset`; a rank outside
+        the mesh gets an empty shape.
+        """
+        meta = self._require_meta("the local shape")
+        if coordinate is None:
+            coordinate = self.mesh.get_coordinate()
+        return compute_local_shape_and_global_offset(meta.shape, self.mesh.shape, coordinate, self.placements)
+
+    def local_shape(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Local shape part of :meth:`local_shape_and_offset`."""
+        return self.local_shape_and_offset(coordinate)[0]
