@@ -1,0 +1,470 @@
+"""``DeviceMesh`` and ``init_device_mesh``: an n-D grid of ranks with a process group per dim."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.mesh import _process_groups as process_groups
+from shardwise.mesh import _validation as validation
+from shardwise.mesh._errors import MeshDimError, MeshError
+from shardwise.mesh._layout import MeshLayout
+from shardwise.mesh._world import ensure_default_process_group, world_size_for_validation
+
+__all__ = ["DeviceMesh", "get_current_mesh", "init_device_mesh"]
+
+
+class _MeshStack(threading.local):
+    def __init__(self) -> None:
+        self.meshes: list[DeviceMesh] = []
+
+
+_active_meshes = _MeshStack()
+
+
+def get_current_mesh() -> DeviceMesh:
+    """The innermost mesh entered with ``with mesh:`` on this thread."""
+    if not _active_meshes.meshes:
+        raise MeshError("no DeviceMesh is active; enter one with `with mesh:` first")
+    return _active_meshes.meshes[-1]
+
+
+class DeviceMesh:
+    """An n-D grid of global ranks, with one c10d process group per dim for each rank in it.
+
+    Follows ``torch.distributed.device_mesh.DeviceMesh`` (PyTorch 2.13). Every rank of the world
+    must build the same meshes in the same order (SPMD), including ranks that are not in the
+    mesh: they take part in creating its process groups. On such a rank ``get_coordinate()`` is
+    None, ``_dim_group_names`` is empty and ``get_group``/``get_local_rank`` raise.
+
+    A sliced (``mesh["tp"]``) or flattened (``mesh[...]._flatten()``) mesh is a view of its root
+    mesh: it sees the sub-mesh holding this rank and uses the root's process groups.
+    Equality, hash and repr depend only on what every rank agrees on (the root's ranks, the dims
+    of the view, the names, the device type), so they are the same on all ranks.
+    """
+
+    _device_type: str
+    _layout: MeshLayout
+    _mesh_dim_names: tuple[str, ...] | None
+    _root: DeviceMesh | None
+    _groups: tuple[dist.ProcessGroup, ...]
+    _dim_group_names: tuple[str, ...]
+    _rank: int
+    _coordinate: tuple[int, ...] | None
+    _flatten_mapping: dict[str, DeviceMesh]
+    _slices: dict[tuple[str, ...], DeviceMesh]
+    _key: tuple[Any, ...]
+    _stable_digest: bytes
+    _hash: int
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence[Any] | Any,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+    ) -> None:
+        device_type = validation.check_device_type(device_type)
+        grid = validation.rank_grid_from(mesh)
+        names = validation.normalize_dim_names(mesh_dim_names, len(grid.shape))
+        validation.check_fits_world(grid, world_size_for_validation())
+        ensure_default_process_group(device_type)
+        layout = MeshLayout.root(grid)
+        rank = dist.get_rank()
+        groups = [
+            process_groups.group_for_dim(layout.groups_along(dim), rank, _group_description(names, dim))
+            for dim in range(layout.ndim)
+        ]
+        self._setup(device_type, layout, names, root=None, groups=_member_groups(groups), rank=rank)
+
+    def _setup(
+        self,
+        device_type: str,
+        layout: MeshLayout,
+        names: tuple[str, ...] | None,
+        *,
+        root: DeviceMesh | None,
+        groups: tuple[dist.ProcessGroup, ...],
+        rank: int,
+    ) -> None:
+        self._device_type = device_type
+        self._layout = layout
+        self._mesh_dim_names = names
+        self._root = root
+        self._groups = groups
+        self._dim_group_names = tuple(group.group_name for group in groups)
+        self._pickled_group_names: tuple[str, ...] = ()
+        self._rank = rank
+        self._coordinate = layout.coordinate(rank)
+        self._flatten_mapping = {}
+        self._slices = {}
+        self._key = (device_type, layout.root_shape, layout.root_ranks, layout.dims, names)
+        # Python's str hash differs between processes; a digest of the key does not, so the hash is
+        # the same on every rank.
+        self._stable_digest = hashlib.blake2b(repr(self._key).encode(), digest_size=16).digest()
+        self._hash = int.from_bytes(self._stable_digest[:8], "little", signed=True)
+
+    @classmethod
+    def _view(
+        cls,
+        root: DeviceMesh,
+        layout: MeshLayout,
+        names: tuple[str, ...],
+        groups: tuple[dist.ProcessGroup, ...],
+    ) -> DeviceMesh:
+        view = cls.__new__(cls)
+        view._setup(root._device_type, layout, names, root=root, groups=groups, rank=root._rank)
+        return view
+
+    # ----------------------------------------------------------------------------------- shape
+
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._mesh_dim_names
+
+    @property
+    def ndim(self) -> int:
+        return self._layout.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks in the mesh, or along ``mesh_dim`` (index or name)."""
+        if mesh_dim is None:
+            return self._layout.numel
+        owner, dim = self._resolve_dim(mesh_dim)
+        return owner._layout.shape[dim]
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The grid of global ranks of the (sub-)mesh that holds this rank."""
+        grid = self._layout.submesh_grid(self._rank)
+        if grid is None:
+            raise MeshError(
+                f"rank {self._rank} is not part of {self!r}, which is one of several sub-meshes of its root mesh; "
+                "there is no single grid of ranks to return on this rank"
+            )
+        return grid.to(torch.int)
+
+    # ------------------------------------------------------------------------------ this rank
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along every mesh dim; None if this rank is not in the mesh."""
+        return self._coordinate
+
+    def _is_current_rank_part_of_mesh(self) -> bool:
+        return self._coordinate is not None
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (= its rank in that dim's process group)."""
+        owner, dim = self._resolve_dim(self._default_dim(mesh_dim, "get_local_rank"))
+        coordinate = owner._require_member(f"get_local_rank({mesh_dim!r})")
+        return coordinate[dim]
+
+    def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
+        """The process group of ``mesh_dim`` (index or name) that holds this rank."""
+        owner, dim = self._resolve_dim(self._default_dim(mesh_dim, "get_group"))
+        return owner._require_groups(f"get_group({mesh_dim!r})")[dim]
+
+    def get_all_groups(self) -> list[dist.ProcessGroup]:
+        """This rank's process group for every mesh dim, in dim order."""
+        return list(self._require_groups("get_all_groups()"))
+
+    def _default_dim(self, mesh_dim: int | str | None, method: str) -> int | str:
+        if mesh_dim is not None:
+            return mesh_dim
+        if self.ndim != 1:
+            raise MeshError(
+                f"{method}() on a {self.ndim}-D mesh needs mesh_dim (an index or one of {self._mesh_dim_names}); "
+                + ("use get_all_groups() for the groups of every dim" if method == "get_group" else "")
+            )
+        return 0
+
+    def _resolve_dim(self, mesh_dim: int | str) -> tuple[DeviceMesh, int]:
+        """(the mesh that owns the dim, its index there): own dims, or a flattened dim of the root."""
+        if isinstance(mesh_dim, str) and mesh_dim not in (self._mesh_dim_names or ()):
+            flattened = self._get_root_mesh()._flatten_mapping.get(mesh_dim)
+            if flattened is not None:
+                return flattened, 0
+            known = tuple(self._mesh_dim_names or ()) + tuple(self._get_root_mesh()._flatten_mapping)
+            if known:
+                raise MeshDimError(
+                    f"mesh dim {mesh_dim!r} does not exist; expected an index in [{-self.ndim}, {self.ndim}) "
+                    f"or one of the names {known}"
+                )
+        return self, validation.resolve_dim_index(mesh_dim, self.ndim, self._mesh_dim_names)
+
+    def _require_member(self, what: str) -> tuple[int, ...]:
+        if self._coordinate is None:
+            raise MeshError(
+                f"{what}: rank {self._rank} is not part of {self!r} (ranks {list(self._layout.root_ranks)}), "
+                "so it has no coordinate or process group in it"
+            )
+        return self._coordinate
+
+    def _require_groups(self, what: str) -> tuple[dist.ProcessGroup, ...]:
+        self._require_member(what)
+        if len(self._groups) != self.ndim:
+            raise MeshError(
+                f"{what}: {self!r} was unpickled in a process that does not have its process groups "
+                f"{self._pickled_group_names}; rebuild the mesh in this process instead"
+            )
+        return self._groups
+
+    # ------------------------------------------------------------------------ slicing, flatten
+
+    def _get_root_mesh(self) -> DeviceMesh:
+        return self._root if self._root is not None else self
+
+    def _get_mesh_dim_by_name(self, mesh_dim_name: str) -> int:
+        return validation.resolve_dim_index(mesh_dim_name, self.ndim, self._mesh_dim_names)
+
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over the named dims (in mesh order) that holds this rank."""
+        key = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else mesh_dim_names
+        if isinstance(key, tuple) and all(isinstance(name, str) for name in key):
+            cached = self._slices.get(key)
+            if cached is not None:
+                return cached
+        root = self._get_root_mesh()
+        flattened = {name: mesh._layout.dims[0] for name, mesh in root._flatten_mapping.items()} if root is self else {}
+        names, root_dims = validation.resolve_slice(
+            mesh_dim_names, self._mesh_dim_names, self._layout.dims, flattened, root._mesh_dim_names
+        )
+        if names == self._mesh_dim_names:
+            return self
+        if len(names) == 1 and names[0] in flattened:
+            submesh = root._flatten_mapping[names[0]]
+        else:
+            groups: tuple[dist.ProcessGroup, ...] = ()
+            if self._coordinate is not None:
+                groups = tuple(self._group_by_root_dims(dims) for dims in root_dims)
+            submesh = DeviceMesh._view(root, self._layout.view(root_dims), names, groups)
+        self._slices[names] = submesh
+        return submesh
+
+    def _group_by_root_dims(self, root_dims: tuple[int, ...]) -> dist.ProcessGroup:
+        for dims, group in zip(self._layout.dims, self._groups):
+            if dims == root_dims:
+                return group
+        for flattened in self._get_root_mesh()._flatten_mapping.values():
+            if flattened._layout.dims[0] == root_dims:
+                return flattened._groups[0]
+        raise AssertionError(f"no process group spans root dims {root_dims}")
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """A 1-D mesh over all of this mesh's dims, named ``mesh_dim_name`` (default: names joined by "_").
+
+        The flattened dim is registered on the root mesh, so ``root[mesh_dim_name]`` and
+        ``root.get_group(mesh_dim_name)`` find it. Creates one process group per flattened rank list
+        (unless one already exists), so every rank must call it.
+        """
+        if self._mesh_dim_names is None:
+            raise MeshError("cannot flatten a DeviceMesh that has no mesh_dim_names; create it with mesh_dim_names=(...)")
+        if mesh_dim_name is None or mesh_dim_name == "":
+            mesh_dim_name = "_".join(self._mesh_dim_names)
+        if not isinstance(mesh_dim_name, str):
+            raise MeshError(f"mesh_dim_name must be a str, got {mesh_dim_name!r}")
+        if self.ndim == 1 and mesh_dim_name in self._mesh_dim_names:
+            return self
+        root = self._get_root_mesh()
+        if mesh_dim_name in (root._mesh_dim_names or ()):
+            raise MeshError(
+                f"cannot flatten {self._mesh_dim_names} into {mesh_dim_name!r}: the root mesh already has a dim "
+                f"named {mesh_dim_name!r} (its dims: {root._mesh_dim_names}); pick another name"
+            )
+        flat_dims = (tuple(d for dims in self._layout.dims for d in dims),)
+        existing = root._flatten_mapping.get(mesh_dim_name)
+        if existing is not None:
+            if existing._layout.dims == flat_dims:
+                return existing
+            raise MeshError(
+                f"a flattened dim named {mesh_dim_name!r} already exists over different mesh dims; pick another name"
+            )
+        layout = self._layout.view(flat_dims)
+        group = process_groups.group_for_dim(layout.groups_along(0), self._rank, f"mesh_{mesh_dim_name}")
+        flattened = DeviceMesh._view(root, layout, (mesh_dim_name,), _member_groups([group]))
+        root._flatten_mapping[mesh_dim_name] = flattened
+        return flattened
+
+    # ------------------------------------------------------------------------------ from_group
+
+    @staticmethod
+    def from_group(
+        group: dist.ProcessGroup | list[dist.ProcessGroup],
+        device_type: str,
+        mesh: torch.Tensor | Sequence[Any] | Any | None = None,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+    ) -> DeviceMesh:
+        """A mesh over existing process groups: one group -> 1-D; a list of groups -> n-D (mesh required).
+
+        No process group is created. The groups must hold this rank; each must list, in group rank
+        order, the ranks of ``mesh`` along its dim through this rank.
+        """
+        device_type = validation.check_device_type(device_type)
+        if isinstance(group, dist.ProcessGroup):
+            group_ranks = dist.get_process_group_ranks(group)
+            if mesh is not None:
+                given = validation.rank_grid_from(mesh)
+                if given.shape != (len(group_ranks),) or list(given.ranks) != group_ranks:
+                    raise MeshError(
+                        f"from_group: mesh {_ranks_text(mesh)} does not match the process group, whose ranks in group "
+                        f"rank order are {group_ranks}; pass mesh=None or exactly those ranks"
+                    )
+            groups = [group]
+            grid = validation.rank_grid_from(group_ranks)
+        else:
+            if not isinstance(group, (list, tuple)) or not group:
+                raise MeshError(f"from_group needs a ProcessGroup or a non-empty list of them, got {group!r}")
+            not_groups = [g for g in group if not isinstance(g, dist.ProcessGroup)]
+            if not_groups:
+                raise MeshError(f"from_group: {not_groups!r} are not ProcessGroups")
+            if mesh is None:
+                raise MeshError(f"from_group with {len(group)} process groups needs mesh, the n-D grid of their ranks")
+            if mesh_dim_names is None:
+                raise MeshError(f"from_group with {len(group)} process groups needs mesh_dim_names, one per group")
+            groups = list(group)
+            grid = validation.rank_grid_from(mesh)
+            if len(grid.shape) != len(groups):
+                raise MeshError(
+                    f"from_group: mesh has {len(grid.shape)} dims (shape {list(grid.shape)}) but {len(groups)} process "
+                    "groups were given; expected one group per mesh dim"
+                )
+        names = validation.normalize_dim_names(mesh_dim_names, len(grid.shape))
+        validation.check_fits_world(grid, process_groups.default_process_group().size())
+        layout = MeshLayout.root(grid)
+        rank = dist.get_rank()
+        coordinate = layout.coordinate(rank)
+        if coordinate is None:
+            raise MeshError(f"from_group: rank {rank} is not in mesh {list(grid.ranks)}; its groups cannot be used here")
+        for dim, dim_group in enumerate(groups):
+            expected = next(ranks for ranks in layout.groups_along(dim) if rank in ranks)
+            actual = tuple(dist.get_process_group_ranks(dim_group))
+            if actual != expected:
+                raise MeshError(
+                    f"from_group: the process group for mesh dim {dim} has ranks {list(actual)} (in group rank order) "
+                    f"but the mesh has {list(expected)} along that dim through rank {rank}"
+                )
+        result = DeviceMesh.__new__(DeviceMesh)
+        result._setup(device_type, layout, names, root=None, groups=tuple(groups), rank=rank)
+        return result
+
+    # ------------------------------------------------------------------- identity and display
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key
+
+    def _stable_hash(self) -> str:
+        """A hex digest equal on every rank and in every process (for compile caches)."""
+        return self._stable_digest.hex()
+
+    def __repr__(self) -> str:
+        if self._mesh_dim_names:
+            sizes = "(" + ", ".join(f"{name}={size}" for name, size in zip(self._mesh_dim_names, self.shape)) + ")"
+        else:
+            sizes = str(self.shape)
+        text = f"DeviceMesh({sizes}, '{self._device_type}', stride={self._layout.strides}"
+        if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL":
+            # As PyTorch: with detail on, show this rank's grid (the only rank-dependent repr).
+            grid = self._layout.submesh_grid(self._rank)
+            text += f", Mesh: {grid.tolist() if grid is not None else None}"
+        return text + ")"
+
+    def __copy__(self) -> DeviceMesh:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceMesh:
+        # A mesh is a handle on communicators, which cannot be copied; copies of modules and
+        # tensors share it.
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_groups")
+        state.pop("_slices")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._slices = {}
+        groups: list[dist.ProcessGroup] = []
+        if dist.is_initialized():
+            self._rank = dist.get_rank()
+            self._coordinate = self._layout.coordinate(self._rank)
+            for name in self._dim_group_names:
+                group = process_groups.registered_group(name)
+                if group is None:
+                    break
+                groups.append(group)
+        if len(groups) != len(self._dim_group_names) or self._coordinate is None:
+            # Groups cannot travel between processes; without them this mesh only describes a layout.
+            self._pickled_group_names = self._dim_group_names
+            self._dim_group_names = ()
+            groups = []
+        self._groups = tuple(groups)
+
+    def __enter__(self) -> DeviceMesh:
+        _active_meshes.meshes.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _active_meshes.meshes.pop()
+
+
+def _member_groups(groups: Sequence[dist.ProcessGroup | None]) -> tuple[dist.ProcessGroup, ...]:
+    """All of a rank's per-dim groups, or () on a rank outside the mesh (it has none)."""
+    present = [group for group in groups if group is not None]
+    if present and len(present) != len(groups):
+        raise AssertionError(f"a rank is in the groups of some mesh dims but not others: {groups}")
+    return tuple(present)
+
+
+def _group_description(names: tuple[str, ...] | None, dim: int) -> str:
+    return f"mesh_{names[dim]}" if names else f"mesh_dim_{dim}"
+
+
+def _ranks_text(mesh: object) -> str:
+    return str(mesh.tolist()) if isinstance(mesh, torch.Tensor) else repr(mesh)
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: tuple[int, ...],
+    *,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> DeviceMesh:
+    """A mesh of shape ``mesh_shape`` over the whole world, ranks laid out in row-major order.
+
+    Starts the default process group from the torchrun environment (env://) if none exists:
+    gloo for "cpu", "cpu:gloo,cuda:nccl" for "cuda"; and for an accelerator sets this process's
+    device from LOCAL_RANK unless one was already selected.
+    """
+    device_type = validation.check_device_type(device_type)
+    shape = validation.check_mesh_shape(mesh_shape)
+    names = validation.normalize_dim_names(mesh_dim_names, len(shape))
+    validation.check_world_size_matches(shape, world_size_for_validation())
+    return DeviceMesh(device_type, torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names)

@@ -1,0 +1,155 @@
+"""Pure mesh layout math: which ranks form each sub-mesh and each process group.
+
+Every mesh, sliced or flattened, is a view of its root mesh: the root's n-D grid of ranks plus,
+for each of the view's dims, the tuple of root dims it spans (one root dim for a plain dim,
+several for a flattened one). Root dims that no view dim spans select *which* sub-mesh a rank
+sees. Nothing here knows about processes, so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.mesh._validation import RankGrid
+
+__all__ = ["MeshLayout"]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    root_shape: tuple[int, ...]
+    root_ranks: tuple[int, ...]
+    dims: tuple[tuple[int, ...], ...]
+    """For each dim of this view, the root dims it spans, in increasing order."""
+
+    def __post_init__(self) -> None:
+        if math.prod(self.root_shape) != len(self.root_ranks):
+            raise ValueError(f"root shape {self.root_shape} does not hold {len(self.root_ranks)} ranks")
+        used = [root_dim for root_dims in self.dims for root_dim in root_dims]
+        if not self.dims or any(not root_dims for root_dims in self.dims):
+            raise ValueError(f"a mesh view needs at least one dim and each dim at least one root dim, got {self.dims}")
+        if used != sorted(set(used)) or any(not 0 <= d < len(self.root_shape) for d in used):
+            raise ValueError(f"view dims {self.dims} must be disjoint, increasing root dims of {self.root_shape}")
+
+    @staticmethod
+    def root(grid: RankGrid) -> MeshLayout:
+        return MeshLayout(grid.shape, grid.ranks, tuple((d,) for d in range(len(grid.shape))))
+
+    def view(self, dims: tuple[tuple[int, ...], ...]) -> MeshLayout:
+        return MeshLayout(self.root_shape, self.root_ranks, dims)
+
+    @functools.cached_property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.root_shape[d] for d in root_dims) for root_dims in self.dims)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @functools.cached_property
+    def root_strides(self) -> tuple[int, ...]:
+        strides = [1] * len(self.root_shape)
+        for d in range(len(self.root_shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.root_shape[d + 1]
+        return tuple(strides)
+
+    @functools.cached_property
+    def strides(self) -> tuple[int | tuple[int, ...], ...]:
+        """Per dim, its stride in the root's row-major rank list; a tuple when not one stride.
+
+        As PyTorch's layouts print them: root dims of size 1 take no stride (a size-1 dim shows
+        ``()``), and consecutive root dims that step through the ranks evenly merge into one
+        stride (a flattened dp x cp has one); otherwise one stride per evenly stepping run.
+        """
+        result: list[int | tuple[int, ...]] = []
+        for root_dims in self.dims:
+            runs: list[tuple[int, int]] = []  # (size, stride) of each run, outermost first
+            for root_dim in root_dims:
+                size, stride = self.root_shape[root_dim], self.root_strides[root_dim]
+                if size == 1:
+                    continue
+                if runs and runs[-1][1] == size * stride:
+                    runs[-1] = (runs[-1][0] * size, stride)
+                else:
+                    runs.append((size, stride))
+            strides = tuple(stride for _, stride in runs)
+            result.append(strides[0] if len(strides) == 1 else strides)
+        return tuple(result)
+
+    @functools.cached_property
+    def batch_root_dims(self) -> tuple[int, ...]:
+        """Root dims this view does not span: they pick one of the view's sub-meshes."""
+        spanned = {d for root_dims in self.dims for d in root_dims}
+        return tuple(d for d in range(len(self.root_shape)) if d not in spanned)
+
+    @functools.cached_property
+    def _position_of_rank(self) -> dict[int, int]:
+        return {rank: position for position, rank in enumerate(self.root_ranks)}
+
+    def _root_grid(self) -> torch.Tensor:
+        return torch.tensor(self.root_ranks, dtype=torch.int64).reshape(self.root_shape)
+
+    def _root_index(self, rank: int) -> tuple[int, ...] | None:
+        position = self._position_of_rank.get(rank)
+        if position is None:
+            return None
+        index: list[int] = []
+        for size in reversed(self.root_shape):
+            position, within = divmod(position, size)
+            index.append(within)
+        return tuple(reversed(index))
+
+    def contains(self, rank: int) -> bool:
+        """Whether ``rank`` is in the root mesh (the view's sub-mesh for it then contains it too)."""
+        return rank in self._position_of_rank
+
+    def coordinate(self, rank: int) -> tuple[int, ...] | None:
+        """``rank``'s index in the sub-mesh of this view that holds it; None if not in the root."""
+        root_index = self._root_index(rank)
+        if root_index is None:
+            return None
+        coordinate: list[int] = []
+        for root_dims in self.dims:
+            value = 0
+            for d in root_dims:
+                value = value * self.root_shape[d] + root_index[d]
+            coordinate.append(value)
+        return tuple(coordinate)
+
+    def groups_along(self, dim: int) -> tuple[tuple[int, ...], ...]:
+        """Every rank list that varies only along ``dim`` across the whole root, in a fixed order.
+
+        Each list is ordered by the coordinate along ``dim``, so a process group created with it
+        gives every rank its coordinate as group rank. All ranks compute the same tuple.
+        """
+        spanned = self.dims[dim]
+        others = [d for d in range(len(self.root_shape)) if d not in spanned]
+        rows = self._root_grid().permute(*others, *spanned).reshape(-1, self.shape[dim])
+        return tuple(tuple(int(rank) for rank in row) for row in rows.tolist())
+
+    def submesh_grid(self, rank: int) -> torch.Tensor | None:
+        """The grid of ranks of the sub-mesh holding ``rank``.
+
+        For a rank outside the root there is only an answer when the view has a single sub-mesh
+        (no batch dims, e.g. the root itself); otherwise None.
+        """
+        batch = self.batch_root_dims
+        spanned = [d for root_dims in self.dims for d in root_dims]
+        grids = self._root_grid().permute(*batch, *spanned).reshape(-1, *self.shape)
+        if grids.shape[0] == 1:
+            return grids[0]
+        root_index = self._root_index(rank)
+        if root_index is None:
+            return None
+        batch_position = 0
+        for d in batch:
+            batch_position = batch_position * self.root_shape[d] + root_index[d]
+        return grids[batch_position]
