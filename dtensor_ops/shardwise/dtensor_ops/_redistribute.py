@@ -1,0 +1,549 @@
+"""Redistribution: move a DTensor's local shard from one placement tuple to another.
+
+Three layers, kept apart so that a C++ fast path can take over the first two:
+
+1. :func:`plan_redistribute` — the cheapest plan (see ``_redistribute_plan``), plain data,
+   cached by ``(source spec, target spec)`` and by the underlying problem
+   ``(mesh shape, global shape, item size, placements)``.
+2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
+   and trims worked out once, cached by ``(source spec, target spec)``.  Plain data too.
+3. Execution: a loop over the program's steps issuing ``torch.ops._c10d_functional``
+   collectives and local tensor ops.  A call that hits the cache does one dict lookup,
+   one shape check and then only the tensor work.
+
+Uneven shards: before a collective every rank pads its piece to the group's largest
+piece (torch.chunk puts the largest pieces first, so once the pieces are concatenated
+the real data is a prefix, and trimming is a single ``narrow``).
+
+Asynchronous execution (``async_op=True``): collectives before the last one are waited
+for immediately (the next step reads their result); the last collective is left in
+flight and the function returns an :class:`~shardwise.dtensor_ops._collectives.AsyncCollectiveTensor`
+with the final local shape.  Its first use waits, trims and runs any local steps that
+follow.  A plan with no collective returns a plain tensor either way.
+
+Autograd: :func:`grad_target_spec` says where the gradient of a redistribution goes
+back to — see its docstring.  The executor itself is not differentiable (the
+functional collectives have no autograd formulas); the DTensor's ``redistribute``
+autograd.Function calls it in forward and again, mirrored, in backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from shardwise.placement import (
+    DTensorSpec,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    chunk_size_and_offset,
+    compute_local_shape_and_global_offset,
+    pad_dim,
+    shard_sizes_along_mesh_dim,
+)
+
+from ._collectives import (
+    AsyncCollectiveTensor,
+    launch_all_gather,
+    launch_all_reduce,
+    launch_all_to_all,
+    launch_reduce_scatter,
+    wait,
+)
+from ._redistribute_plan import (
+    Placements,
+    RedistributeStep,
+    StepKind,
+    find_cheapest_plan,
+    lower_bound_bytes_per_rank,
+    plan_bytes_per_rank,
+    plan_states,
+)
+
+__all__ = [
+    "RedistributeStep",
+    "StepKind",
+    "plan_redistribute",
+    "redistribute_local_tensor",
+    "grad_target_spec",
+    "grad_placements_for_backward",
+    "plan_bytes_per_rank",
+    "bytes_moved_per_rank",
+    "redistribute_cost_bytes",
+    "redistribute_lower_bound_bytes",
+    "clear_redistribute_caches",
+]
+
+# Caches are dicts cleared when full: a hit must stay a plain dict lookup, and a
+# training loop uses a handful of layouts, so eviction order does not matter.
+_MAX_CACHE_ENTRIES = 8192
+
+_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements]
+_plans_by_problem: dict[_ProblemKey, tuple[RedistributeStep, ...]] = {}
+_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], tuple[RedistributeStep, ...]] = {}
+
+
+def clear_redistribute_caches() -> None:
+    """Forget every cached plan and program (tests; meshes being torn down)."""
+    _plans_by_problem.clear()
+    _plans_by_specs.clear()
+    _programs.clear()
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _MAX_CACHE_ENTRIES:
+        cache.clear()
+    cache[key] = value
+
+
+# -- planning ------------------------------------------------------------------------------
+
+
+def _global_shape(spec: DTensorSpec[Any], role: str) -> tuple[int, ...]:
+    if spec.tensor_meta is None:
+        raise ValueError(
+            f"redistribute needs the global shape: the {role} spec {spec} has no tensor_meta; "
+            "expected a DTensorSpec built with a TensorMeta"
+        )
+    return tuple(spec.tensor_meta.shape)
+
+
+def _check_specs(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[int, ...]:
+    if src.mesh != dst.mesh:
+        raise ValueError(
+            f"cannot redistribute between meshes: source {src} is on {src.mesh!r}, target {dst} is on "
+            f"{dst.mesh!r}; redistribute changes placements on one mesh"
+        )
+    src_shape = _global_shape(src, "source")
+    dst_shape = _global_shape(dst, "target")
+    if src_shape != dst_shape:
+        raise ValueError(
+            f"cannot redistribute a tensor of global shape {src_shape} ({src}) to global shape {dst_shape} "
+            f"({dst}); redistribute keeps the global shape"
+        )
+    return src_shape
+
+
+def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
+    """The cheapest plan (by bytes moved per rank) from ``src`` to ``dst``; ``()`` when they match.
+
+    Both specs need ``tensor_meta`` and the same mesh and global shape.  Cached.
+    """
+    key = (src, dst)
+    plan = _plans_by_specs.get(key)
+    if plan is not None:
+        return plan
+    global_shape = _check_specs(src, dst)
+    assert src.tensor_meta is not None
+    mesh_shape = tuple(src.mesh.shape)
+    itemsize = src.tensor_meta.dtype.itemsize
+    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements)
+    plan = _plans_by_problem.get(problem)
+    if plan is None:
+        plan = find_cheapest_plan(global_shape, mesh_shape, src.placements, dst.placements, itemsize)
+        _remember(_plans_by_problem, problem, plan)
+    _remember(_plans_by_specs, key, plan)
+    return plan
+
+
+bytes_moved_per_rank = plan_bytes_per_rank
+
+
+def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match)."""
+    return plan_bytes_per_rank(plan_redistribute(src, dst))
+
+
+def redistribute_lower_bound_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """A floor on the bytes per rank any algorithm must move (see ``lower_bound_bytes_per_rank``)."""
+    global_shape = _check_specs(src, dst)
+    assert src.tensor_meta is not None
+    return lower_bound_bytes_per_rank(
+        global_shape, tuple(src.mesh.shape), src.placements, dst.placements, src.tensor_meta.dtype.itemsize
+    )
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+
+def grad_target_spec(
+    src: DTensorSpec[Any], dst: DTensorSpec[Any], grad_spec: DTensorSpec[Any] | None = None
+) -> DTensorSpec[Any]:
+    """Where the gradient of ``redistribute(src -> dst)`` must be redistributed to in backward.
+
+    The gradient of a DTensor is a DTensor of the same global shape whose *logical*
+    value is dL/d(logical value); any placement holding that value is correct, so the
+    rule is about what is useful and cheap:
+
+    * Shard / Replicate mesh dims of ``src``: the gradient goes back to the same
+      placement (the mirrored plan), so the input's gradient is laid out like the input.
+    * Partial mesh dims of ``src`` (any reduce op): Replicate.  The local values of a
+      Partial are not the tensor, only contributions to it; the gradient of the logical
+      value is the same for every contribution's owner (for sum exactly dL/dy on every
+      rank; for avg/max/min the DTensor-level gradient is still dL/dy — the 1/n of avg or
+      the arg-max selection belong to the op that produced the Partial, not to the
+      placement), so every rank gets the full gradient.
+    * ``dst`` plays no role in the target: the gradient arrives with whatever placements
+      the ops after the redistribution gave it (``grad_spec``: often ``dst``, but a
+      Partial ``dst`` may well get a Replicate or Shard gradient, and a Replicate ``dst``
+      a Partial(sum) gradient), and the planner finds the cheapest way from there.  A
+      Partial ``dst`` needs no special handling: R -> P in forward was a local op whose
+      logical value is its input's, so its gradient flows through unchanged.
+
+    ``grad_spec`` (the gradient's actual spec) supplies the tensor_meta (stride, dtype)
+    of the result; without it ``src``'s is used.
+    """
+    placements: tuple[Placement, ...] = tuple(
+        Replicate() if isinstance(placement, Partial) else placement for placement in src.placements
+    )
+    tensor_meta = grad_spec.tensor_meta if grad_spec is not None else src.tensor_meta
+    if placements == src.placements and tensor_meta == src.tensor_meta:
+        return src
+    return DTensorSpec(src.mesh, placements, tensor_meta)
+
+
+def grad_placements_for_backward(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> DTensorSpec[Any]:
+    """Alias of :func:`grad_target_spec` under the name used in the team contracts."""
+    return grad_target_spec(src, dst)
+
+
+# -- per-rank programs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _ExecStep:
+    """One plan step with everything this rank needs to run it, precomputed.
+
+    ``from_dim`` is the tensor dim a step un-shards (all-gather, all-to-all, S->P) and
+    ``to_dim`` the one it shards (chunk, reduce-scatter, all-to-all); -1 when unused.
+    ``piece`` is the padded piece size along ``from_dim`` (all-gather, all-to-all) or
+    ``to_dim`` (reduce-scatter), ``to_piece`` the padded piece along ``to_dim`` of an
+    all-to-all; ``joined`` the real size along ``from_dim`` after un-sharding and
+    ``kept`` this rank's real size along ``to_dim`` after sharding; ``offset`` where this
+    rank's piece starts (chunk: in its current extent, S->P: in the parent block).
+    """
+
+    kind: StepKind
+    group_name: str
+    group_size: int
+    index_in_group: int
+    reduce_op: str
+    from_dim: int
+    to_dim: int
+    piece: int
+    to_piece: int
+    joined: int
+    kept: int
+    offset: int
+    sends_nothing: bool
+    shape_before: tuple[int, ...]
+    shape_after: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    src_local_shape: tuple[int, ...]
+    dst_local_shape: tuple[int, ...]
+    steps: tuple[_ExecStep, ...]
+    last_collective: int  # index into steps, -1 when there is none
+    participating: bool
+    # Meshes compare equal by their ranks, but a mesh rebuilt after the process groups
+    # were recreated has other groups: a program is reused as is only for the mesh object
+    # it was compiled for, or one with the same group names.
+    mesh: Any
+    group_names: tuple[str, ...]
+
+
+_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], _Program] = {}
+
+
+def _group_names(mesh: Any) -> Sequence[str]:
+    names = getattr(mesh, "_dim_group_names", None)
+    if names is None or len(names) != len(mesh.shape):
+        raise TypeError(
+            f"redistribute needs the process group name of every mesh dim: {mesh!r} has "
+            f"_dim_group_names={names!r}; expected a tuple of {len(mesh.shape)} group names "
+            "(shardwise.mesh.DeviceMesh provides it)"
+        )
+    return tuple(names)
+
+
+def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[RedistributeStep, ...]) -> _Program:
+    mesh = src.mesh
+    mesh_shape = tuple(mesh.shape)
+    global_shape = _global_shape(src, "source")
+    coordinate_or_none = mesh.get_coordinate()
+    if coordinate_or_none is None:
+        return _Program(
+            src_local_shape=(0,) * len(global_shape),
+            dst_local_shape=(0,) * len(global_shape),
+            steps=(),
+            last_collective=-1,
+            participating=False,
+            mesh=mesh,
+            group_names=(),
+        )
+    coordinate = tuple(coordinate_or_none)
+    group_names = _group_names(mesh) if any(step.kind.is_collective for step in plan) else ()
+
+    def local_shape(state: Placements) -> tuple[int, ...]:
+        return compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, state)[0]
+
+    states = plan_states(src.placements, plan)
+    steps: list[_ExecStep] = []
+    for step, before_state, after_state in zip(plan, states, states[1:]):
+        mesh_dim = step.mesh_dim
+        group_size = mesh_shape[mesh_dim]
+        index_in_group = coordinate[mesh_dim]
+        before, after = step.before, step.after
+        shape_before, shape_after = local_shape(before_state), local_shape(after_state)
+        from_dim = before.dim if isinstance(before, Shard) else -1
+        to_dim = after.dim if isinstance(after, Shard) else -1
+        reduce_op = (
+            before.reduce_op
+            if isinstance(before, Partial)
+            else after.reduce_op if isinstance(after, Partial) else ""
+        )
+        piece = to_piece = joined = kept = offset = 0
+        if from_dim >= 0 and step.kind is not StepKind.RELABEL:
+            pieces = shard_sizes_along_mesh_dim(
+                global_shape, mesh_shape, coordinate, before_state, mesh_dim=mesh_dim, tensor_dim=from_dim
+            )
+            piece = max(pieces)
+            joined = sum(pieces)
+            offset = sum(pieces[:index_in_group])
+            assert joined == shape_after[from_dim], (pieces, shape_after, step)
+        if to_dim >= 0 and step.kind is not StepKind.RELABEL:
+            extent = shape_before[to_dim]
+            to_piece = -(-extent // group_size)
+            kept, chunk_offset = chunk_size_and_offset(extent, group_size, index_in_group)
+            assert kept == shape_after[to_dim], (extent, shape_after, step)
+            if step.kind is StepKind.REDUCE_SCATTER:
+                piece = to_piece
+            if step.kind is StepKind.LOCAL_CHUNK:
+                offset = chunk_offset
+        # Every member of the group sends the same padded shape, so all of them agree on
+        # skipping a collective that would move nothing.
+        sent = list(shape_before)
+        if step.kind in (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL):
+            sent[from_dim] = piece
+        if step.kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL):
+            sent[to_dim] = to_piece * group_size
+        sends_nothing = math.prod(sent) == 0
+        steps.append(
+            _ExecStep(
+                kind=step.kind,
+                group_name=group_names[mesh_dim] if group_names else "",
+                group_size=group_size,
+                index_in_group=index_in_group,
+                reduce_op=reduce_op,
+                from_dim=from_dim,
+                to_dim=to_dim,
+                piece=piece,
+                to_piece=to_piece,
+                joined=joined,
+                kept=kept,
+                offset=offset,
+                sends_nothing=sends_nothing,
+                shape_before=shape_before,
+                shape_after=shape_after,
+            )
+        )
+    last_collective = -1
+    for index, exec_step in enumerate(steps):
+        if exec_step.kind.is_collective and not exec_step.sends_nothing:
+            last_collective = index
+    return _Program(
+        src_local_shape=local_shape(src.placements),
+        dst_local_shape=local_shape(dst.placements),
+        steps=tuple(steps),
+        last_collective=last_collective,
+        participating=True,
+        mesh=mesh,
+        group_names=tuple(group_names),
+    )
+
+
+# -- execution -----------------------------------------------------------------------------
+
+
+def _divide(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
+    if divisor == 1:
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(divisor)
+    return torch.div(tensor, divisor, rounding_mode="trunc")
+
+
+def _reduction_identity(dtype: torch.dtype, reduce_op: str) -> float | int | bool:
+    if reduce_op in ("sum", "avg"):
+        return 0
+    if dtype == torch.bool:
+        return reduce_op == "min"
+    if dtype.is_floating_point:
+        return -math.inf if reduce_op == "max" else math.inf
+    if dtype.is_complex:
+        raise ValueError(f"Partial(reduce_op={reduce_op!r}) is not defined for complex dtype {dtype}")
+    info = torch.iinfo(dtype)
+    return info.min if reduce_op == "max" else info.max
+
+
+def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    """Pad and lay out ``local`` for the step's collective and start it (unwaited)."""
+    kind, group_size = step.kind, step.group_size
+    if kind is StepKind.ALL_REDUCE:
+        return launch_all_reduce(local, step.reduce_op, step.group_name)
+    if kind is StepKind.ALL_GATHER:
+        return launch_all_gather(pad_dim(local, step.from_dim, step.piece), group_size, step.group_name)
+    if kind is StepKind.REDUCE_SCATTER:
+        to_dim = step.to_dim
+        padded = pad_dim(local, to_dim, step.piece * group_size)
+        if to_dim != 0:
+            # Put the group's pieces outermost so that member i's piece is dim-0 block i.
+            padded = padded.unflatten(to_dim, (group_size, step.piece)).movedim(to_dim, 0).flatten(0, 1)
+        return launch_reduce_scatter(padded, step.reduce_op, group_size, step.group_name)
+    # all-to-all: block i (this rank's piece of to_dim i) goes to member i
+    to_dim = step.to_dim
+    padded = pad_dim(pad_dim(local, step.from_dim, step.piece), to_dim, step.to_piece * group_size)
+    blocks = padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
+    return launch_all_to_all(blocks, group_size, step.group_name)
+
+
+def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    """Turn a waited collective result into the step's local tensor (trim, regroup, scale)."""
+    kind, group_size = step.kind, step.group_size
+    if kind is StepKind.ALL_REDUCE:
+        return _divide(received, group_size) if step.reduce_op == "avg" else received
+    if kind is StepKind.REDUCE_SCATTER:
+        if step.reduce_op == "avg":
+            received = _divide(received, group_size)
+        # The pieces were laid out with the group outermost, so the received piece is
+        # already in local dim order.
+        return received.narrow(step.to_dim, 0, step.kept).contiguous()
+    if kind is StepKind.ALL_GATHER:
+        from_dim = step.from_dim
+        if from_dim != 0:
+            piece_shape = list(step.shape_before)
+            piece_shape[from_dim] = step.piece
+            received = received.unflatten(0, (group_size, piece_shape[0])).movedim(0, from_dim).flatten(
+                from_dim, from_dim + 1
+            )
+        return received.narrow(from_dim, 0, step.joined).contiguous()
+    # all-to-all: block i came from member i and holds its piece of from_dim
+    from_dim, to_dim = step.from_dim, step.to_dim
+    block_shape = list(step.shape_before)
+    block_shape[from_dim] = step.piece
+    block_shape[to_dim] = step.to_piece
+    joined = received.unflatten(0, (group_size, block_shape[0])).movedim(0, from_dim).flatten(from_dim, from_dim + 1)
+    return joined.narrow(from_dim, 0, step.joined).narrow(to_dim, 0, step.kept).contiguous()
+
+
+def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    kind = step.kind
+    if kind is StepKind.LOCAL_CHUNK:
+        return local.narrow(step.to_dim, step.offset, step.kept).contiguous()
+    if kind is StepKind.LOCAL_PARTIAL:
+        # avg/max/min of identical values is that value; sum needs it exactly once.
+        if step.reduce_op == "sum" and step.index_in_group != 0:
+            return torch.zeros_like(local)
+        return local
+    if kind is StepKind.SHARD_TO_PARTIAL:
+        parent_shape = list(local.shape)
+        parent_shape[step.from_dim] = step.joined
+        parent = local.new_full(parent_shape, _reduction_identity(local.dtype, step.reduce_op))
+        # avg divides the sum of contributions by the group size: contribute size * shard.
+        contribution = local * step.group_size if step.reduce_op == "avg" else local
+        parent.narrow(step.from_dim, step.offset, local.size(step.from_dim)).copy_(contribution)
+        return parent
+    if kind is StepKind.RELABEL:
+        return local
+    raise AssertionError(f"{kind} is not a local step")
+
+
+def _run_step(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    if not step.kind.is_collective:
+        return _run_local(local, step)
+    if step.sends_nothing:
+        return local.new_empty(step.shape_after)
+    return _finish(wait(_launch(local, step)), step)
+
+
+@dataclass(frozen=True, slots=True)
+class _Continuation:
+    """What remains of a program once its last collective has been waited for."""
+
+    program: _Program
+    collective_index: int
+
+    def __call__(self, received: torch.Tensor) -> torch.Tensor:
+        steps = self.program.steps
+        local = _finish(received, steps[self.collective_index])
+        for step in steps[self.collective_index + 1 :]:
+            local = _run_local(local, step)
+        return local
+
+
+def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
+    key = (src, dst)
+    program = _programs.get(key)
+    if program is not None and program.mesh is not src.mesh and _same_groups(program, src.mesh):
+        program = dataclasses.replace(program, mesh=src.mesh)
+        _programs[key] = program
+    if program is None or program.mesh is not src.mesh:
+        program = _compile_program(src, dst, plan_redistribute(src, dst))
+        _remember(_programs, key, program)
+    return program
+
+
+def _same_groups(program: _Program, mesh: Any) -> bool:
+    return not program.group_names or program.group_names == tuple(getattr(mesh, "_dim_group_names", ()))
+
+
+def redistribute_local_tensor(
+    local: torch.Tensor,
+    src: DTensorSpec[Any],
+    dst: DTensorSpec[Any],
+    *,
+    async_op: bool = False,
+) -> torch.Tensor:
+    """This rank's shard of the tensor laid out as ``dst``, given its shard ``local`` laid out as ``src``.
+
+    Runs :func:`plan_redistribute`'s plan; every rank of the mesh must call it with the
+    same specs.  A rank outside the mesh takes no part and gets an empty tensor.  Raises
+    before any collective when the specs disagree (mesh, global shape, missing
+    tensor_meta) or ``local`` does not have this rank's shard shape for ``src``.
+
+    ``async_op=True`` may return an :class:`AsyncCollectiveTensor` whose last collective
+    is still in flight; it finishes on first use (or ``.wait()``).  The result may share
+    memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
+    0 is a view).
+    """
+    program = _programs.get((src, dst))
+    if program is None or program.mesh is not src.mesh:
+        program = _program_for(src, dst)
+    if not program.participating:
+        return local.new_empty(program.dst_local_shape)
+    if local.shape != program.src_local_shape:
+        coordinate = src.mesh.get_coordinate()
+        raise ValueError(
+            f"redistribute {src} -> {dst}: the local tensor has shape {tuple(local.shape)} but the rank at mesh "
+            f"coordinate {tuple(coordinate) if coordinate is not None else None} holds a shard of shape "
+            f"{program.src_local_shape} for placements {src.placements} of global shape "
+            f"{_global_shape(src, 'source')}"
+        )
+    steps = program.steps
+    if not async_op or program.last_collective < 0:
+        for step in steps:
+            local = _run_step(local, step)
+        return local
+    last = program.last_collective
+    for step in steps[:last]:
+        local = _run_step(local, step)
+    pending = _launch(local, steps[last])
+    return AsyncCollectiveTensor(pending, _Continuation(program, last), program.dst_local_shape)

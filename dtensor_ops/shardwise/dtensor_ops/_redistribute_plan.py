@@ -1,0 +1,559 @@
+"""The redistribution planner: the cheapest sequence of one-mesh-dim steps between two layouts.
+
+Pure: no tensors, no communication.  Everything here works on plain data (global
+shape, mesh shape, placement tuples, item size) so that it can be unit-tested
+without processes and cached by value.
+
+Model
+-----
+A *state* is a tuple of placements, one per mesh dim.  A *step* changes the
+placement of exactly one mesh dim and runs at most one collective over that mesh
+dim's process group:
+
+==================  ======================  =============================================
+before -> after     step kind               data moved per rank (padded, ring algorithms)
+==================  ======================  =============================================
+S(i) -> R           all-gather              (n-1) * shard
+P    -> R           all-reduce              2 (n-1) * ceil(local / n)
+P    -> S(j)        reduce-scatter          (n-1) * shard after the step
+S(i) -> S(j)        all-to-all              (n-1) * local / n  (one block per peer)
+R    -> S(j)        local chunk             0
+R    -> P           local                   0  (sum: zeros off coordinate 0; avg/max/min:
+                                               the replicated value already reduces to itself)
+S(i) -> P           local                   0  (the shard is put back into its parent block,
+                                               which is filled with the reduction's identity)
+P(a) -> P(b), a!=b  not a step              the search goes through R (all-reduce) or,
+                                               cheaper, a Shard (reduce-scatter, then S->P)
+any, mesh size 1    relabel                 0  (one rank: every placement holds the same data)
+==================  ======================  =============================================
+
+"Bytes moved per rank" is what the most loaded rank receives; with torch.chunk
+layouts that is the rank at coordinate (0, ..., 0), whose shards are the largest,
+so costs are computed from the layout at that coordinate.
+
+Nested sharding: when several mesh dims shard one tensor dim, mesh dim 0 makes the
+outer split (see :func:`shardwise.placement.compute_local_shape_and_global_offset`).
+A collective over mesh dim ``d`` only regroups the pieces of the block that the
+*other* mesh dims define, so:
+
+* un-sharding tensor dim ``i`` over ``d`` (all-gather, all-to-all, S->P) is valid only
+  when ``d`` is the innermost mesh dim sharding ``i``;
+* sharding tensor dim ``j`` over ``d`` (local chunk, reduce-scatter, all-to-all) is valid
+  only when ``d`` becomes the innermost mesh dim sharding ``j``.
+
+Mesh dims of size 1 split nothing and are ignored by both rules.
+
+Mixed Partial kinds: when several mesh dims are Partial with different reduce ops,
+the logical value is ``reduce_0(reduce_1(...reduce_{n-1}(locals)))`` — the last mesh
+dim is reduced first.  Reducing mesh dim ``d`` before the partial dims after it is
+therefore valid only when its op commutes with theirs (equal ops, or both linear:
+sum/avg).  Creating a Partial (R->P, S->P) is valid in any state.
+
+The search is uniform-cost (Dijkstra) over states; the state space is small because
+mesh ndim is small.  Costs are compared as ``(bytes, collectives, steps)`` so that
+among equally cheap plans the one with fewer collectives, then fewer steps, wins.
+Ties are broken by a fixed exploration order, so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from shardwise.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    compute_local_shape_and_global_offset,
+)
+
+__all__ = [
+    "StepKind",
+    "RedistributeStep",
+    "Placements",
+    "transition_kind",
+    "step_bytes_per_rank",
+    "find_cheapest_plan",
+    "naive_greedy_plan",
+    "plan_bytes_per_rank",
+    "plan_states",
+    "lower_bound_bytes_per_rank",
+    "reduce_ops_commute",
+]
+
+Placements = tuple[Placement, ...]
+
+_LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})
+
+
+class StepKind(enum.Enum):
+    """What one redistribution step does on its mesh dim."""
+
+    ALL_GATHER = "all_gather"  # S(i) -> R
+    ALL_REDUCE = "all_reduce"  # P -> R
+    REDUCE_SCATTER = "reduce_scatter"  # P -> S(j)
+    ALL_TO_ALL = "all_to_all"  # S(i) -> S(j)
+    LOCAL_CHUNK = "local_chunk"  # R -> S(j)
+    LOCAL_PARTIAL = "local_partial"  # R -> P
+    SHARD_TO_PARTIAL = "shard_to_partial"  # S(i) -> P
+    RELABEL = "relabel"  # any change on a mesh dim of size 1
+
+    @property
+    def is_collective(self) -> bool:
+        return self in _COLLECTIVE_KINDS
+
+
+_COLLECTIVE_KINDS = frozenset(
+    {StepKind.ALL_GATHER, StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RedistributeStep:
+    """Change mesh dim ``mesh_dim`` from ``before`` to ``after``.
+
+    ``bytes_per_rank`` is what the most loaded rank receives in this step (0 for local steps).
+    """
+
+    mesh_dim: int
+    before: Placement
+    after: Placement
+    kind: StepKind
+    bytes_per_rank: int
+
+    def __str__(self) -> str:
+        return f"mesh dim {self.mesh_dim}: {self.before} -> {self.after} ({self.kind.value}, {self.bytes_per_rank} B)"
+
+
+# -- validity ------------------------------------------------------------------------------
+
+
+def reduce_ops_commute(op_a: str, op_b: str) -> bool:
+    """Whether reducing by ``op_a`` then ``op_b`` equals reducing by ``op_b`` then ``op_a``."""
+    return op_a == op_b or (op_a in _LINEAR_REDUCE_OPS and op_b in _LINEAR_REDUCE_OPS)
+
+
+def _splitting_mesh_dims(state: Placements, mesh_shape: Sequence[int], tensor_dim: int) -> Iterator[int]:
+    for mesh_dim, placement in enumerate(state):
+        if isinstance(placement, Shard) and placement.dim == tensor_dim and mesh_shape[mesh_dim] > 1:
+            yield mesh_dim
+
+
+def _reduction_is_valid(state: Placements, mesh_shape: Sequence[int], mesh_dim: int, op: str) -> bool:
+    for inner in range(mesh_dim + 1, len(state)):
+        placement = state[inner]
+        if isinstance(placement, Partial) and mesh_shape[inner] > 1:
+            if not reduce_ops_commute(op, placement.reduce_op):
+                return False
+    return True
+
+
+def transition_kind(
+    state: Placements, mesh_shape: Sequence[int], mesh_dim: int, after: Placement
+) -> StepKind | None:
+    """The kind of the step setting ``state[mesh_dim]`` to ``after``, or None when no single step does it.
+
+    None means: not a change, a direct Partial -> other Partial change (go through
+    Replicate), or a change that nested sharding or mixed Partial ops make invalid in
+    ``state`` (see the module docstring).
+    """
+    before = state[mesh_dim]
+    if before == after:
+        return None
+    if isinstance(before, Partial) and isinstance(after, Partial):
+        return None
+    if mesh_shape[mesh_dim] == 1:
+        return StepKind.RELABEL
+    if isinstance(before, Shard):
+        if max(_splitting_mesh_dims(state, mesh_shape, before.dim)) != mesh_dim:
+            return None
+    if isinstance(after, Shard):
+        if any(other > mesh_dim for other in _splitting_mesh_dims(state, mesh_shape, after.dim)):
+            return None
+    if isinstance(before, Partial) and not _reduction_is_valid(state, mesh_shape, mesh_dim, before.reduce_op):
+        return None
+
+    if isinstance(before, Shard):
+        if isinstance(after, Replicate):
+            return StepKind.ALL_GATHER
+        if isinstance(after, Shard):
+            return StepKind.ALL_TO_ALL
+        return StepKind.SHARD_TO_PARTIAL
+    if isinstance(before, Replicate):
+        return StepKind.LOCAL_CHUNK if isinstance(after, Shard) else StepKind.LOCAL_PARTIAL
+    if isinstance(before, Partial):
+        return StepKind.ALL_REDUCE if isinstance(after, Replicate) else StepKind.REDUCE_SCATTER
+    raise TypeError(f"unsupported placement {before!r} on mesh dim {mesh_dim}; expected Shard, Replicate or Partial")
+
+
+# -- cost ----------------------------------------------------------------------------------
+
+
+def _largest_local_shape(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], state: Placements
+) -> tuple[int, ...]:
+    # torch.chunk puts the largest piece first at every nesting level.
+    return compute_local_shape_and_global_offset(global_shape, mesh_shape, (0,) * len(mesh_shape), state)[0]
+
+
+def _kind_bytes(
+    kind: StepKind,
+    largest_before: Sequence[int],
+    largest_after: Sequence[int],
+    group_size: int,
+    itemsize: int,
+    after: Placement,
+) -> int:
+    if not kind.is_collective:
+        return 0
+    peers = group_size - 1
+    if kind is StepKind.ALL_GATHER:
+        elements = peers * math.prod(largest_before)
+    elif kind is StepKind.REDUCE_SCATTER:
+        elements = peers * math.prod(largest_after)
+    elif kind is StepKind.ALL_REDUCE:
+        elements = 2 * peers * -(-math.prod(largest_before) // group_size)
+    else:  # all-to-all: one block per peer, the target dim cut into padded pieces
+        assert isinstance(after, Shard)
+        block = list(largest_before)
+        block[after.dim] = largest_after[after.dim]
+        elements = peers * math.prod(block)
+    return elements * itemsize
+
+
+def step_bytes_per_rank(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    state: Placements,
+    mesh_dim: int,
+    after: Placement,
+    itemsize: int,
+) -> int:
+    """Bytes the most loaded rank receives when ``state[mesh_dim]`` becomes ``after``.
+
+    Raises ValueError when that is not a valid single step in ``state``.
+    """
+    kind = transition_kind(state, mesh_shape, mesh_dim, after)
+    if kind is None:
+        raise ValueError(
+            f"{_fmt(state)} -> mesh dim {mesh_dim} = {after}: not a valid single redistribution step "
+            f"on a mesh of shape {tuple(mesh_shape)}"
+        )
+    new_state = state[:mesh_dim] + (after,) + state[mesh_dim + 1 :]
+    return _kind_bytes(
+        kind,
+        _largest_local_shape(global_shape, mesh_shape, state),
+        _largest_local_shape(global_shape, mesh_shape, new_state),
+        mesh_shape[mesh_dim],
+        itemsize,
+        after,
+    )
+
+
+def plan_bytes_per_rank(plan: Sequence[RedistributeStep]) -> int:
+    """Total bytes the plan moves per rank (sum over its steps of the most loaded rank's bytes)."""
+    return sum(step.bytes_per_rank for step in plan)
+
+
+def plan_states(src: Placements, plan: Sequence[RedistributeStep]) -> list[Placements]:
+    """The states a plan goes through, ``src`` first; checks that each step starts where the last ended."""
+    states = [tuple(src)]
+    for index, step in enumerate(plan):
+        current = states[-1]
+        if current[step.mesh_dim] != step.before:
+            raise ValueError(
+                f"step {index} ({step}) expects {step.before} on mesh dim {step.mesh_dim} but the plan has "
+                f"reached {_fmt(current)}"
+            )
+        states.append(current[: step.mesh_dim] + (step.after,) + current[step.mesh_dim + 1 :])
+    return states
+
+
+# -- search --------------------------------------------------------------------------------
+
+
+def _fmt(state: Sequence[Placement]) -> str:
+    return "(" + ", ".join(str(p) for p in state) + ")"
+
+
+def _check_problem(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], src: Placements, dst: Placements, itemsize: int
+) -> None:
+    for name, state in (("source", src), ("target", dst)):
+        if len(state) != len(mesh_shape):
+            raise ValueError(
+                f"{name} placements {_fmt(state)} have {len(state)} entries for a mesh of shape "
+                f"{tuple(mesh_shape)}; expected one placement per mesh dim"
+            )
+        for mesh_dim, placement in enumerate(state):
+            if isinstance(placement, Shard) and not 0 <= placement.dim < len(global_shape):
+                raise ValueError(
+                    f"{name} placements {_fmt(state)}: {placement!r} on mesh dim {mesh_dim} is out of range "
+                    f"for a tensor of shape {tuple(global_shape)} (expected a normalised dim in "
+                    f"[0, {len(global_shape) - 1}])"
+                )
+            if not isinstance(placement, (Shard, Replicate, Partial)):
+                raise TypeError(
+                    f"{name} placements {_fmt(state)}: {placement!r} on mesh dim {mesh_dim} is not a "
+                    "Shard, Replicate or Partial"
+                )
+    if itemsize <= 0:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+
+
+def _candidates(src: Placements, dst: Placements, tensor_ndim: int) -> list[list[Placement]]:
+    """Placements a mesh dim may take on the way: R, every Shard, and the Partials of its ends.
+
+    Other Partials never help: creating one is free but reducing it costs at least as
+    much as the direct route.  Shards of tensor dims that neither end uses do help:
+    they let an inner mesh dim step out of the way of an outer one cheaply.
+    """
+    shards: list[Placement] = [Shard(dim) for dim in range(tensor_ndim)]
+    per_dim: list[list[Placement]] = []
+    for src_placement, dst_placement in zip(src, dst):
+        options: list[Placement] = [dst_placement]
+        for option in [Replicate(), *shards, src_placement]:
+            if option not in options:
+                options.append(option)
+        per_dim.append(options)
+    return per_dim
+
+
+def find_cheapest_plan(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    src: Placements,
+    dst: Placements,
+    itemsize: int,
+) -> tuple[RedistributeStep, ...]:
+    """The plan from ``src`` to ``dst`` moving the fewest bytes per rank (then fewest collectives, steps)."""
+    src, dst = tuple(src), tuple(dst)
+    _check_problem(global_shape, mesh_shape, src, dst, itemsize)
+    if src == dst:
+        return ()
+    candidates = _candidates(src, dst, len(global_shape))
+    largest_shapes: dict[Placements, tuple[int, ...]] = {}
+
+    def largest(state: Placements) -> tuple[int, ...]:
+        shape = largest_shapes.get(state)
+        if shape is None:
+            shape = _largest_local_shape(global_shape, mesh_shape, state)
+            largest_shapes[state] = shape
+        return shape
+
+    Cost = tuple[int, int, int]
+    best: dict[Placements, Cost] = {src: (0, 0, 0)}
+    came_from: dict[Placements, tuple[Placements, RedistributeStep]] = {}
+    order = itertools.count()
+    frontier: list[tuple[Cost, int, Placements]] = [((0, 0, 0), next(order), src)]
+    done: set[Placements] = set()
+    while frontier:
+        cost, _, state = heapq.heappop(frontier)
+        if state in done:
+            continue
+        if state == dst:
+            break
+        done.add(state)
+        for mesh_dim, options in enumerate(candidates):
+            for after in options:
+                kind = transition_kind(state, mesh_shape, mesh_dim, after)
+                if kind is None:
+                    continue
+                new_state = state[:mesh_dim] + (after,) + state[mesh_dim + 1 :]
+                if new_state in done:
+                    continue
+                moved = _kind_bytes(
+                    kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after
+                )
+                new_cost = (cost[0] + moved, cost[1] + int(kind.is_collective), cost[2] + 1)
+                known = best.get(new_state)
+                if known is None or new_cost < known:
+                    best[new_state] = new_cost
+                    came_from[new_state] = (state, RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
+                    heapq.heappush(frontier, (new_cost, next(order), new_state))
+    if dst not in came_from:
+        # Every state reaches all-Replicate and all-Replicate reaches every state, so this
+        # means a bug in the transition rules, not bad input.
+        raise AssertionError(f"no redistribution path from {_fmt(src)} to {_fmt(dst)} on mesh {tuple(mesh_shape)}")
+    steps: list[RedistributeStep] = []
+    state = dst
+    while state != src:
+        state, step = came_from[state]
+        steps.append(step)
+    steps.reverse()
+    return tuple(steps)
+
+
+def naive_greedy_plan(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    src: Placements,
+    dst: Placements,
+    itemsize: int,
+) -> tuple[RedistributeStep, ...]:
+    """A left-to-right greedy plan, the baseline the search is measured against.
+
+    Mesh dims are fixed in order 0, 1, ...; when the direct step on a mesh dim is not
+    valid, the inner mesh dims in the way are first made Replicate (innermost first), and
+    a Partial -> other Partial change goes through Replicate.  Later iterations then
+    re-shard those inner dims.  This is how a planner without search typically handles
+    nested layouts, and it can pass through far more replicated data than needed.
+    """
+    src, dst = tuple(src), tuple(dst)
+    _check_problem(global_shape, mesh_shape, src, dst, itemsize)
+    steps: list[RedistributeStep] = []
+    state = src
+
+    def apply(mesh_dim: int, after: Placement) -> None:
+        nonlocal state
+        kind = transition_kind(state, mesh_shape, mesh_dim, after)
+        assert kind is not None
+        moved = step_bytes_per_rank(global_shape, mesh_shape, state, mesh_dim, after, itemsize)
+        steps.append(RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
+        state = state[:mesh_dim] + (after,) + state[mesh_dim + 1 :]
+
+    def innermost_blocker(mesh_dim: int, after: Placement) -> int:
+        """The innermost mesh dim after ``mesh_dim`` that keeps ``mesh_dim`` from becoming ``after``."""
+        before = state[mesh_dim]
+        for inner in range(len(state) - 1, mesh_dim, -1):
+            placement = state[inner]
+            if mesh_shape[inner] == 1:
+                continue
+            if isinstance(placement, Shard) and (
+                (isinstance(before, Shard) and placement.dim == before.dim)
+                or (isinstance(after, Shard) and placement.dim == after.dim)
+            ):
+                return inner
+            if (
+                isinstance(placement, Partial)
+                and isinstance(before, Partial)
+                and not reduce_ops_commute(before.reduce_op, placement.reduce_op)
+            ):
+                return inner
+        raise AssertionError(f"greedy planner: nothing blocks mesh dim {mesh_dim} -> {after} in {_fmt(state)}")
+
+    def change(mesh_dim: int, after: Placement) -> None:
+        if isinstance(state[mesh_dim], Partial) and isinstance(after, Partial):
+            change(mesh_dim, Replicate())
+        while transition_kind(state, mesh_shape, mesh_dim, after) is None:
+            change(innermost_blocker(mesh_dim, after), Replicate())
+        apply(mesh_dim, after)
+
+    for mesh_dim, target in enumerate(dst):
+        if state[mesh_dim] != target:
+            change(mesh_dim, target)
+    # Inner dims replicated on the way are re-sharded when the loop reaches them; a dim
+    # already passed cannot be disturbed because blockers are always inner dims.
+    assert state == dst, (state, dst)
+    return tuple(steps)
+
+
+# -- lower bound ---------------------------------------------------------------------------
+
+
+def _all_coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(size) for size in mesh_shape)))
+
+
+def _partials_compatible(src: Placement, dst: Placement) -> bool:
+    """Whether ``src`` Partial values can become ``dst`` Partial values without talking to anyone.
+
+    Same op: nothing to do.  sum <-> avg: scale by the mesh dim size.  (The planner does
+    not take the second route — it changes a Partial's op only through Replicate or
+    Shard — but a lower bound must hold for any algorithm.)
+    """
+    return (
+        isinstance(src, Partial)
+        and isinstance(dst, Partial)
+        and (src == dst or (src.reduce_op in _LINEAR_REDUCE_OPS and dst.reduce_op in _LINEAR_REDUCE_OPS))
+    )
+
+
+def lower_bound_bytes_per_rank(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    src: Placements,
+    dst: Placements,
+    itemsize: int,
+) -> int:
+    """A lower bound on the bytes that the most loaded rank must receive, for any algorithm.
+
+    Mesh dims that are Partial in both ``src`` and ``dst`` with compatible ops (equal, or
+    sum/avg) need no reduction and split the problem into independent slices.  In a
+    slice, every element of the global tensor has ``k`` distinct contributions (the
+    product of the sizes of the other source Partial dims) and must reach ``m`` *target
+    groups*: the ranks whose target shard contains it, grouped by their coordinates off
+    the target's Partial dims (a group only needs the element as a decomposition over
+    its members, so one copy inside the group is enough).  Then:
+
+    * with ``k == 1``, every group that has no member already holding it receives it once;
+    * with ``k > 1``, combining the contributions takes ``k - 1`` transfers and handing
+      the result to the other groups ``m - 1`` more.
+
+    The bound is ``max(total transfers / number of ranks, max over ranks of the elements
+    it needs alone and does not hold in final form) * itemsize``, where "alone" means
+    the rank's target group is just itself.  It is exact for the basic 1-D transitions
+    with even shapes (all-gather, reduce-scatter, all-reduce, all-to-all) and a floor
+    for everything else.
+    """
+    src, dst = tuple(src), tuple(dst)
+    _check_problem(global_shape, mesh_shape, src, dst, itemsize)
+    mesh_dims = range(len(mesh_shape))
+    kept_partial = [d for d in mesh_dims if _partials_compatible(src[d], dst[d])]
+    reduced_partial = [d for d in mesh_dims if isinstance(src[d], Partial) and d not in kept_partial]
+    target_partial = [d for d in mesh_dims if isinstance(dst[d], Partial) and d not in kept_partial]
+    group_coordinate_dims = [d for d in mesh_dims if d not in kept_partial and d not in target_partial]
+    contributions = math.prod(mesh_shape[d] for d in reduced_partial)
+    target_group_size = math.prod(mesh_shape[d] for d in target_partial)
+
+    coordinates = _all_coordinates(mesh_shape)
+    src_boxes = [compute_local_shape_and_global_offset(global_shape, mesh_shape, c, src) for c in coordinates]
+    dst_boxes = [compute_local_shape_and_global_offset(global_shape, mesh_shape, c, dst) for c in coordinates]
+
+    # Cut every tensor dim at every shard boundary: inside a cell, who holds and who
+    # needs an element does not change.
+    cuts: list[list[int]] = []
+    for tensor_dim, extent in enumerate(global_shape):
+        points = {0, extent}
+        for shape, offset in src_boxes + dst_boxes:
+            if shape[tensor_dim] > 0:
+                points.update((offset[tensor_dim], offset[tensor_dim] + shape[tensor_dim]))
+        cuts.append(sorted(points))
+    cells_per_dim = [[(a, b) for a, b in zip(points, points[1:]) if b > a] for points in cuts]
+
+    def contains(box: tuple[tuple[int, ...], tuple[int, ...]], cell: Sequence[tuple[int, int]]) -> bool:
+        shape, offset = box
+        return all(offset[d] <= start and end <= offset[d] + shape[d] for d, (start, end) in enumerate(cell))
+
+    total_transfers = 0
+    missing_per_rank = [0] * len(coordinates)
+    for cell in itertools.product(*cells_per_dim):
+        elements = math.prod(end - start for start, end in cell)
+        # slice -> target group -> (members, whether a member holds the element)
+        slices: dict[tuple[int, ...], dict[tuple[int, ...], tuple[list[int], list[bool]]]] = {}
+        for rank, coordinate in enumerate(coordinates):
+            if not contains(dst_boxes[rank], cell):
+                continue
+            groups = slices.setdefault(tuple(coordinate[d] for d in kept_partial), {})
+            members, holds = groups.setdefault(tuple(coordinate[d] for d in group_coordinate_dims), ([], [False]))
+            members.append(rank)
+            if contributions == 1 and contains(src_boxes[rank], cell):
+                holds[0] = True
+        for groups in slices.values():
+            if contributions > 1:
+                total_transfers += elements * (contributions - 1 + len(groups) - 1)
+                needy = [members for members, _ in groups.values()]
+            else:
+                needy = [members for members, holds in groups.values() if not holds[0]]
+                total_transfers += elements * len(needy)
+            if target_group_size == 1:
+                for members in needy:
+                    for rank in members:
+                        missing_per_rank[rank] += elements
+    average = -(-total_transfers // len(coordinates))
+    return max(average, max(missing_per_rank, default=0)) * itemsize

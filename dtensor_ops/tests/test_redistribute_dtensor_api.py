@@ -1,0 +1,108 @@
+"""DTensor.redistribute on 4 gloo ranks: gradients (the mirrored plan, the Partial rule) and async_op.
+
+The loss is ``sum(y * W)`` for a global weight ``W``, so the gradient of the logical
+input is ``W`` whatever the layouts: every rank's local gradient must be its shard of
+``W`` for the source placements, with Partial mesh dims replaced by Replicate.  The
+backward must issue exactly the collectives of the plan from the target layout to that
+gradient layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from redistribute_helpers import CollectiveLog, describe, full_tensor, source_locals
+from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor
+from shardwise.dtensor_ops._redistribute import grad_target_spec, plan_redistribute
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard
+from shardwise.testing import multi_rank
+
+
+def _spec(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensorSpec[Any]:
+    stride = torch.empty(tuple(shape)).stride()
+    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, torch.float32))
+
+
+def _check_gradients(
+    mesh: DeviceMesh,
+    cases: Sequence[tuple[tuple[Placement, ...], tuple[Placement, ...]]],
+    shape: tuple[int, ...],
+) -> list[str]:
+    mesh_shape = tuple(mesh.shape)
+    coordinate = tuple(mesh.get_coordinate() or ())
+    stride = torch.empty(shape).stride()
+    problems: list[str] = []
+    for index, (src, dst) in enumerate(cases):
+        name = f"{describe(src)} -> {describe(dst)} on {mesh_shape}"
+        full = full_tensor(shape, index)
+        weight = full_tensor(shape, 1000 + index)
+        leaf = source_locals(full, mesh_shape, src, index)[coordinate].requires_grad_()
+        source = DTensor.from_local(leaf, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
+        result = source.redistribute(mesh, dst)
+        loss = (result.to_local() * select_local_shard(weight, mesh_shape, coordinate, dst)).sum()
+        log = CollectiveLog()
+        with log:
+            loss.backward()
+        grad_placements = grad_target_spec(_spec(mesh, src, shape), _spec(mesh, dst, shape)).placements
+        expected_grad = select_local_shard(weight, mesh_shape, coordinate, grad_placements)
+        if leaf.grad is None or not torch.equal(leaf.grad, expected_grad):
+            got = None if leaf.grad is None else leaf.grad.tolist()
+            problems.append(f"{name}: gradient {got}, expected {expected_grad.tolist()}")
+        mirrored = plan_redistribute(_spec(mesh, dst, shape), _spec(mesh, grad_placements, shape))
+        planned = [step.kind.value for step in mirrored if step.kind.is_collective]
+        if log.collectives != planned:
+            problems.append(f"{name}: backward ran {log.collectives}, the mirrored plan has {planned}")
+    return problems
+
+
+@multi_rank(world_size=4)
+def test_gradients_on_a_1d_mesh_go_back_to_the_source_layout() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    sources: list[Placement] = [Shard(0), Shard(1), Replicate(), Partial("sum"), Partial("avg"), Partial("max")]
+    targets: list[Placement] = [Shard(0), Shard(1), Replicate()]
+    cases = [((src,), (dst,)) for src, dst in itertools.product(sources, targets)]
+    problems = _check_gradients(mesh, cases, (7, 5))
+    assert not problems, "\n".join(problems)
+
+
+@multi_rank(world_size=4)
+def test_gradients_on_a_2x2_mesh_including_nested_shards() -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    layouts = list(itertools.product([Shard(0), Shard(1), Replicate()], repeat=2))
+    sources = layouts + [(Partial("sum"), Shard(0)), (Shard(1), Partial("max")), (Partial("sum"), Partial("sum"))]
+    cases = [(src, dst) for src in sources for dst in layouts if src != dst]
+    problems = _check_gradients(mesh, cases, (7, 6))
+    assert not problems, "\n".join(problems[:20])
+
+
+@multi_rank(world_size=4)
+def test_async_redistribute_through_dtensor_defers_the_last_wait() -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    shape = (7, 5)
+    stride = torch.empty(shape).stride()
+    coordinate = tuple(mesh.get_coordinate() or ())
+    full = full_tensor(shape, 11)
+    for src, dst in [
+        ((Shard(0), Shard(1)), (Replicate(), Replicate())),
+        ((Partial("sum"), Shard(0)), (Shard(1), Replicate())),
+        ((Shard(0), Shard(0)), (Shard(1), Shard(1))),
+    ]:
+        local = source_locals(full, (2, 2), src, 3)[coordinate]
+        source = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
+        log = CollectiveLog()
+        with log:
+            result = source.redistribute(mesh, dst, async_op=True)
+            issued = len(log.collectives)
+            waited_before_use = log.names.count("wait")
+            local_result = result.to_local()
+            still_pending = isinstance(local_result, AsyncCollectiveTensor) and not local_result.completed
+            waits_after_to_local = log.names.count("wait")
+            value = local_result + 0
+        assert issued >= 1 and waited_before_use == issued - 1, (src, dst, log.names)
+        assert still_pending and waits_after_to_local == waited_before_use, (src, dst, type(local_result))
+        assert torch.equal(value, select_local_shard(full, (2, 2), coordinate, dst)), (src, dst)
