@@ -1,0 +1,325 @@
+"""Tests of the multi-rank harness: results, failures, hangs, crashes and per-test isolation."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from shardwise.testing import (
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV_VAR,
+    MultiRankError,
+    MultiRankTimeout,
+    multi_rank,
+    run_on_ranks,
+)
+from shardwise.testing._multi_rank import function_ref, resolve_timeout
+from shardwise.testing._protocol import FunctionRef
+from shardwise.testing._rank_worker import resolve_function
+
+# --- bodies run on the ranks (module level, so the ranks can find them) ---
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def scaled_rank(scale: float, *, offset: float = 0.0) -> float:
+    return dist.get_rank() * scale + offset
+
+
+def raise_on_rank(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"shape (3, 5) is not divisible on rank {bad_rank}")
+    dist.barrier()
+
+
+def assert_on_every_rank() -> None:
+    assert dist.get_rank() == -1, f"rank {dist.get_rank()} is not -1"
+
+
+def sleep_on_rank(slow_rank: int, seconds: float) -> None:
+    if dist.get_rank() == slow_rank:
+        time.sleep(seconds)
+
+
+def exit_on_rank(dying_rank: int) -> None:
+    if dist.get_rank() == dying_rank:
+        print(f"rank {dying_rank} is about to exit", flush=True)
+        os._exit(3)
+    dist.barrier()
+
+
+# Per-rank-process memory across calls: lets one call inspect what an earlier call left behind.
+_groups_seen_by_earlier_call: dict[str, Any] = {}
+
+
+def create_subgroup_and_remember_groups() -> str:
+    subgroup = dist.new_group([0, 1])
+    _groups_seen_by_earlier_call["default"] = dist.group.WORLD
+    _groups_seen_by_earlier_call["subgroup"] = subgroup
+    return distributed_c10d._get_process_group_name(subgroup)
+
+
+def describe_process_group_state() -> dict[str, Any]:
+    known_groups = list(distributed_c10d._world.pg_map)
+    return {
+        "group_count": len(known_groups),
+        "default_is_new": dist.group.WORLD is not _groups_seen_by_earlier_call.get("default"),
+        "old_subgroup_known": _groups_seen_by_earlier_call.get("subgroup") in known_groups,
+        "world_size": dist.get_world_size(),
+    }
+
+
+def random_numbers() -> list[float]:
+    return torch.rand(3).tolist()
+
+
+def set_environment_and_grad_mode() -> None:
+    os.environ["SHARDWISE_LEAKED_VARIABLE"] = "1"
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+
+
+def environment_and_grad_mode() -> tuple[str | None, str | None, bool, torch.dtype]:
+    return (
+        os.environ.get("SHARDWISE_LEAKED_VARIABLE"),
+        os.environ.get("SHARDWISE_SET_BY_THE_TEST_PROCESS"),
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+    )
+
+
+def rank_process_settings() -> dict[str, Any]:
+    return {"threads": torch.get_num_threads(), "sys_path": list(sys.path), "pid": os.getpid()}
+
+
+def return_unpicklable() -> object:
+    return lambda: None
+
+
+def skip_on_every_rank() -> None:
+    pytest.skip("nothing to check on this configuration")
+
+
+# --- the tests ---
+
+
+@multi_rank(world_size=4)
+def test_all_reduce_and_all_gather_work() -> None:
+    rank = dist.get_rank()
+    summed = torch.full((2,), float(rank))
+    dist.all_reduce(summed)
+    assert summed.tolist() == [6.0, 6.0]
+    gathered = [torch.empty(1) for _ in range(4)]
+    dist.all_gather(gathered, torch.tensor([rank * 10.0]))
+    assert [t.item() for t in gathered] == [0.0, 10.0, 20.0, 30.0]
+
+
+def test_run_on_ranks_returns_each_ranks_value_in_rank_order() -> None:
+    assert run_on_ranks(rank_and_world_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert run_on_ranks(scaled_rank, 2.0, offset=0.5) == [0.5, 2.5, 4.5, 6.5]
+
+
+def test_run_on_ranks_with_another_world_size() -> None:
+    assert run_on_ranks(rank_and_world_size, world_size=2) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (4,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@multi_rank(world_size=4)
+def test_parametrized_arguments_reach_every_rank(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    local = torch.ones(shape, dtype=dtype)
+    dist.all_reduce(local)
+    assert local.dtype == dtype
+    assert local.shape == torch.Size(shape)
+    assert bool((local == 4).all())
+
+
+def test_raising_rank_fails_with_its_traceback() -> None:
+    with pytest.raises(MultiRankError) as failure:
+        run_on_ranks(raise_on_rank, 2)
+    report = str(failure.value)
+    assert "rank 2 raised ValueError: shape (3, 5) is not divisible on rank 2" in report
+    assert "in raise_on_rank" in report and __file__ in report
+    assert failure.value.errors[2].exception_type == "ValueError"
+    assert 2 in failure.value.failed_ranks
+    assert not isinstance(failure.value, MultiRankTimeout)
+
+
+def test_failures_on_several_ranks_are_all_reported() -> None:
+    with pytest.raises(MultiRankError) as failure:
+        run_on_ranks(assert_on_every_rank)
+    report = str(failure.value)
+    assert sorted(failure.value.errors) == [0, 1, 2, 3]
+    assert report.count("Traceback (most recent call last)") == 1
+    for rank in range(4):
+        assert f"rank {rank} is not -1" in report
+    # The pool survives a failure that every rank reported cleanly.
+    assert run_on_ranks(rank_and_world_size)[3] == (3, 4)
+
+
+def test_hanging_rank_fails_within_the_timeout_with_its_stack() -> None:
+    run_on_ranks(rank_and_world_size)  # start the pool outside the measured time
+    timeout_s = 2.0
+    started = time.monotonic()
+    with pytest.raises(MultiRankTimeout) as failure:
+        run_on_ranks(sleep_on_rank, 1, 600.0, timeout=timeout_s)
+    elapsed = time.monotonic() - started
+    assert timeout_s <= elapsed < timeout_s + 10.0
+    assert failure.value.unfinished_ranks == (1,)
+    report = str(failure.value)
+    assert "ranks [1] did not answer" in report
+    assert "in sleep_on_rank" in report  # rank 1's Python stack
+    assert run_on_ranks(rank_and_world_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+def test_dying_rank_fails_with_its_exit_code_and_output() -> None:
+    with pytest.raises(MultiRankError) as failure:
+        run_on_ranks(exit_on_rank, 3)
+    assert failure.value.exit_codes == {3: 3}
+    report = str(failure.value)
+    assert "rank 3 died: its process" in report and "exited with code 3 while running the test" in report
+    assert "rank 3 is about to exit" in report
+    assert run_on_ranks(rank_and_world_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+@multi_rank(world_size=4)
+def test_a_test_after_a_hang_and_a_crash_still_runs() -> None:
+    flag = torch.tensor([1.0])
+    dist.all_reduce(flag)
+    assert flag.item() == 4.0
+
+
+def test_each_call_gets_a_fresh_default_process_group() -> None:
+    subgroup_names = run_on_ranks(create_subgroup_and_remember_groups)
+    assert subgroup_names[0] == subgroup_names[1] != "None"
+    states = run_on_ranks(describe_process_group_state)
+    assert states == [
+        {"group_count": 1, "default_is_new": True, "old_subgroup_known": False, "world_size": 4}
+    ] * 4
+
+
+def test_random_seed_and_global_state_are_reset_for_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = run_on_ranks(random_numbers), run_on_ranks(random_numbers)
+    assert first == second
+    assert all(numbers == first[0] for numbers in first)
+    run_on_ranks(set_environment_and_grad_mode)
+    assert run_on_ranks(environment_and_grad_mode) == [(None, None, True, torch.float32)] * 4
+    monkeypatch.setenv("SHARDWISE_SET_BY_THE_TEST_PROCESS", "yes")
+    assert run_on_ranks(environment_and_grad_mode) == [(None, "yes", True, torch.float32)] * 4
+
+
+def test_ranks_use_one_thread_and_the_test_processes_sys_path() -> None:
+    settings = run_on_ranks(rank_process_settings)
+    expected_path = [os.path.abspath(entry) for entry in sys.path]
+    assert len({s["pid"] for s in settings}) == 4
+    for rank_settings in settings:
+        assert rank_settings["threads"] == 1
+        assert rank_settings["sys_path"] == expected_path
+
+
+def test_unpicklable_return_value_is_reported() -> None:
+    with pytest.raises(MultiRankError, match="cannot be pickled back to the test process"):
+        run_on_ranks(return_unpicklable)
+
+
+def test_pytest_skip_on_the_ranks_skips_the_test() -> None:
+    with pytest.raises(pytest.skip.Exception, match="nothing to check on this configuration"):
+        run_on_ranks(skip_on_every_rank)
+
+
+def test_bad_calls_are_rejected_before_any_rank_runs() -> None:
+    def local_function() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="not defined at module level"):
+        run_on_ranks(local_function)
+    with pytest.raises(TypeError, match="not defined at module level"):
+        run_on_ranks(lambda: None)
+    with pytest.raises(TypeError, match="must be picklable"):
+        run_on_ranks(scaled_rank, lambda: 1.0)
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        run_on_ranks(rank_and_world_size, world_size=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_on_ranks(rank_and_world_size, backend="mpi")
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        multi_rank(world_size=2, timeout=0)
+
+
+def test_timeout_comes_from_argument_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TIMEOUT_ENV_VAR, raising=False)
+    assert resolve_timeout(None) == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV_VAR, "7.5")
+    assert resolve_timeout(None) == 7.5
+    assert resolve_timeout(3) == 3.0
+    monkeypatch.setenv(TIMEOUT_ENV_VAR, "soon")
+    with pytest.raises(ValueError, match=f"{TIMEOUT_ENV_VAR} must be a positive number of seconds, got 'soon'"):
+        resolve_timeout(None)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nccl_runs_with_one_gpu_per_rank_or_skips(world_size: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        with pytest.raises(pytest.skip.Exception, match="nccl"):
+            run_on_ranks(nccl_all_reduce, world_size=world_size, backend="nccl")
+        return
+    assert run_on_ranks(nccl_all_reduce, world_size=world_size, backend="nccl") == [
+        (rank, float(world_size)) for rank in range(world_size)
+    ]
+
+
+def nccl_all_reduce() -> tuple[int, float]:
+    ones = torch.ones(2, device="cuda")
+    dist.all_reduce(ones)
+    return torch.cuda.current_device(), ones[0].item()
+
+
+SOURCE_OF_A_MODULE_PYTEST_IMPORTED_UNDER_ITS_OWN_NAME = """
+def compare(a, b):
+    assert a == b
+"""
+
+
+def test_ranks_load_a_test_file_whose_module_name_is_not_importable(tmp_path: Path) -> None:
+    test_file = tmp_path / "test_unimportable.py"
+    test_file.write_text(SOURCE_OF_A_MODULE_PYTEST_IMPORTED_UNDER_ITS_OWN_NAME)
+    module_name = "no_such_package.tests.test_unimportable"
+    try:
+        plain = resolve_function(FunctionRef(module_name, "compare", str(test_file)))
+        with pytest.raises(AssertionError) as plain_failure:
+            plain(1, 2)
+        assert str(plain_failure.value) == ""
+        del sys.modules[module_name]
+        rewritten = resolve_function(FunctionRef(module_name, "compare", str(test_file), assert_rewrite=True))
+        with pytest.raises(AssertionError, match="assert 1 == 2"):
+            rewritten(1, 2)
+    finally:
+        sys.modules.pop(module_name, None)
+
+
+def test_ranks_prefer_the_test_processes_file_over_a_same_named_module(tmp_path: Path) -> None:
+    test_file = tmp_path / "json.py"  # same name as an importable standard module
+    test_file.write_text("def marker() -> str:\n    return 'from the test file'\n")
+    standard_json = sys.modules["json"]
+    try:
+        assert resolve_function(FunctionRef("json", "marker", str(test_file)))() == "from the test file"
+    finally:
+        sys.modules["json"] = standard_json
+
+
+def test_function_reference_names_the_module_and_file_of_the_body() -> None:
+    reference = function_ref(rank_and_world_size)
+    assert reference.qualname == "rank_and_world_size"
+    assert reference.file == os.path.realpath(__file__)
+    assert reference.assert_rewrite  # pytest rewrote this module, so the ranks rewrite it too
+    decorated = function_ref(test_all_reduce_and_all_gather_work)
+    assert decorated.qualname == "test_all_reduce_and_all_gather_work"
