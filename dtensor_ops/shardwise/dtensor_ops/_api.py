@@ -1,0 +1,227 @@
+"""Public entry points that build DTensors from plain tensors and modules.
+
+``distribute_tensor`` scatters a global tensor to its shards (data taken from
+``src_data_rank``), ``distribute_module`` turns a module's parameters and
+buffers into DTensors and installs input/output hooks, and
+``implicit_replication`` lets plain tensors mix with DTensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh
+from shardwise.placement import DTensorSpec, Placement, Replicate, TensorMeta
+
+from ._dispatch import implicit_replication
+from ._dtensor import DTensor, global_stride_like, new_dtensor, normalize_placements
+from ._src_data import distribute_local_data
+
+__all__ = [
+    "distribute_tensor",
+    "distribute_module",
+    "implicit_replication",
+    "resolve_device_mesh",
+]
+
+
+def resolve_device_mesh(device_mesh: DeviceMesh | None, where: str) -> DeviceMesh:
+    """``device_mesh`` itself, else the mesh entered with ``with mesh:``; raises when there is none."""
+    if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"{where}: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+        return device_mesh
+    try:
+        return get_current_mesh()
+    except MeshError:
+        raise RuntimeError(
+            f"{where}: no device_mesh was given and no mesh is active; pass device_mesh=... or call it "
+            "inside `with mesh:`"
+        ) from None
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Lay the global ``tensor`` out over ``device_mesh`` with ``placements`` (default: all Replicate).
+
+    The data comes from the rank at index ``src_data_rank`` along each mesh dim
+    (scattered for ``Shard``, broadcast for ``Replicate``), so every rank ends up
+    with consistent pieces even if their inputs differ.  With ``src_data_rank=None``
+    every rank cuts its own ``tensor`` without communicating.  A tensor that
+    requires grad must be a leaf; the result is then a leaf DTensor requiring
+    grad.  Uneven shards follow ``torch.chunk``.  Meta tensors are laid out
+    without communication.
+    """
+    torch._C._log_api_usage_once("shardwise.dtensor_ops.distribute_tensor")
+    mesh = resolve_device_mesh(device_mesh, "distribute_tensor")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")
+    target = normalize_placements(placements, mesh, tensor.ndim, "distribute_tensor")
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError(
+            "`distribute_tensor` should be used to distribute leaf tensors! but found a non-leaf tensor "
+            f"(grad_fn={type(tensor.grad_fn).__name__}); distribute the leaf and run the computation on the "
+            "DTensor, or call .detach() first"
+        )
+    if src_data_rank is not None:
+        for mesh_dim, size in enumerate(mesh.shape):
+            if not 0 <= src_data_rank < size:
+                raise ValueError(
+                    f"distribute_tensor: src_data_rank={src_data_rank} is not a valid index along mesh dim "
+                    f"{mesh_dim} of size {size} (mesh {mesh}); expected 0 <= src_data_rank < {size}, or None"
+                )
+
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh != mesh:
+            raise ValueError(
+                f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} to a different device mesh "
+                f"{mesh}."
+            )
+        if tensor.placements != target:
+            raise ValueError(
+                f"Cannot distribute a DTensor with placements {tensor.placements} to a different placements "
+                f"{target}. Do you want to call `redistribute` instead?"
+            )
+        return tensor
+
+    requires_grad = tensor.requires_grad
+    data = tensor.detach()
+    if data.device.type != mesh.device_type and not data.is_meta:
+        data = data.to(mesh.device_type)
+    local = distribute_local_data(data, mesh, target, src_data_rank)
+    # The global stride follows the local layout (shards are contiguous), so views agree on both levels.
+    meta = TensorMeta(data.shape, global_stride_like(local, data.shape), data.dtype)
+    spec = DTensorSpec(mesh, target, meta)
+    return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
+
+
+# -- distribute_module ----------------------------------------------------------------------
+
+InputFn = Callable[..., Any]
+OutputFn = Callable[..., Any]
+PartitionFn = Callable[[str, nn.Module, DeviceMesh], None]
+
+_DISTRIBUTED_MARK = "_shardwise_distribute_module_applied"
+
+
+def _replicate_remaining_state(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter and buffer of ``module`` itself that is not a DTensor yet becomes a replicated one."""
+    replicate = (Replicate(),) * mesh.ndim
+    for name, param in list(module._parameters.items()):
+        if param is not None and not isinstance(param, DTensor):
+            module.register_parameter(
+                name,
+                nn.Parameter(distribute_tensor(param.data, mesh, replicate), requires_grad=param.requires_grad),
+            )
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and not isinstance(buffer, DTensor):
+            module._buffers[name] = distribute_tensor(buffer, mesh, replicate)
+
+
+def _positional_parameter_count(fn: Callable[..., Any]) -> int:
+    return len(inspect.signature(fn).parameters)
+
+
+def distribute_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    partition_fn: PartitionFn | None = None,
+    input_fn: InputFn | None = None,
+    output_fn: OutputFn | None = None,
+) -> nn.Module:
+    """Turn ``module``'s parameters and buffers into DTensors and hook its inputs/outputs.
+
+    ``partition_fn(name, submodule, device_mesh)`` is called on every submodule
+    (``named_modules()`` order) to lay out its parameters as it likes; whatever is
+    still a plain tensor afterwards is replicated.  ``input_fn(module, inputs,
+    device_mesh)`` runs as a forward pre-hook and ``output_fn(module, outputs,
+    device_mesh)`` as a forward hook; the older two-argument forms
+    ``(inputs, device_mesh)`` / ``(outputs, device_mesh)`` still work with a
+    FutureWarning.  Returns ``module`` (modified in place).
+    """
+    torch._C._log_api_usage_once("shardwise.dtensor_ops.distribute_module")
+    mesh = resolve_device_mesh(device_mesh, "distribute_module")
+    if getattr(module, _DISTRIBUTED_MARK, False):
+        raise RuntimeError(
+            f"distribute_module should only be called once on a module, but it was already applied to this "
+            f"{type(module).__name__}"
+        )
+    input_arity = _checked_hook_arity(input_fn, "input_fn", "inputs")
+    output_arity = _checked_hook_arity(output_fn, "output_fn", "outputs")
+
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, mesh)
+        _replicate_remaining_state(submodule, mesh)
+
+    if input_fn is not None:
+        if input_arity == 2:
+            module.register_forward_pre_hook(_LegacyInputHook(input_fn, mesh))
+        else:
+            module.register_forward_pre_hook(_InputHook(input_fn, mesh))
+    if output_fn is not None:
+        if output_arity == 2:
+            module.register_forward_hook(_LegacyOutputHook(output_fn, mesh))
+        else:
+            module.register_forward_hook(_OutputHook(output_fn, mesh))
+    setattr(module, _DISTRIBUTED_MARK, True)
+    return module
+
+
+def _checked_hook_arity(fn: Callable[..., Any] | None, what: str, values: str) -> int:
+    if fn is None:
+        return 0
+    arity = _positional_parameter_count(fn)
+    if arity == 2:
+        warnings.warn(
+            f"Deprecating {what} that takes two arguments ({values}, device_mesh); please use a {what} that "
+            f"takes (module, {values}, device_mesh) instead!",
+            FutureWarning,
+            stacklevel=3,
+        )
+    elif arity != 3:
+        raise ValueError(
+            f"distribute_module: {what} must take (module, {values}, device_mesh) (or the deprecated "
+            f"({values}, device_mesh)); got a callable with {arity} parameters"
+        )
+    return arity
+
+
+class _InputHook:
+    """Forward pre-hook calling ``input_fn(module, inputs, mesh)`` (a class, so modules stay picklable)."""
+
+    def __init__(self, fn: InputFn, mesh: DeviceMesh) -> None:
+        self.fn = fn
+        self.mesh = mesh
+
+    def __call__(self, module: nn.Module, inputs: Any) -> Any:
+        return self.fn(module, inputs, self.mesh)
+
+
+class _LegacyInputHook(_InputHook):
+    def __call__(self, module: nn.Module, inputs: Any) -> Any:
+        return self.fn(inputs, self.mesh)
+
+
+class _OutputHook:
+    def __init__(self, fn: OutputFn, mesh: DeviceMesh) -> None:
+        self.fn = fn
+        self.mesh = mesh
+
+    def __call__(self, module: nn.Module, inputs: Any, outputs: Any) -> Any:
+        return self.fn(module, outputs, self.mesh)
+
+
+class _LegacyOutputHook(_OutputHook):
+    def __call__(self, module: nn.Module, inputs: Any, outputs: Any) -> Any:
+        return self.fn(outputs, self.mesh)
+

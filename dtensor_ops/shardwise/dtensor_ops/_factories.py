@@ -1,0 +1,270 @@
+"""Factory functions that build a DTensor shard by shard (``torch.distributed.tensor.zeros`` & co).
+
+Each rank allocates only its local shard (``torch.chunk`` layout, uneven shapes
+included).  ``Partial`` mesh dims hold the value so that the reduction gives the
+requested global value (e.g. ``ones`` with ``Partial("sum")``: one rank holds the
+ones, the others zeros).
+
+Random factories (``rand``, ``randn``) draw one seed from the default CPU
+generator (so ``torch.manual_seed`` makes them reproducible), agree on it across
+the mesh (the first rank's seed wins, one tiny broadcast per mesh dim) and seed a
+private generator per *shard*: the shard index counts only the mesh dims that
+shard the tensor, so ranks holding the same shard (replicated mesh dims) get the
+same values and different shards get independent values.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, compute_local_shape
+
+from ._api import resolve_device_mesh
+from ._dtensor import DTensor, new_dtensor, normalize_placements
+from ._src_data import agree_on_int
+
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
+
+SizeArg = int | Sequence[int] | torch.Size
+
+# A local-tensor builder: (local shape, dtype, layout, device, shard seed or None) -> tensor.
+_Builder = Callable[[tuple[int, ...], torch.dtype, torch.layout, torch.device, int | None], torch.Tensor]
+
+
+def _parse_size(size: tuple[Any, ...], where: str) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    dims: list[int] = []
+    for extent in size:
+        if isinstance(extent, bool):
+            raise TypeError(f"{where}: size must be ints, got bool {extent!r} in {size}")
+        try:
+            value = operator.index(extent)
+        except TypeError:
+            raise TypeError(
+                f"{where}: size must be ints (varargs or one sequence), got {type(extent).__name__} {extent!r} "
+                f"in {size}"
+            ) from None
+        if value < 0:
+            raise ValueError(f"{where}: size must be non-negative, got {tuple(size)}")
+        dims.append(value)
+    return tuple(dims)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        stride[dim] = stride[dim + 1] * max(shape[dim + 1], 1)
+    return tuple(stride)
+
+
+_SEED_MODULUS = 1 << 63
+
+
+def _shard_seed(base_seed: int, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> int:
+    """A seed shared by exactly the ranks that hold the same shard."""
+    coordinate = mesh.get_coordinate()
+    shard_index = 0
+    if coordinate is not None:
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                shard_index = shard_index * mesh.shape[mesh_dim] + coordinate[mesh_dim]
+    # A 64-bit LCG-style mix keeps nearby (seed, shard) pairs far apart.
+    mixed = (base_seed * 6364136223846793005 + (shard_index + 1) * 1442695040888963407) % _SEED_MODULUS
+    return mixed
+
+
+def _create(
+    where: str,
+    size: tuple[Any, ...],
+    build: _Builder,
+    *,
+    random: bool,
+    partial_needs_conversion: bool,
+    dtype: torch.dtype | None,
+    layout: torch.layout,
+    requires_grad: bool,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+) -> DTensor:
+    mesh = resolve_device_mesh(device_mesh, where)
+    global_shape = _parse_size(size, where)
+    target = normalize_placements(placements, mesh, len(global_shape), where)
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    coordinate = mesh.get_coordinate()
+    local_shape = compute_local_shape(global_shape, mesh.shape, coordinate, target)
+    device = torch.device(mesh.device_type)
+    seed: int | None = None
+    if random and coordinate is not None:
+        drawn = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
+        seed = _shard_seed(agree_on_int(drawn, mesh), mesh, target)
+    local = build(tuple(local_shape), dtype, layout, device, seed)
+    meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
+    spec = DTensorSpec(mesh, target, meta)
+    if partial_needs_conversion and coordinate is not None and any(isinstance(p, Partial) for p in target):
+        from ._redistribute import redistribute_local_tensor
+
+        as_replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
+        local = redistribute_local_tensor(local, DTensorSpec(mesh, as_replicated, meta), spec)
+    return new_dtensor(local, spec, requires_grad=requires_grad)
+
+
+def zeros(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor of zeros of global shape ``size``; each rank allocates its shard only."""
+    return _create(
+        "zeros",
+        size,
+        lambda shape, dt, lay, dev, _: torch.zeros(shape, dtype=dt, layout=lay, device=dev),
+        random=False,
+        partial_needs_conversion=False,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+
+
+def ones(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor of ones of global shape ``size``."""
+    return _create(
+        "ones",
+        size,
+        lambda shape, dt, lay, dev, _: torch.ones(shape, dtype=dt, layout=lay, device=dev),
+        random=False,
+        partial_needs_conversion=True,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+
+
+def empty(
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """An uninitialised DTensor of global shape ``size``."""
+    return _create(
+        "empty",
+        size,
+        lambda shape, dt, lay, dev, _: torch.empty(shape, dtype=dt, layout=lay, device=dev),
+        random=False,
+        partial_needs_conversion=False,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+
+
+def full(
+    size: SizeArg,
+    fill_value: bool | int | float | complex,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    requires_grad: bool = False,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """A DTensor of global shape ``size`` filled with ``fill_value``."""
+    if dtype is None:
+        # As torch.full: the dtype follows the fill value (int -> int64, bool -> bool, float -> default).
+        dtype = torch.full((), fill_value).dtype
+    return _create(
+        "full",
+        (size,),
+        lambda shape, dt, lay, dev, _: torch.full(shape, fill_value, dtype=dt, layout=lay, device=dev),
+        random=False,
+        partial_needs_conversion=True,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+
+
+def _random_builder(
+    sample: Callable[..., torch.Tensor],
+) -> _Builder:
+    def build(
+        shape: tuple[int, ...], dtype: torch.dtype, layout: torch.layout, device: torch.device, seed: int | None
+    ) -> torch.Tensor:
+        if seed is None:
+            return sample(shape, dtype=dtype, layout=layout, device=device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return sample(shape, generator=generator, dtype=dtype, layout=layout, device=device)
+
+    return build
+
+
+def rand(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Uniform [0, 1) values; independent per shard, equal on ranks holding the same shard."""
+    return _create(
+        "rand",
+        size,
+        _random_builder(torch.rand),
+        random=True,
+        partial_needs_conversion=True,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+
+
+def randn(
+    *size: Any,
+    requires_grad: bool = False,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout = torch.strided,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Standard normal values; independent per shard, equal on ranks holding the same shard."""
+    return _create(
+        "randn",
+        size,
+        _random_builder(torch.randn),
+        random=True,
+        partial_needs_conversion=True,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        device_mesh=device_mesh,
+        placements=placements,
+    )

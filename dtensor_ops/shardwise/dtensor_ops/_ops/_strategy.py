@@ -1,0 +1,240 @@
+"""What a sharding rule is, and the registry that maps each aten overload to its rule.
+
+A rule describes one op family on ONE mesh dim: the list of :class:`OneDimStrategy`
+it can run under (what every DTensor input must be on that mesh dim, and what the
+outputs then are).  ``_sharding_prop`` extends that to any n-D mesh by taking the
+product over mesh dims, filters the combinations with the rule's ``is_valid``
+hook, and keeps the one whose input redistribution is cheapest.
+
+Everything a rule returns is plain data (tuples of placements), and rules are
+module-level functions registered once at import: nothing here is created per
+call, so a compiled fast path can hold the resulting decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+
+from ._shapes import OutputMetaFn
+
+__all__ = [
+    "ArgPosition",
+    "LINEAR_REDUCE_OPS",
+    "OneDimStrategy",
+    "OpCall",
+    "PlacementsPerTensor",
+    "ShardingRule",
+    "aten_overloads",
+    "broadcast_input_placement",
+    "partial_survives_cast",
+    "register_rule",
+    "registered_ops",
+    "rule_for",
+]
+
+# Where a DTensor sits among an op's arguments: positional index or keyword name.
+ArgPosition = int | str
+
+# Reductions that commute with any linear map: sum_i(c * x_i) == c * sum_i(x_i), same for avg.
+LINEAR_REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
+
+# One entry per tensor (input or output), each a placement per mesh dim.
+PlacementsPerTensor = tuple[tuple[Placement, ...], ...]
+
+
+class OneDimStrategy(NamedTuple):
+    """A valid way to run an op on one mesh dim.
+
+    ``inputs`` has one placement per DTensor input the rule sees (flattened argument
+    order, ``out=`` tensors excluded); ``outputs`` one per flattened output, ``None``
+    for an output that is not a tensor.
+    """
+
+    outputs: tuple[Placement | None, ...]
+    inputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class OpCall:
+    """Everything a rule may look at for one call, with DTensors replaced by their specs.
+
+    ``output_metas`` are the global metadata of the flattened outputs.
+    ``partial_reduce_ops`` are the reduce ops of the Partial placements that the
+    call's DTensors (inputs and written tensors) hold *on the mesh dim being
+    considered*.  Rules offer strategies that carry a Partial through (``P -> P``)
+    only for those kinds: carrying a partial defers a reduction that is pending
+    anyway, while making a partial out of a Shard or Replicate input (a free,
+    local step) would only create a reduction somebody pays for later.  Partials
+    an op creates itself (a sharded contraction or reduction) do not depend on it.
+    """
+
+    op: torch._ops.OpOverload
+    args: tuple[object, ...]
+    kwargs: Mapping[str, object]
+    input_specs: tuple[DTensorSpec[Any], ...]
+    input_positions: tuple[ArgPosition, ...]
+    output_metas: tuple[TensorMeta | None, ...]
+    partial_reduce_ops: frozenset[str]
+
+    @property
+    def mesh(self) -> Any:
+        return self.input_specs[0].mesh
+
+    def input_meta(self, index: int) -> TensorMeta:
+        meta = self.input_specs[index].tensor_meta
+        assert meta is not None, "propagation checks that every input spec carries tensor_meta"
+        return meta
+
+    def input_shape(self, index: int) -> torch.Size:
+        return self.input_meta(index).shape
+
+    def output_shape(self, index: int = 0) -> torch.Size:
+        meta = self.output_metas[index]
+        if meta is None:
+            raise ValueError(f"{self.op}: output {index} is not a tensor")
+        return meta.shape
+
+    def arg(self, index: int, name: str, default: object = None) -> object:
+        """The argument at positional ``index`` or passed as keyword ``name``; ``default`` if absent."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    def input_index_at(self, position: ArgPosition) -> int | None:
+        """Which rule input is the (tensor) argument at ``position``; None if that argument is no DTensor."""
+        for index, input_position in enumerate(self.input_positions):
+            if input_position == position:
+                return index
+        return None
+
+    def linear_reduce_ops(self) -> tuple[str, ...]:
+        """Partial kinds a linear op carries through: the linear ones (sum, avg) present on this mesh dim."""
+        return tuple(op for op in LINEAR_REDUCE_OPS if op in self.partial_reduce_ops)
+
+    def every_reduce_op(self) -> tuple[str, ...]:
+        """Partial kinds an element-moving op (view, copy) carries through: every kind present on this mesh dim."""
+        return tuple(sorted(self.partial_reduce_ops))
+
+    def placements_keeping_values_unread(self, tensor_ndim: int) -> list[Placement]:
+        """Every placement an input whose values the op never reads may keep as it is (on this mesh dim)."""
+        keep: list[Placement] = [Shard(dim) for dim in range(tensor_ndim)]
+        keep.append(Replicate())
+        keep.extend(Partial(reduce_op) for reduce_op in self.every_reduce_op())
+        return keep
+
+
+StrategiesFn = Callable[[OpCall], Sequence[OneDimStrategy]]
+# (call, placements per rule input, placements per output (None: not a tensor)) -> is this n-D combination exact?
+ValidityFn = Callable[[OpCall, PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]], bool]
+# (call, chosen output specs (flattened)) -> argument replacements for the local op
+OverridesFn = Callable[[OpCall, tuple[DTensorSpec[Any] | None, ...]], tuple[tuple[ArgPosition, object], ...]]
+
+
+@dataclass(frozen=True)
+class ShardingRule:
+    """How one op family shards, stated for one mesh dim.
+
+    ``scalar_values_matter``: False when only the *type* of each top-level Python
+    number argument can change the decision (pointwise ops, fills): the cache key
+    then holds ``float`` instead of ``2.5``, so ``x * 2.0`` and ``x * 3.0`` share
+    one decision.  ``tensor_outputs``: False for ops returning a Python value
+    (the op is not run on meta tensors and the decision has no output specs).
+    ``output_meta`` computes the single output's global metadata by shape rules
+    (see :mod:`._shapes`); when absent or unsure, the op runs on meta tensors.
+    """
+
+    family: str
+    one_dim_strategies: StrategiesFn
+    is_valid: ValidityFn | None = None
+    local_arg_overrides: OverridesFn | None = None
+    scalar_values_matter: bool = True
+    tensor_outputs: bool = True
+    output_meta: OutputMetaFn | None = None
+
+
+_RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
+
+
+def register_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> None:
+    """Give each overload in ``ops`` the ``rule``; an overload may have only one rule."""
+    for op in ops:
+        existing = _RULES.get(op)
+        if existing is not None and existing is not rule:
+            raise ValueError(
+                f"{op} already has the {existing.family!r} sharding rule; refusing to replace it with {rule.family!r}"
+            )
+        _RULES[op] = rule
+
+
+def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:
+    return _RULES.get(op)
+
+
+def registered_ops() -> frozenset[torch._ops.OpOverload]:
+    return frozenset(_RULES)
+
+
+def _takes_and_returns_tensors(op: torch._ops.OpOverload) -> bool:
+    schema = op._schema
+    takes_tensor = any(isinstance(argument.type, torch.TensorType) for argument in schema.arguments)
+    returns_tensor = any(isinstance(ret.type, torch.TensorType) for ret in schema.returns)
+    return takes_tensor and returns_tensor
+
+
+def aten_overloads(
+    names: Iterable[str], *, overloads: Iterable[str] | None = None, with_inplace: bool = True
+) -> list[torch._ops.OpOverload]:
+    """The tensor overloads of ``aten.<name>`` (and ``aten.<name>_`` when ``with_inplace``).
+
+    ``overloads`` restricts to those overload names (e.g. ``("default", "out")``);
+    overloads on Python numbers only (``aten.add.int``) are never included.
+    """
+    wanted = None if overloads is None else frozenset(overloads)
+    found: list[torch._ops.OpOverload] = []
+    for name in names:
+        packet_names = [name, name + "_"] if with_inplace else [name]
+        for packet_name in packet_names:
+            packet = getattr(torch.ops.aten, packet_name, None)
+            if packet is None:
+                continue
+            for overload_name in packet.overloads():
+                if wanted is not None and overload_name not in wanted:
+                    continue
+                op = getattr(packet, overload_name)
+                if _takes_and_returns_tensors(op):
+                    found.append(op)
+    return found
+
+
+def broadcast_input_placement(out_shape: Sequence[int], in_shape: Sequence[int], out_dim: int) -> Placement:
+    """Placement an input broadcast to ``out_shape`` needs when the output is sharded on ``out_dim``.
+
+    Shard on the matching input dim when the input really has that extent;
+    Replicate when it is missing there or broadcast from size 1 (every shard of
+    the output then reads all of it).
+    """
+    in_dim = out_dim - (len(out_shape) - len(in_shape))
+    if in_dim >= 0 and in_shape[in_dim] == out_shape[out_dim]:
+        return Shard(in_dim)
+    return Replicate()
+
+
+def partial_survives_cast(source: torch.dtype, target: torch.dtype, reduce_op: str) -> bool:
+    """Whether converting each partial value to ``target`` keeps ``reduce_op`` of them meaningful.
+
+    Sums and averages survive conversions between floating/complex types (only
+    rounding changes), not into integers or bool (rounding each part then adding
+    is not rounding the sum).  Max/min survive monotone conversions between real
+    types, which excludes bool (``-1 -> True``) and complex.
+    """
+    if source == target:
+        return True
+    if reduce_op in LINEAR_REDUCE_OPS:
+        return target.is_floating_point or target.is_complex
+    real_ordered = not (source.is_complex or target.is_complex or source == torch.bool or target == torch.bool)
+    return real_ordered

@@ -1,0 +1,140 @@
+"""Pointwise ops: unary, binary (with broadcasting and Python scalars), their in-place and out= forms.
+
+On one mesh dim a pointwise op can run on matching shards of every input
+(inputs broadcast along the sharded dim stay replicated), on replicas, or on
+partial values where the op is linear in them:
+
+* additive ops (``add``/``sub``/``rsub`` of two tensors, ``neg``) keep
+  ``Partial(sum)`` / ``Partial(avg)`` when *every* operand is partial of that kind
+  (``sum_i a_i + sum_i b_i == sum_i (a_i + b_i)``); a Python number or plain
+  tensor operand would be added once per rank, so then no Partial strategy exists;
+* multiplicative ops (``mul``, ``div`` by a divisor, the ``*_backward`` ops that
+  scale the incoming gradient) keep it for one partial operand when all other
+  operands are replicated;
+* everything else is nonlinear: a Partial input is reduced to Replicate first.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+
+from ._shapes import (
+    all_row_major,
+    broadcast_shapes,
+    contiguous_meta,
+    dtype_on_empty_tensors,
+    writes_first_argument,
+    written_keyword_arguments,
+)
+from ._strategy import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
+
+__all__ = ["POINTWISE_RULE", "pointwise_output_meta", "pointwise_strategies"]
+
+aten = torch.ops.aten
+
+_UNARY = (
+    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_not", "ceil", "cos", "cosh",
+    "deg2rad", "digamma", "erf", "erfc", "erfinv", "exp", "exp2", "expm1", "floor", "frac", "isinf",
+    "isnan", "lgamma", "log", "log10", "log1p", "log2", "logical_not", "logit", "nan_to_num", "neg",
+    "rad2deg", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sgn", "signbit", "sin", "sinc",
+    "sinh", "sqrt", "square", "tan", "tanh", "trunc", "gelu", "silu", "mish", "hardsigmoid", "hardswish",
+    "hardtanh", "leaky_relu", "elu", "softplus", "threshold", "clamp", "clamp_min", "clamp_max", "pow",
+)  # fmt: skip
+_BINARY = (
+    "add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "maximum", "minimum", "fmax",
+    "fmin", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "hypot", "copysign", "logical_and", "logical_or",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "xlogy", "where", "masked_fill", "addcmul",
+    "addcdiv", "lerp",
+)  # fmt: skip
+_GRADIENT_SCALING_BACKWARDS = (
+    "sigmoid_backward", "tanh_backward", "threshold_backward", "gelu_backward", "silu_backward",
+    "hardtanh_backward", "leaky_relu_backward", "hardsigmoid_backward", "hardswish_backward",
+    "softplus_backward", "mish_backward",
+)  # fmt: skip
+
+# Ops whose result is linear in all tensor operands together: operand positions.
+_ADDITIVE: dict[torch._ops.OpOverload, tuple[int, ...]] = {}
+for _op in (aten.add.Tensor, aten.add.out, aten.add_.Tensor, aten.sub.Tensor, aten.sub.out, aten.sub_.Tensor,
+            aten.rsub.Tensor):  # fmt: skip
+    _ADDITIVE[_op] = (0, 1)
+for _op in (aten.neg.default, aten.neg.out, aten.neg_.default):
+    _ADDITIVE[_op] = (0,)
+
+# Ops linear in one operand while the others stay fixed: the positions it may be.
+_LINEAR_IN_ONE: dict[torch._ops.OpOverload, tuple[int, ...]] = {}
+for _op in (aten.mul.Tensor, aten.mul.out, aten.mul_.Tensor):
+    _LINEAR_IN_ONE[_op] = (0, 1)
+for _op in (aten.mul.Scalar, aten.mul_.Scalar, aten.mul.Scalar_out, aten.div.Tensor, aten.div.out, aten.div_.Tensor,
+            aten.div.Scalar, aten.div_.Scalar, aten.div.Scalar_out):  # fmt: skip
+    _LINEAR_IN_ONE[_op] = (0,)
+for _op in aten_overloads(_GRADIENT_SCALING_BACKWARDS, with_inplace=False):
+    _LINEAR_IN_ONE[_op] = (0,)  # grad_output is argument 0; the mask/scale depends only on the others
+
+
+def pointwise_strategies(call: OpCall) -> list[OneDimStrategy]:
+    out_shape = call.output_shape(0)
+    in_shapes = [call.input_shape(index) for index in range(len(call.input_specs))]
+    strategies: list[OneDimStrategy] = []
+    for out_dim in range(len(out_shape)):
+        inputs = tuple(broadcast_input_placement(out_shape, in_shape, out_dim) for in_shape in in_shapes)
+        # With every input replicated along out_dim each rank would compute the full extent, not a shard.
+        if any(isinstance(placement, Shard) for placement in inputs):
+            strategies.append(OneDimStrategy((Shard(out_dim),), inputs))
+    replicated: tuple[Placement, ...] = (Replicate(),) * len(in_shapes)
+    strategies.append(OneDimStrategy((Replicate(),), replicated))
+
+    additive_positions = _ADDITIVE.get(call.op)
+    if additive_positions is not None:
+        operand_inputs = [call.input_index_at(position) for position in additive_positions]
+        if all(index is not None for index in operand_inputs) and len(operand_inputs) == len(in_shapes):
+            for reduce_op in call.linear_reduce_ops():
+                partial = Partial(reduce_op)
+                strategies.append(OneDimStrategy((partial,), (partial,) * len(in_shapes)))
+    for position in _LINEAR_IN_ONE.get(call.op, ()):
+        partial_index = call.input_index_at(position)
+        if partial_index is None:
+            continue
+        for reduce_op in call.linear_reduce_ops():
+            partial = Partial(reduce_op)
+            inputs = tuple(partial if index == partial_index else Replicate() for index in range(len(in_shapes)))
+            strategies.append(OneDimStrategy((partial,), inputs))
+    return strategies
+
+
+def pointwise_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    """Broadcast shape of all tensor operands; contiguous when they all have a row-major layout."""
+    written = written_keyword_arguments(op)
+    keyword_operands = [value for name, value in kwargs.items() if name not in written]
+    operands = [value for value in (*args, *keyword_operands) if isinstance(value, (DTensorSpec, torch.Tensor))]
+    shapes = []
+    for operand in operands:
+        if isinstance(operand, DTensorSpec):
+            assert operand.tensor_meta is not None
+            shapes.append(operand.tensor_meta.shape)
+        else:
+            shapes.append(operand.shape)
+    shape = broadcast_shapes(*shapes)
+    if shape is None:
+        return None
+    if writes_first_argument(op) and shapes and shape != shapes[0]:
+        return None  # self cannot be broadcast in place; the meta run raises torch's error
+    if not all_row_major(operands):
+        return None
+    dtype = dtype_on_empty_tensors(op, args, kwargs)
+    return None if dtype is None else contiguous_meta(shape, dtype)
+
+
+POINTWISE_RULE = ShardingRule(
+    family="pointwise",
+    one_dim_strategies=pointwise_strategies,
+    scalar_values_matter=False,
+    output_meta=pointwise_output_meta,
+)
+
+register_rule(aten_overloads(_UNARY + _BINARY + _GRADIENT_SCALING_BACKWARDS), POINTWISE_RULE)

@@ -1,0 +1,501 @@
+"""Sharding propagation: for one op call on DTensors, where the inputs must be and where the outputs land.
+
+Three stages, kept apart so that a compiled fast path can take over the first two:
+
+1. :func:`sharding_cache_key` - a hashable key from the op, the input specs (which
+   cache their hash) and the non-tensor arguments.  Python numbers enter the key
+   by type only for rule families where their value cannot change the decision
+   (``x * 2.0`` and ``x * 3.0`` share one entry, ``x * 2`` does not: its result
+   dtype may differ).
+2. :func:`decide_op_sharding` on a cache miss - the op family's rule lists its
+   valid strategies for ONE mesh dim; the n-D strategies are their product over
+   the mesh dims, filtered by the rule's exactness check; the chosen one needs the
+   fewest bytes moved per rank to redistribute the inputs, then the fewest
+   placements changed, then comes first in enumeration order (deterministic).
+   In-place ops and ``out=`` variants only keep strategies that leave the written
+   tensor's placements as they are.  Output specs carry global metadata from
+   running the op once on meta tensors.
+3. Execution belongs to the dispatcher: it redistributes each input to
+   ``OpDecision.input_specs``, applies ``local_arg_overrides`` and runs the op on
+   the local tensors.
+
+A decision is plain data (specs, tuples, bools): no closures are created per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, TensorMeta
+
+from ._ops import ArgPosition, OneDimStrategy, OpCall, ShardingRule, rule_for
+from ._redistribute import redistribute_cost_bytes
+
+__all__ = [
+    "OpDecision",
+    "ShardingPropagationError",
+    "clear_sharding_cache",
+    "decide_op_sharding",
+    "propagate_op_sharding",
+    "sharding_cache_key",
+    "sharding_cache_size",
+]
+
+OutputSpecs = DTensorSpec[Any] | tuple[DTensorSpec[Any] | None, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class OpDecision:
+    """What the dispatcher does for one (op, input specs, non-tensor args) combination.
+
+    ``output_specs`` follows the op's output structure: one spec for a single
+    tensor, a tuple for several (``None`` for a non-tensor entry), ``None`` when
+    the op returns no tensor.  ``input_specs`` has the target spec of every DTensor
+    argument in flattened argument order (positional arguments left to right,
+    descending into lists, then keyword arguments in their order); it is the given
+    spec object itself where nothing changes.  ``local_arg_overrides`` maps a
+    positional index or keyword name to the value the local op takes instead of
+    the global one (a view's local size).
+    """
+
+    output_specs: OutputSpecs
+    input_specs: tuple[DTensorSpec[Any], ...]
+    needs_redistribute: bool
+    local_arg_overrides: tuple[tuple[ArgPosition, object], ...] = ()
+
+
+class ShardingPropagationError(RuntimeError):
+    """An op has a rule, but none of its strategies fits the call (e.g. in place on a layout it cannot keep)."""
+
+
+# Bounded so that a program feeding ever-new shapes cannot grow it without limit.
+MAX_CACHED_DECISIONS = 1 << 16
+_DECISIONS: dict[Hashable, OpDecision] = {}
+
+
+def clear_sharding_cache() -> None:
+    _DECISIONS.clear()
+
+
+def sharding_cache_size() -> int:
+    return len(_DECISIONS)
+
+
+def propagate_op_sharding(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> OpDecision:
+    """Decision for ``op(*args, **kwargs)`` where every DTensor is replaced by its spec (with tensor_meta).
+
+    Cached: the same key gives the same :class:`OpDecision` object.  Raises
+    ``NotImplementedError`` naming the op and the input placements when the op has
+    no rule, and :class:`ShardingPropagationError` when no strategy fits.
+    """
+    rule = rule_for(op)
+    key = _cache_key(op, args, kwargs, rule is None or rule.scalar_values_matter)
+    try:
+        decision = _DECISIONS.get(key)
+    except TypeError:
+        raise TypeError(
+            f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
+        ) from None
+    if decision is None:
+        decision = decide_op_sharding(op, args, kwargs)
+        if len(_DECISIONS) >= MAX_CACHED_DECISIONS:
+            _DECISIONS.clear()
+        _DECISIONS[key] = decision
+    return decision
+
+
+# --------------------------------------------------------------------------- cache key
+
+
+class _PlainTensor(NamedTuple):
+    """Key stand-in for a plain (non-DTensor) scalar tensor: only its dtype and shape matter."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _freeze(value: object, keep_number_values: bool) -> Hashable:
+    kind = type(value)
+    if kind is DTensorSpec:
+        return value
+    if kind is int:
+        return value if keep_number_values else int
+    if kind is float or kind is bool or kind is complex:
+        # Tagged with the type: 2 == 2.0 == True would otherwise share a key but not a result dtype.
+        return (kind, value) if keep_number_values else kind
+    if kind is list or kind is tuple or kind is torch.Size:
+        return tuple([_freeze(item, True) for item in value])  # type: ignore[attr-defined]
+    if isinstance(value, torch.Tensor):
+        return _PlainTensor(value.dtype, tuple(value.shape))
+    return value
+
+
+def _cache_key(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], keep_number_values: bool
+) -> Hashable:
+    frozen_args = tuple([_freeze(arg, keep_number_values) for arg in args])
+    if not kwargs:
+        return (op, frozen_args)
+    return (op, frozen_args, tuple([(name, _freeze(value, keep_number_values)) for name, value in kwargs.items()]))
+
+
+def sharding_cache_key(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Hashable:
+    """The key :func:`propagate_op_sharding` caches the decision for this call under."""
+    rule = rule_for(op)
+    return _cache_key(op, args, kwargs, rule is None or rule.scalar_values_matter)
+
+
+# --------------------------------------------------------------------------- decision
+
+
+class _SchemaFacts(NamedTuple):
+    inplace: bool  # argument 0 is written and returned
+    out_names: tuple[str, ...]  # keyword-only written arguments (out=), in output order
+
+
+_SCHEMA_FACTS: dict[torch._ops.OpOverload, _SchemaFacts] = {}
+
+
+def _schema_facts(op: torch._ops.OpOverload) -> _SchemaFacts:
+    facts = _SCHEMA_FACTS.get(op)
+    if facts is None:
+        arguments = op._schema.arguments
+        out_names = tuple(
+            argument.name
+            for argument in arguments
+            if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
+        )
+        first = arguments[0] if arguments else None
+        inplace = (
+            not out_names
+            and first is not None
+            and not first.kwarg_only
+            and first.alias_info is not None
+            and first.alias_info.is_write
+        )
+        facts = _SchemaFacts(bool(inplace), out_names)
+        _SCHEMA_FACTS[op] = facts
+    return facts
+
+
+def _describe_placements(spec: DTensorSpec[Any]) -> str:
+    if len(spec.placements) == 1:
+        return repr(spec.placements[0])
+    return "(" + ", ".join(repr(placement) for placement in spec.placements) + ")"
+
+
+def _describe_inputs(specs: Sequence[DTensorSpec[Any]]) -> str:
+    return ", ".join(_describe_placements(spec) for spec in specs)
+
+
+def _collect_specs(
+    op: torch._ops.OpOverload,
+    value: object,
+    position: ArgPosition,
+    specs: list[DTensorSpec[Any]],
+    positions: list[ArgPosition],
+) -> None:
+    if isinstance(value, DTensorSpec):
+        specs.append(value)
+        positions.append(position)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_specs(op, item, position, specs, positions)
+    elif isinstance(value, torch.Tensor) and value.dim() > 0:
+        raise TypeError(
+            f"{op}: argument {position!r} is a plain torch.Tensor of shape {tuple(value.shape)} mixed with "
+            "DTensors; only 0-dim plain tensors (scalars) may be mixed in. Convert it with "
+            "distribute_tensor or DTensor.from_local first."
+        )
+
+
+def _meta_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="meta")
+
+
+def _to_meta(value: object) -> object:
+    if isinstance(value, DTensorSpec):
+        meta = value.tensor_meta
+        assert meta is not None
+        return _meta_tensor(meta.shape, meta.stride, meta.dtype)
+    if isinstance(value, torch.Tensor):
+        return _meta_tensor(value.shape, value.stride(), value.dtype)
+    if isinstance(value, list):
+        return [_to_meta(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_to_meta(item) for item in value)
+    return value
+
+
+def _tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)
+
+
+_SINGLE, _SEQUENCE, _NOT_A_TENSOR = "single", "sequence", "none"
+
+
+def _run_on_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[str, tuple[TensorMeta | None, ...]]:
+    """Global output metadata: the op run once on meta tensors of the inputs' global shapes."""
+    meta_args = [_to_meta(arg) for arg in args]
+    meta_kwargs = {name: _to_meta(value) for name, value in kwargs.items()}
+    if "device" in meta_kwargs:
+        meta_kwargs["device"] = torch.device("meta")  # never allocate the global tensor for real
+    if meta_kwargs.get("pin_memory"):
+        meta_kwargs["pin_memory"] = False
+    result = op(*meta_args, **meta_kwargs)
+    if isinstance(result, torch.Tensor):
+        return _SINGLE, (_tensor_meta(result),)
+    if isinstance(result, (list, tuple)):
+        return _SEQUENCE, tuple(_tensor_meta(item) if isinstance(item, torch.Tensor) else None for item in result)
+    return _NOT_A_TENSOR, ()
+
+
+def _check_inputs(op: torch._ops.OpOverload, specs: Sequence[DTensorSpec[Any]]) -> None:
+    mesh = specs[0].mesh
+    for index, spec in enumerate(specs):
+        if spec.tensor_meta is None:
+            raise ValueError(f"{op}: the spec of DTensor argument {index} has no tensor_meta ({spec}); it is required")
+        if spec.mesh != mesh:
+            raise ValueError(
+                f"{op}: DTensor arguments live on different device meshes ({mesh!r} and {spec.mesh!r}); "
+                "expected all of them on the same mesh"
+            )
+
+
+def _check_strategy_shapes(
+    op: torch._ops.OpOverload, rule: ShardingRule, strategies: Sequence[OneDimStrategy], inputs: int, outputs: int
+) -> None:
+    for strategy in strategies:
+        if len(strategy.inputs) != inputs or len(strategy.outputs) != outputs:
+            raise AssertionError(
+                f"the {rule.family!r} rule gave {op} a strategy for {len(strategy.inputs)} inputs and "
+                f"{len(strategy.outputs)} outputs; the call has {inputs} DTensor inputs and {outputs} outputs"
+            )
+
+
+def _fits_written_tensors(
+    strategy: OneDimStrategy,
+    mesh_dim: int,
+    kept_inputs: Mapping[int, DTensorSpec[Any]],
+    kept_outputs: Mapping[int, DTensorSpec[Any]],
+) -> bool:
+    for index, spec in kept_inputs.items():
+        if strategy.inputs[index] != spec.placements[mesh_dim]:
+            return False
+    for index, spec in kept_outputs.items():
+        if strategy.outputs[index] != spec.placements[mesh_dim]:
+            return False
+    return True
+
+
+def _placements_of_output(combo: Sequence[OneDimStrategy], index: int) -> tuple[Placement, ...] | None:
+    placements: list[Placement] = []
+    for strategy in combo:
+        placement = strategy.outputs[index]
+        if placement is None:
+            if placements:
+                raise AssertionError(f"output {index} is a tensor on some mesh dims and not on others: {combo}")
+            return None
+        placements.append(placement)
+    return tuple(placements)
+
+
+class _Call(NamedTuple):
+    """One call, sorted out: its DTensor arguments, which of them the op writes, its output metadata."""
+
+    specs: tuple[DTensorSpec[Any], ...]  # every DTensor argument, flattened order
+    is_out_arg: tuple[bool, ...]  # per spec: an out= argument (not a rule input)
+    structure: str  # _SINGLE, _SEQUENCE or _NOT_A_TENSOR
+    rule_call: OpCall
+    kept_inputs: dict[int, DTensorSpec[Any]]  # rule input index -> spec it must keep (self of in-place ops)
+    kept_outputs: dict[int, DTensorSpec[Any]]  # output index -> spec it must be (self, out=)
+    inplace: bool
+
+
+def _prepare_call(
+    op: torch._ops.OpOverload,
+    rule: ShardingRule,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    specs: tuple[DTensorSpec[Any], ...],
+    positions: tuple[ArgPosition, ...],
+) -> _Call:
+    facts = _schema_facts(op)
+    is_out_arg = tuple(position in facts.out_names for position in positions)
+    rule_specs = tuple(spec for spec, is_out in zip(specs, is_out_arg) if not is_out)
+    rule_positions = tuple(position for position, is_out in zip(positions, is_out_arg) if not is_out)
+    output_metas: tuple[TensorMeta | None, ...]
+    if rule.tensor_outputs:
+        computed = None if rule.output_meta is None else rule.output_meta(op, args, kwargs)
+        if computed is not None:
+            structure, output_metas = _SINGLE, (computed,)
+        else:
+            structure, output_metas = _run_on_meta(op, args, kwargs)
+    else:
+        structure, output_metas = _NOT_A_TENSOR, ()
+    rule_call = OpCall(
+        op=op,
+        args=tuple(args),
+        kwargs=dict(kwargs),
+        input_specs=rule_specs,
+        input_positions=rule_positions,
+        output_metas=output_metas,
+        partial_reduce_ops=frozenset(),
+    )
+    kept_inputs: dict[int, DTensorSpec[Any]] = {}
+    kept_outputs: dict[int, DTensorSpec[Any]] = {}
+    if facts.inplace:
+        kept_inputs[0] = rule_specs[0]
+        kept_outputs[0] = rule_specs[0]
+    for spec, position in zip(specs, positions):
+        if position in facts.out_names:
+            kept_outputs[facts.out_names.index(str(position))] = spec
+    return _Call(specs, is_out_arg, structure, rule_call, kept_inputs, kept_outputs, facts.inplace)
+
+
+def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call: _Call) -> list[list[OneDimStrategy]]:
+    """The rule's one-dim strategies for each mesh dim, less those that would move a written tensor."""
+    rule_call = call.rule_call
+    # The rule is asked once per distinct set of Partial kinds found on a mesh dim (usually once).
+    asked: dict[frozenset[str], Sequence[OneDimStrategy]] = {}
+    per_mesh_dim = []
+    for mesh_dim in range(len(call.specs[0].placements)):
+        partials_here = frozenset(
+            placement.reduce_op
+            for spec in call.specs
+            if isinstance(placement := spec.placements[mesh_dim], Partial)
+        )
+        strategies = asked.get(partials_here)
+        if strategies is None:
+            strategies = rule.one_dim_strategies(dataclasses.replace(rule_call, partial_reduce_ops=partials_here))
+            _check_strategy_shapes(op, rule, strategies, len(rule_call.input_specs), len(rule_call.output_metas))
+            asked[partials_here] = strategies
+        fitting = [s for s in strategies if _fits_written_tensors(s, mesh_dim, call.kept_inputs, call.kept_outputs)]
+        if not fitting:
+            written = ", ".join(
+                f"{'self' if index == 0 and call.inplace else 'out'}: {_describe_placements(spec)}"
+                for index, spec in call.kept_outputs.items()
+            )
+            raise ShardingPropagationError(
+                f"{op} cannot write its result into a DTensor with placements ({written}) on mesh dim {mesh_dim}: "
+                f"every sharding strategy of the {rule.family!r} rule would need it redistributed "
+                f"(inputs: {_describe_inputs(call.specs)}). Redistribute it first or use the out-of-place op."
+            )
+        per_mesh_dim.append(fitting)
+    return per_mesh_dim
+
+
+def _cheapest_combination(
+    op: torch._ops.OpOverload, rule: ShardingRule, call: _Call, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
+) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
+    """Input and output placements of the exact n-D combination with the cheapest input redistribution.
+
+    Ranked by (bytes moved per rank, placements changed, enumeration order): free
+    local steps still lose to no step at all, and equal candidates resolve the same
+    way on every rank.
+    """
+    rule_call = call.rule_call
+    rule_specs = rule_call.input_specs
+    best_rank: tuple[float, int, int] | None = None
+    best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
+    costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
+    for order, combo in enumerate(itertools.product(*per_mesh_dim)):
+        inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
+        outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(rule_call.output_metas)))
+        if rule.is_valid is not None and not rule.is_valid(rule_call, inputs_nd, outputs_nd):
+            continue
+        moved = 0.0
+        changed = 0
+        for index, target in enumerate(inputs_nd):
+            current = rule_specs[index].placements
+            if target == current:
+                continue
+            cost = costs.get((index, target))
+            if cost is None:
+                cost = _redistribute_cost(rule_specs[index], target)
+                costs[(index, target)] = cost
+            moved += cost
+            changed += sum(1 for have, want in zip(current, target) if have != want)
+        rank = (moved, changed, order)
+        if best_rank is None or rank < best_rank:
+            best_rank, best = rank, (inputs_nd, outputs_nd)
+    if best_rank is None:
+        raise ShardingPropagationError(
+            f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({_describe_inputs(call.specs)})"
+        )
+    return best
+
+
+def decide_op_sharding(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> OpDecision:
+    """Compute (without the cache) the decision :func:`propagate_op_sharding` returns."""
+    spec_list: list[DTensorSpec[Any]] = []
+    position_list: list[ArgPosition] = []
+    for index, arg in enumerate(args):
+        _collect_specs(op, arg, index, spec_list, position_list)
+    for name, value in kwargs.items():
+        _collect_specs(op, value, name, spec_list, position_list)
+    if not spec_list:
+        raise ValueError(f"{op}: no DTensor among the arguments; sharding propagation needs at least one")
+    specs = tuple(spec_list)
+    rule = rule_for(op)
+    if rule is None:
+        raise NotImplementedError(f"shardwise has no sharding rule for {op} (inputs: {_describe_inputs(specs)})")
+    _check_inputs(op, specs)
+    mesh = specs[0].mesh
+
+    call = _prepare_call(op, rule, args, kwargs, specs, tuple(position_list))
+    best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
+
+    rule_targets = iter(
+        spec if spec.placements == target else spec.with_placements(target)
+        for spec, target in zip(call.rule_call.input_specs, best_inputs)
+    )
+    input_targets = tuple(spec if is_out else next(rule_targets) for spec, is_out in zip(specs, call.is_out_arg))
+
+    flat_outputs: list[DTensorSpec[Any] | None] = []
+    for index, (meta, placements) in enumerate(zip(call.rule_call.output_metas, best_outputs)):
+        if meta is None or placements is None:
+            flat_outputs.append(None)
+        elif index in call.kept_outputs:
+            kept = call.kept_outputs[index]
+            if kept.tensor_meta is not None and kept.tensor_meta.shape != meta.shape:
+                raise ValueError(
+                    f"{op}: the written DTensor has global shape {tuple(kept.tensor_meta.shape)} but the result "
+                    f"has shape {tuple(meta.shape)}; resizing a DTensor in place is not supported"
+                )
+            flat_outputs.append(kept)
+        else:
+            flat_outputs.append(DTensorSpec(mesh, placements, meta))
+    output_specs: OutputSpecs
+    if call.structure == _SINGLE:
+        output_specs = flat_outputs[0]
+    elif call.structure == _SEQUENCE:
+        output_specs = tuple(flat_outputs)
+    else:
+        output_specs = None
+
+    overrides: tuple[tuple[ArgPosition, object], ...] = ()
+    if rule.local_arg_overrides is not None:
+        overrides = rule.local_arg_overrides(call.rule_call, tuple(flat_outputs))
+    return OpDecision(
+        output_specs=output_specs,
+        input_specs=input_targets,
+        needs_redistribute=any(target is not spec for target, spec in zip(input_targets, specs)),
+        local_arg_overrides=overrides,
+    )
+
+
+def _redistribute_cost(spec: DTensorSpec[Any], target: tuple[Placement, ...]) -> float:
+    """Bytes per rank the redistribute planner's cheapest plan moves (the planner caches it)."""
+    return float(redistribute_cost_bytes(spec, spec.with_placements(target)))
