@@ -40,6 +40,10 @@ __all__ = [
     "PreparedOp",
     "clear_dispatch_cache",
     "dispatch_cache_size",
+    "OpHandler",
+    "register_op_handler",
+    "unregister_op_handler",
+    "custom_op_handlers",
 ]
 
 _Tensor = torch.Tensor
@@ -314,6 +318,46 @@ def _check_input_count(prepared: PreparedOp, count: int) -> None:
 # -- the entry point -----------------------------------------------------------------------
 
 
+OpHandler = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+
+# Ops whose DTensor behaviour is a whole algorithm rather than a sharding rule (e.g. loss_parallel's
+# cross-entropy on class-sharded logits). Empty on the common path, so dispatch pays one truthiness test.
+_op_handlers: dict[torch._ops.OpOverload, OpHandler] = {}
+
+
+def register_op_handler(op: torch._ops.OpOverload, handler: OpHandler) -> None:
+    """Run ``handler(op, args, kwargs)`` instead of sharding propagation for ``op`` on DTensors.
+
+    The handler gets the original arguments (DTensors untouched) and runs below autograd, like any
+    ``__torch_dispatch__`` code. Returning ``NotImplemented`` falls through to the normal path.
+    """
+    if op in _op_handlers:
+        raise ValueError(f"{op} already has a custom DTensor op handler ({_op_handlers[op]!r}); unregister it first")
+    _op_handlers[op] = handler
+
+
+def unregister_op_handler(op: torch._ops.OpOverload) -> None:
+    _op_handlers.pop(op, None)
+
+
+@contextlib.contextmanager
+def custom_op_handlers(handlers: dict[torch._ops.OpOverload, OpHandler]) -> Iterator[None]:
+    """Register ``handlers`` for the duration of the block (restoring whatever was there before)."""
+    previous = {op: _op_handlers[op] for op in handlers if op in _op_handlers}
+    for op in previous:
+        del _op_handlers[op]
+    registered: list[torch._ops.OpOverload] = []
+    try:
+        for op, handler in handlers.items():
+            register_op_handler(op, handler)
+            registered.append(op)
+        yield
+    finally:
+        for op in registered:
+            unregister_op_handler(op)
+        _op_handlers.update(previous)
+
+
 def torch_dispatch(
     cls: type,
     func: torch._ops.OpOverload,
@@ -327,6 +371,12 @@ def torch_dispatch(
     (Python scalars), ints/None/strings/dtypes, floats/bools and lists of ints;
     anything else (kwargs, tensor lists, other plain tensors) takes the general path.
     """
+    if _op_handlers:
+        handler = _op_handlers.get(func)
+        if handler is not None:
+            result = handler(func, args, kwargs or {})
+            if result is not NotImplemented:
+                return result
     if kwargs:
         return _dispatch_general(func, args, kwargs)
     local_args = list(args)

@@ -1,0 +1,59 @@
+"""Custom op handlers: an op can be taken over whole (loss_parallel's cross-entropy does this)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardwise.dtensor_ops._dispatch import custom_op_handlers, register_op_handler, unregister_op_handler
+from shardwise.testing import multi_rank
+
+aten = torch.ops.aten
+
+
+def _add_then_ten(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    left, right = args[0], args[1]
+    local = left.to_local() + right.to_local() + 10
+    return DTensor.from_local(local, left.device_mesh, left.placements)
+
+
+def _decline(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return NotImplemented
+
+
+@multi_rank(world_size=2)
+def test_handler_replaces_sharding_propagation_for_its_op_only() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(8.0).reshape(4, 2)
+    a = distribute_tensor(full, mesh, [Shard(0)])
+    with custom_op_handlers({aten.add.Tensor: _add_then_ten}):
+        assert torch.equal((a + a).full_tensor(), full + full + 10)
+        # Other ops keep the normal path.
+        assert torch.equal((a * a).full_tensor(), full * full)
+    assert torch.equal((a + a).full_tensor(), full + full)
+
+
+@multi_rank(world_size=2)
+def test_handler_returning_not_implemented_falls_through() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    a = distribute_tensor(torch.ones(2, 2), mesh, [Replicate()])
+    with custom_op_handlers({aten.add.Tensor: _decline}):
+        assert torch.equal((a + a).full_tensor(), torch.full((2, 2), 2.0))
+
+
+def test_registration_conflicts_and_restores() -> None:
+    register_op_handler(aten.sub.Tensor, _decline)
+    try:
+        with pytest.raises(ValueError, match="already has a custom DTensor op handler"):
+            register_op_handler(aten.sub.Tensor, _add_then_ten)
+        with custom_op_handlers({aten.sub.Tensor: _add_then_ten}):
+            from shardwise.dtensor_ops._dispatch import _op_handlers
+
+            assert _op_handlers[aten.sub.Tensor] is _add_then_ten
+        assert _op_handlers[aten.sub.Tensor] is _decline
+    finally:
+        unregister_op_handler(aten.sub.Tensor)
+    unregister_op_handler(aten.sub.Tensor)  # absent: no error
