@@ -98,8 +98,9 @@ def distribute_tensor(
     if data.device.type != mesh.device_type and not data.is_meta:
         data = data.to(mesh.device_type)
     local = distribute_local_data(data, mesh, target, src_data_rank)
-    # The global stride follows the local layout (shards are contiguous), so views agree on both levels.
-    meta = TensorMeta(data.shape, global_stride_like(local, data.shape), data.dtype)
+    # The global stride follows the layout of the tensor being distributed, which every rank holds with the
+    # same layout; a shard's own strides can differ per rank where it has a size-1 or empty dim.
+    meta = TensorMeta(data.shape, global_stride_like(data, data.shape), data.dtype)
     spec = DTensorSpec(mesh, target, meta)
     return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 

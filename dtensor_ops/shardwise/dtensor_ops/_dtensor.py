@@ -334,14 +334,27 @@ def global_stride_like(local_tensor: torch.Tensor, global_shape: Sequence[int]) 
     A contiguous local shard gives a contiguous global stride; a transposed one
     a transposed global stride.  Ties (size-1 dims) keep the logical order.
     """
-    local_stride = local_tensor.stride()
     ndim = len(global_shape)
+    if local_tensor.is_contiguous():
+        # Strides of size-0/1 dims are arbitrary and shard sizes differ between ranks, so the contiguous
+        # case must not look at them: every rank has to report the same global stride.
+        return _contiguous_stride(global_shape)
+    local_stride = local_tensor.stride()
     outer_to_inner = sorted(range(ndim), key=lambda dim: (-local_stride[dim], dim))
     stride = [0] * ndim
     running = 1
     for dim in reversed(outer_to_inner):
         stride[dim] = running
         running *= max(int(global_shape[dim]), 1)
+    return tuple(stride)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = [0] * len(shape)
+    running = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        stride[dim] = running
+        running *= max(int(shape[dim]), 1)
     return tuple(stride)
 
 
@@ -440,7 +453,9 @@ class _ToLocal(torch.autograd.Function):
         grad_spec = DTensorSpec(
             spec.mesh,
             placements,
-            TensorMeta(meta.shape, global_stride_like(grad_output, meta.shape), grad_output.dtype),
+            # The gradient of a tensor has that tensor's global layout; the local gradient's strides can
+            # differ per rank (size-1 dims), so they must not decide it.
+            TensorMeta(meta.shape, meta.stride, grad_output.dtype),
         )
         coordinate = spec.mesh.get_coordinate()
         if coordinate is not None:

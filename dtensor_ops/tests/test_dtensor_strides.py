@@ -1,0 +1,40 @@
+"""A DTensor's global stride is the same on every rank, whatever shape each rank's shard has."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardwise.testing import multi_rank
+
+
+def _strides_on_all_ranks(tensor: torch.Tensor) -> list[tuple[int, ...]]:
+    gathered: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tuple(tensor.stride()))
+    return [s for s in gathered if s is not None]
+
+
+@multi_rank(world_size=4)
+def test_stride_agrees_across_ranks_with_size_one_and_empty_shards() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    # 10 columns over 4 ranks: 3, 3, 3, 1; 3 columns: 1, 1, 1, 0.
+    for columns in (10, 3, 5):
+        full = torch.randn(6, columns)
+        sharded = distribute_tensor(full, mesh, [Shard(1)])
+        assert _strides_on_all_ranks(sharded) == [full.stride()] * 4, columns
+    transposed = torch.randn(10, 6).t()
+    sharded_t = distribute_tensor(transposed, mesh, [Shard(1)])
+    assert _strides_on_all_ranks(sharded_t) == [transposed.stride()] * 4
+    assert torch.equal(sharded_t.full_tensor(), transposed)
+
+
+@multi_rank(world_size=4)
+def test_gradient_layout_follows_the_parameter_on_every_rank() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    weight = distribute_tensor(torch.randn(6, 10), mesh, [Shard(1)]).requires_grad_()
+    (weight.to_local() * 2).sum().backward()
+    assert weight.grad is not None
+    assert _strides_on_all_ranks(weight.grad) == [weight.stride()] * 4
+    local = DTensor.from_local(torch.ones(2, 1), mesh, [Replicate()])
+    assert _strides_on_all_ranks(local) == [(1, 1)] * 4

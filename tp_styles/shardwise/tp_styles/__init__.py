@@ -1,0 +1,33 @@
+"""shardwise.tp_styles: tensor and sequence parallelism for nn.Modules (drop-in for
+``torch.distributed.tensor.parallel``, PyTorch 2.13).
+
+``parallelize_module(model, mesh, plan)`` applies parallel styles
+(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``) to
+submodules chosen by path; ``loss_parallel()`` computes cross-entropy on logits
+sharded on the class dim without gathering them.
+"""
+
+from .api import parallelize_module
+from .loss import loss_parallel
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]
