@@ -18,7 +18,8 @@ import pytest
 
 import shardwise.testing
 
-TESTING_SOURCE_ROOT = Path(shardwise.testing.__file__).resolve().parents[2]
+# Every folder holding a portion of the `shardwise` namespace (shardwise.testing imports the DTensor stack).
+SHARDWISE_SOURCE_ROOTS = os.pathsep.join(str(Path(portion).resolve().parent) for portion in shardwise.__path__)
 
 INNER_TESTS = '''
 import pytest
@@ -69,7 +70,7 @@ def test_generated_main_script_runs_each_test_once_on_ranks(tmp_path: Path) -> N
     environment = dict(os.environ)
     environment.update(
         {
-            "PYTHONPATH": str(TESTING_SOURCE_ROOT),
+            "PYTHONPATH": SHARDWISE_SOURCE_ROOTS,
             "MAIN_RUNS_FILE": str(runs_file),
             "IMPORT_MODE": "prepend",
             "INNER_TEST_FILE": str(tests_dir / "test_inner.py"),

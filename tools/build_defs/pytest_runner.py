@@ -8,14 +8,12 @@ import sys
 import pytest
 
 
-def _quiet_hypothesis() -> None:
-    # Hypothesis keeps an example database in the working directory, which is the read-only runfiles tree.
-    try:
-        from hypothesis import settings
-    except ImportError:
-        return
-    settings.register_profile("bazel", database=None, deadline=None, print_blob=True)
-    settings.load_profile("bazel")
+def _keep_hypothesis_out_of_runfiles() -> None:
+    # Hypothesis keeps its example database in the working directory, which is the runfiles tree.
+    # (Set through the environment: importing hypothesis here would stop pytest rewriting its asserts.)
+    scratch = os.environ.get("TEST_TMPDIR")
+    if scratch:
+        os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(scratch, "hypothesis"))
 
 
 def main() -> int:
@@ -23,7 +21,7 @@ def main() -> int:
     if not test_files:
         print("pytest_runner: no test file given", file=sys.stderr)
         return 2
-    _quiet_hypothesis()
+    _keep_hypothesis_out_of_runfiles()
     args = ["-p", "no:cacheprovider", "-ra", "--tb=short", *test_files]
     xml_output = os.environ.get("XML_OUTPUT_FILE")
     if xml_output:
