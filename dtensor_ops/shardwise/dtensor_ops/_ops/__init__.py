@@ -5,7 +5,21 @@ under (see :mod:`._strategy`); :mod:`shardwise.dtensor_ops._sharding_prop`
 extends them to n-D meshes and picks the cheapest.
 """
 
-from . import concat_split, matrix, pointwise, reduction, tensor_basics, view_ops
+from . import (
+    attention,
+    concat_split,
+    foreach_ops,
+    indexing,
+    math_ops,
+    matrix,
+    nn_ops,
+    norm_ops,
+    pointwise,
+    random_ops,
+    reduction,
+    tensor_basics,
+    view_ops,
+)
 from ._strategy import (
     LINEAR_REDUCE_OPS,
     ArgPosition,

@@ -1,0 +1,1 @@
+"""Normalisation layers: layer_norm and rms_norm, forward and backward."""

@@ -1,0 +1,1 @@
+"""Random ops: rand/randn-like factories, uniform_, normal_, bernoulli, dropout."""
