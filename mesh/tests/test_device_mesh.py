@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from group_count_helpers import count_new_group_calls
+from shardwise.testing._group_calls import count_new_group_calls
 
 from shardwise.mesh import DeviceMesh, MeshDimError, MeshError, get_current_mesh, init_device_mesh
 from shardwise.testing import multi_rank, run_on_ranks

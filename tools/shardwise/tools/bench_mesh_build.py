@@ -1,8 +1,8 @@
 """Measure mesh construction on 4 gloo ranks: shardwise.mesh vs PyTorch's DeviceMesh.
 
-Not a test (a measurement on a shared, noisy machine). Run from the repo root:
+A benchmark, not a test (these machines are noisy). Run from the repo root:
 
-    PYTHONPATH=mesh:placement:testing python mesh/tests/measure_mesh_build.py [repetitions]
+    PYTHONPATH=mesh:placement:dtensor_ops:testing:tools python -m shardwise.tools.bench_mesh_build [repetitions]
 
 Each repetition gets a fresh default process group, builds each mesh cold (no group exists yet)
 and then again warm, and records per rank the wall time and the c10d ``new_group`` calls (all
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.device_mesh as torch_device_mesh
-from group_count_helpers import count_new_group_calls
+from shardwise.testing._group_calls import count_new_group_calls
 
 from shardwise.mesh import init_device_mesh
 from shardwise.testing import run_on_ranks
