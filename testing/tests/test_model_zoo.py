@@ -197,3 +197,12 @@ def test_sequence_longer_than_max_seq_len_is_rejected() -> None:
     model = Transformer(ModelArgs(max_seq_len=4))
     with pytest.raises(ValueError, match="sequence length 5 exceeds max_seq_len=4"):
         model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_parallelize_checks_its_arguments_before_touching_a_mesh() -> None:
+    with pytest.raises(TypeError, match="expects a Transformer, got MLPModule"):
+        Transformer.parallelize(MLPModule("cpu"), None, False)  # type: ignore[arg-type]
+    model = Transformer(ModelArgs())
+    with pytest.raises(TypeError, match="device_mesh must be a DeviceMesh, got str"):
+        Transformer.parallelize(model, "cpu", False)  # type: ignore[arg-type]
+    assert all(type(param) is torch.nn.Parameter for param in model.parameters())

@@ -144,7 +144,6 @@ def test_rowwise_linear_counts_layouts_and_values() -> None:
     del rank
 
 
-@pytest.mark.xfail(strict=True, reason="needs sharding rule for aten.embedding (op-coverage issue)")
 @multi_rank
 def test_colwise_embedding_counts() -> None:
     _, world = rank_and_world()
@@ -164,7 +163,6 @@ def test_colwise_embedding_counts() -> None:
     torch.testing.assert_close(out, my_chunk(model(indices).detach(), 2))
 
 
-@pytest.mark.xfail(strict=True, reason="needs sharding rule for aten.embedding (op-coverage issue)")
 @multi_rank
 def test_rowwise_embedding_counts() -> None:
     _, world = rank_and_world()
@@ -471,7 +469,6 @@ def test_sequence_parallel_rms_norm() -> None:
     torch.testing.assert_close(out.full_tensor(), reference(seq_first).detach())
 
 
-@pytest.mark.xfail(strict=True, reason="needs sharding rule for aten.native_layer_norm (op-coverage issue)")
 @multi_rank
 def test_sequence_parallel_layer_norm() -> None:
     _, world = rank_and_world()
@@ -479,7 +476,8 @@ def test_sequence_parallel_layer_norm() -> None:
     mode = CommDebugMode()
     torch.manual_seed(8)
     global_input = torch.rand(3, 2 * world, 6)
-    sharded = distribute_tensor(global_input, mesh, [Shard(1)])
+    # The input requires grad so that the round without affine parameters still has a backward.
+    sharded = distribute_tensor(global_input, mesh, [Shard(1)]).requires_grad_()
     for elementwise_affine in (True, False):
         norm = nn.LayerNorm(6, elementwise_affine=elementwise_affine)
         reference = deepcopy(norm)
@@ -496,7 +494,6 @@ def test_sequence_parallel_layer_norm() -> None:
         torch.testing.assert_close(out.full_tensor(), expected.detach())
 
 
-@pytest.mark.xfail(strict=True, reason="needs sharding rule for aten.bernoulli_ / aten.native_dropout (op-coverage issue)")
 @multi_rank
 def test_sequence_parallel_dropout() -> None:
     _, world = rank_and_world()

@@ -30,6 +30,8 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
 from ._dtensor import DTensor
+from ._random import RandomPlan, plan_random_op, run_random_op
+from ._ops._strategy import builtin_op_handlers
 from ._redistribute import redistribute_local_tensor
 from ._sharding_prop import OpDecision, propagate_op_sharding
 
@@ -84,11 +86,14 @@ class PreparedOp:
         "mutated",
         "out_names",
         "simple",
+        "random_plan",
     )
 
     def __init__(self, op: torch._ops.OpOverload, decision: OpDecision) -> None:
         self.op = op
-        self.call: Callable[..., Any] = getattr(op, "_op", op)
+        # A rule's local kernel replaces the op on the local tensors (e.g. masked lookups in a row-sharded table).
+        kernel = decision.local_kernel
+        self.call: Callable[..., Any] = getattr(op, "_op", op) if kernel is None else kernel
         self.decision = decision
         self.input_specs: tuple[DTensorSpec[DeviceMesh], ...] = tuple(decision.input_specs)
         self.needs_redistribute: bool = bool(decision.needs_redistribute)
@@ -139,7 +144,14 @@ class PreparedOp:
         if self.wrap_kind == WRAP_INPLACE and isinstance(output_specs, DTensorSpec):
             self.output_spec = output_specs
         # The common case, taken without further checks: nothing to move, one tensor to wrap.
-        self.simple: bool = self.wrap_kind == WRAP_TENSOR and not self.needs_redistribute and not self.overrides
+        # Ops drawing random values run in this rank's shard stream (see _random); None for every other op.
+        self.random_plan: RandomPlan | None = plan_random_op(op, decision)
+        self.simple: bool = (
+            self.wrap_kind == WRAP_TENSOR
+            and not self.needs_redistribute
+            and not self.overrides
+            and self.random_plan is None
+        )
 
 
 _decision_cache: dict[tuple[Any, ...], PreparedOp] = {}
@@ -447,6 +459,8 @@ def torch_dispatch(
                 slot += 1
     for where, value in prepared.overrides:
         local_args[cast(int, where)] = value
+    if prepared.random_plan is not None:
+        return _finish(prepared, run_random_op(prepared.random_plan, prepared.call, local_args, {}), args, {})
     return _finish(prepared, prepared.call(*local_args), args, {})
 
 
@@ -525,7 +539,17 @@ def _collect_slots(
             _collect_slots(item, local_items, item_index, location, slots)
 
 
+# Handlers op families install at import (e.g. _foreach_norm's cross-shard reduction). They only exist for
+# ops taking tensor lists, which never take the flat fast path, so only this path looks them up.
+_builtin_op_handlers = builtin_op_handlers()
+
+
 def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    builtin_handler = _builtin_op_handlers.get(func)
+    if builtin_handler is not None:
+        handled = builtin_handler(func, args, kwargs)
+        if handled is not NotImplemented:
+            return handled
     mesh = _find_mesh(args)
     if mesh is None:
         mesh = _find_mesh(kwargs.values())
@@ -575,5 +599,8 @@ def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs
             local_args[where] = value
         else:
             local_kwargs[where] = value
-    result = prepared.call(*local_args, **local_kwargs)
+    if prepared.random_plan is not None:
+        result = run_random_op(prepared.random_plan, prepared.call, local_args, local_kwargs)
+    else:
+        result = prepared.call(*local_args, **local_kwargs)
     return _finish(prepared, result, args, kwargs)

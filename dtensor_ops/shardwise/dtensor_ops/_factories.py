@@ -7,10 +7,13 @@ ones, the others zeros).
 
 Random factories (``rand``, ``randn``) draw one seed from the default CPU
 generator (so ``torch.manual_seed`` makes them reproducible), agree on it across
-the mesh (the first rank's seed wins, one tiny broadcast per mesh dim) and seed a
-private generator per *shard*: the shard index counts only the mesh dims that
-shard the tensor, so ranks holding the same shard (replicated mesh dims) get the
-same values and different shards get independent values.
+the mesh (the first rank's seed wins, one tiny broadcast per mesh dim: factories
+run at initialisation, where this buys robustness against ranks seeded
+differently) and draw from a private generator with that seed in this rank's
+*shard stream* (``_random.run_in_shard_stream``, the same derivation random ops
+on DTensors use): only the mesh dims that shard the tensor count, so ranks
+holding the same shard get the same values and different shards get
+independent values.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, compute_local_shape
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, TensorMeta, compute_local_shape
 
 from ._api import resolve_device_mesh
 from ._dtensor import DTensor, new_dtensor, normalize_placements
+from ._random import RandomPlan, plan_for_spec, run_in_shard_stream
 from ._src_data import agree_on_int
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
 SizeArg = int | Sequence[int] | torch.Size
 
-# A local-tensor builder: (local shape, dtype, layout, device, shard seed or None) -> tensor.
-_Builder = Callable[[tuple[int, ...], torch.dtype, torch.layout, torch.device, int | None], torch.Tensor]
+# Where a random factory draws from: a generator seeded alike on every rank, and this rank's shard stream.
+_RandomSource = tuple[torch.Generator, RandomPlan]
+# A local-tensor builder: (local shape, dtype, layout, device, random source or None) -> tensor.
+_Builder = Callable[[tuple[int, ...], torch.dtype, torch.layout, torch.device, _RandomSource | None], torch.Tensor]
 
 
 def _parse_size(size: tuple[Any, ...], where: str) -> tuple[int, ...]:
@@ -64,19 +70,6 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 _SEED_MODULUS = 1 << 63
 
 
-def _shard_seed(base_seed: int, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> int:
-    """A seed shared by exactly the ranks that hold the same shard."""
-    coordinate = mesh.get_coordinate()
-    shard_index = 0
-    if coordinate is not None:
-        for mesh_dim, placement in enumerate(placements):
-            if isinstance(placement, Shard):
-                shard_index = shard_index * mesh.shape[mesh_dim] + coordinate[mesh_dim]
-    # A 64-bit LCG-style mix keeps nearby (seed, shard) pairs far apart.
-    mixed = (base_seed * 6364136223846793005 + (shard_index + 1) * 1442695040888963407) % _SEED_MODULUS
-    return mixed
-
-
 def _create(
     where: str,
     size: tuple[Any, ...],
@@ -97,13 +90,15 @@ def _create(
     coordinate = mesh.get_coordinate()
     local_shape = compute_local_shape(global_shape, mesh.shape, coordinate, target)
     device = torch.device(mesh.device_type)
-    seed: int | None = None
-    if random and coordinate is not None:
-        drawn = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
-        seed = _shard_seed(agree_on_int(drawn, mesh), mesh, target)
-    local = build(tuple(local_shape), dtype, layout, device, seed)
     meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
     spec = DTensorSpec(mesh, target, meta)
+    source: _RandomSource | None = None
+    if random and coordinate is not None:
+        drawn = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
+        generator = torch.Generator(device=device)
+        generator.manual_seed(agree_on_int(drawn, mesh))
+        source = (generator, plan_for_spec(spec))
+    local = build(tuple(local_shape), dtype, layout, device, source)
     if partial_needs_conversion and coordinate is not None and any(isinstance(p, Partial) for p in target):
         from ._redistribute import redistribute_local_tensor
 
@@ -213,13 +208,18 @@ def _random_builder(
     sample: Callable[..., torch.Tensor],
 ) -> _Builder:
     def build(
-        shape: tuple[int, ...], dtype: torch.dtype, layout: torch.layout, device: torch.device, seed: int | None
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        layout: torch.layout,
+        device: torch.device,
+        source: _RandomSource | None,
     ) -> torch.Tensor:
-        if seed is None:
+        if source is None:
             return sample(shape, dtype=dtype, layout=layout, device=device)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        return sample(shape, generator=generator, dtype=dtype, layout=layout, device=device)
+        generator, plan = source
+        return run_in_shard_stream(
+            plan, generator, lambda: sample(shape, generator=generator, dtype=dtype, layout=layout, device=device)
+        )
 
     return build
 

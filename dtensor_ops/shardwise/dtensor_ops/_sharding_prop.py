@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -67,6 +67,9 @@ class OpDecision:
     input_specs: tuple[DTensorSpec[Any], ...]
     needs_redistribute: bool
     local_arg_overrides: tuple[tuple[ArgPosition, object], ...] = ()
+    # Runs on the local tensors instead of the op (same arguments), when the shard-local computation is
+    # not the op itself (e.g. a lookup in a row-sharded table); plain data, see ShardingRule.local_kernel.
+    local_kernel: Callable[..., Any] | None = None
 
 
 class ShardingPropagationError(RuntimeError):
@@ -131,7 +134,11 @@ def _freeze(value: object, keep_number_values: bool) -> Hashable:
         # Tagged with the type: 2 == 2.0 == True would otherwise share a key but not a result dtype.
         return (kind, value) if keep_number_values else kind
     if kind is list or kind is tuple or kind is torch.Size:
-        return tuple([_freeze(item, True) for item in value])  # type: ignore[attr-defined]
+        # Floats in a list (a foreach op's per-tensor scalars, new every optimizer step) follow the rule's
+        # choice; ints and bools (sizes, dims, output masks) always key by value.
+        return tuple(
+            [_freeze(item, keep_number_values if type(item) is float else True) for item in value]  # type: ignore[attr-defined]
+        )
     if isinstance(value, torch.Tensor):
         return _PlainTensor(value.dtype, tuple(value.shape))
     return value
@@ -336,8 +343,10 @@ def _prepare_call(
     output_metas: tuple[TensorMeta | None, ...]
     if rule.tensor_outputs:
         computed = None if rule.output_meta is None else rule.output_meta(op, args, kwargs)
-        if computed is not None:
+        if isinstance(computed, TensorMeta):
             structure, output_metas = _SINGLE, (computed,)
+        elif computed is not None:  # several outputs (None for a non-tensor one)
+            structure, output_metas = _SEQUENCE, computed
         else:
             structure, output_metas = _run_on_meta(op, args, kwargs)
     else:
@@ -354,8 +363,12 @@ def _prepare_call(
     kept_inputs: dict[int, DTensorSpec[Any]] = {}
     kept_outputs: dict[int, DTensorSpec[Any]] = {}
     if facts.inplace:
-        kept_inputs[0] = rule_specs[0]
-        kept_outputs[0] = rule_specs[0]
+        # Every tensor of the written argument stays put: one for add_, a whole list for _foreach_add_.
+        for index, position in enumerate(rule_positions):
+            if position == 0:
+                kept_inputs[index] = rule_specs[index]
+        if output_metas:  # _foreach_add_ and friends return nothing
+            kept_outputs[0] = rule_specs[0]
     for spec, position in zip(specs, positions):
         if position in facts.out_names:
             kept_outputs[facts.out_names.index(str(position))] = spec
@@ -376,6 +389,7 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
         )
         strategies = asked.get(partials_here)
         if strategies is None:
+            assert rule.one_dim_strategies is not None, "rules without one_dim_strategies decide combined"
             strategies = rule.one_dim_strategies(dataclasses.replace(rule_call, partial_reduce_ops=partials_here))
             _check_strategy_shapes(op, rule, strategies, len(rule_call.input_specs), len(rule_call.output_metas))
             asked[partials_here] = strategies
@@ -435,6 +449,36 @@ def _cheapest_combination(
     return best
 
 
+def _check_combined_decision(
+    op: torch._ops.OpOverload,
+    rule: ShardingRule,
+    call: _Call,
+    inputs: Sequence[tuple[Placement, ...]],
+    outputs: Sequence[tuple[Placement, ...] | None],
+) -> None:
+    """A combined decision covers every input and output, and leaves written tensors where they are."""
+    rule_call = call.rule_call
+    if len(inputs) != len(rule_call.input_specs) or len(outputs) != len(rule_call.output_metas):
+        raise AssertionError(
+            f"the {rule.family!r} rule decided {len(inputs)} inputs and {len(outputs)} outputs for {op}; "
+            f"the call has {len(rule_call.input_specs)} DTensor inputs and {len(rule_call.output_metas)} outputs"
+        )
+    for index, spec in call.kept_inputs.items():
+        if inputs[index] != spec.placements:
+            raise ShardingPropagationError(
+                f"{op} cannot keep the DTensor it writes (input {index}) at placements "
+                f"{_describe_placements(spec)}: the {rule.family!r} rule needs {inputs[index]} "
+                f"(inputs: {_describe_inputs(call.specs)}). Redistribute it first or use the out-of-place op."
+            )
+    for index, spec in call.kept_outputs.items():
+        if outputs[index] != spec.placements:
+            raise ShardingPropagationError(
+                f"{op} cannot write its output {index} into a DTensor with placements "
+                f"{_describe_placements(spec)}: the {rule.family!r} rule produces {outputs[index]} "
+                f"(inputs: {_describe_inputs(call.specs)})"
+            )
+
+
 def decide_op_sharding(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> OpDecision:
@@ -455,7 +499,11 @@ def decide_op_sharding(
     mesh = specs[0].mesh
 
     call = _prepare_call(op, rule, args, kwargs, specs, tuple(position_list))
-    best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
+    if rule.combined_decision is not None:
+        best_inputs, best_outputs = rule.combined_decision(call.rule_call)
+        _check_combined_decision(op, rule, call, best_inputs, best_outputs)
+    else:
+        best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
 
     rule_targets = iter(
         spec if spec.placements == target else spec.with_placements(target)
@@ -488,11 +536,15 @@ def decide_op_sharding(
     overrides: tuple[tuple[ArgPosition, object], ...] = ()
     if rule.local_arg_overrides is not None:
         overrides = rule.local_arg_overrides(call.rule_call, tuple(flat_outputs))
+    local_kernel = None
+    if rule.local_kernel is not None:
+        local_kernel = rule.local_kernel(call.rule_call, best_inputs, tuple(flat_outputs))
     return OpDecision(
         output_specs=output_specs,
         input_specs=input_targets,
         needs_redistribute=any(target is not spec for target, spec in zip(input_targets, specs)),
         local_arg_overrides=overrides,
+        local_kernel=local_kernel,
     )
 
 

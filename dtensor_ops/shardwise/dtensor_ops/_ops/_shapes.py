@@ -43,8 +43,12 @@ __all__ = [
     "written_keyword_arguments",
 ]
 
-# (op, args, kwargs without out=) -> metadata of the single output, or None to fall back to meta tensors.
-OutputMetaFn = Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], TensorMeta | None]
+# (op, args, kwargs without out=) -> metadata of the single output, or of each output (a tuple, None for a
+# non-tensor one) for ops returning several; None to fall back to meta tensors.
+OutputMetaFn = Callable[
+    [torch._ops.OpOverload, Sequence[object], Mapping[str, object]],
+    TensorMeta | tuple[TensorMeta | None, ...] | None,
+]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -24,6 +24,8 @@ from ._shapes import OutputMetaFn
 
 __all__ = [
     "ArgPosition",
+    "BuiltinOpHandler",
+    "CombinedDecisionFn",
     "LINEAR_REDUCE_OPS",
     "OneDimStrategy",
     "OpCall",
@@ -31,7 +33,9 @@ __all__ = [
     "ShardingRule",
     "aten_overloads",
     "broadcast_input_placement",
+    "builtin_op_handlers",
     "partial_survives_cast",
+    "register_builtin_op_handler",
     "register_rule",
     "registered_ops",
     "rule_for",
@@ -129,10 +133,17 @@ class OpCall:
 
 
 StrategiesFn = Callable[[OpCall], Sequence[OneDimStrategy]]
+# call -> (n-D placements per rule input, n-D placements per output (None: not a tensor)), chosen directly
+CombinedDecisionFn = Callable[[OpCall], tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]]
 # (call, placements per rule input, placements per output (None: not a tensor)) -> is this n-D combination exact?
 ValidityFn = Callable[[OpCall, PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]], bool]
 # (call, chosen output specs (flattened)) -> argument replacements for the local op
 OverridesFn = Callable[[OpCall, tuple[DTensorSpec[Any] | None, ...]], tuple[tuple[ArgPosition, object], ...]]
+# (call, chosen n-D placements per rule input, chosen output specs (flattened)) -> what runs on the local
+# tensors instead of the op (taking the op's own arguments), or None to run the op itself.  Used where the
+# shard-local computation is not the op (e.g. a lookup in a row-sharded table masks out-of-range ids); the
+# kernel must be plain data (an instance of a module-level frozen dataclass with __call__), never a closure.
+LocalKernelFn = Callable[[OpCall, PlacementsPerTensor, tuple[DTensorSpec[Any] | None, ...]], Callable[..., Any] | None]
 
 
 @dataclass(frozen=True)
@@ -146,15 +157,32 @@ class ShardingRule:
     (the op is not run on meta tensors and the decision has no output specs).
     ``output_meta`` computes the single output's global metadata by shape rules
     (see :mod:`._shapes`); when absent or unsure, the op runs on meta tensors.
+
+    ``combined_decision`` replaces ``one_dim_strategies`` for families whose n-D
+    choice is composed of other decisions (a ``_foreach_*`` op: one engine decision
+    per list element); it returns the chosen n-D placements of every rule input and
+    output, and the engine skips its per-mesh-dim product.  Exactly one of the two
+    is given.
+
+    ``local_kernel`` names what runs on the local tensors instead of the op for
+    the chosen combination (see ``LocalKernelFn``); absent or None: the op itself.
     """
 
     family: str
-    one_dim_strategies: StrategiesFn
+    one_dim_strategies: StrategiesFn | None = None
     is_valid: ValidityFn | None = None
     local_arg_overrides: OverridesFn | None = None
     scalar_values_matter: bool = True
     tensor_outputs: bool = True
     output_meta: OutputMetaFn | None = None
+    combined_decision: CombinedDecisionFn | None = None
+    local_kernel: LocalKernelFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.one_dim_strategies is None) == (self.combined_decision is None):
+            raise ValueError(
+                f"sharding rule {self.family!r}: give exactly one of one_dim_strategies and combined_decision"
+            )
 
 
 _RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
@@ -173,6 +201,38 @@ def register_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> N
 
 def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:
     return _RULES.get(op)
+
+
+# (op, args, kwargs) with the original DTensors -> the result, or NotImplemented to use the op's rule.
+BuiltinOpHandler = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+
+_BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, BuiltinOpHandler] = {}
+
+
+def register_builtin_op_handler(ops: Iterable[torch._ops.OpOverload], handler: BuiltinOpHandler) -> None:
+    """Run ``handler`` instead of sharding propagation for ``ops`` (their DTensor behaviour is an algorithm).
+
+    For op families, at import: this package loads while the dispatcher is still being
+    initialised, so they cannot use ``_dispatch.register_op_handler``.  Only ops taking a
+    tensor list qualify: dispatch looks these handlers up on its general path alone, which
+    every tensor-list call takes, so ops on the flat fast path pay nothing for them.
+    """
+    for op in ops:
+        takes_tensor_list = any(
+            isinstance(argument.type, torch.ListType) and isinstance(argument.type.getElementType(), torch.TensorType)
+            for argument in op._schema.arguments
+        )
+        if not takes_tensor_list:
+            raise ValueError(f"{op}: a builtin DTensor op handler needs an op with a tensor-list argument")
+        existing = _BUILTIN_OP_HANDLERS.get(op)
+        if existing is not None and existing is not handler:
+            raise ValueError(f"{op} already has the builtin DTensor op handler {existing!r}")
+        _BUILTIN_OP_HANDLERS[op] = handler
+
+
+def builtin_op_handlers() -> dict[torch._ops.OpOverload, BuiltinOpHandler]:
+    """The registry itself (dispatch keeps a reference to it)."""
+    return _BUILTIN_OP_HANDLERS
 
 
 def registered_ops() -> frozenset[torch._ops.OpOverload]:

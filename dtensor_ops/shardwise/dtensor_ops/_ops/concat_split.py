@@ -1,4 +1,4 @@
-"""Concatenating and splitting: cat, split, split_with_sizes, unbind.
+"""Concatenating and splitting: cat, stack, split, split_with_sizes, unbind.
 
 On one mesh dim these run locally when every tensor involved is sharded on a dim
 other than the one being concatenated / split (every input has the same extent
@@ -6,6 +6,7 @@ there, so the shards line up), or replicated, or partial: cutting and joining
 only moves elements, so any Partial kind carries through.  The concatenated /
 split dim itself must not be sharded: the local pieces would not be the global
 pieces.  Outputs of split and unbind form a tuple of specs, one per piece.
+``stack`` is ``cat`` along a new dim: shards of the inputs' dims move past it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta
 from ._shapes import contiguous_meta, dtype_on_empty_tensors, has_row_major_layout, input_meta
 from ._strategy import OneDimStrategy, OpCall, ShardingRule, register_rule
 
-__all__ = ["CAT_RULE", "SPLIT_RULE"]
+__all__ = ["CAT_RULE", "SPLIT_RULE", "STACK_RULE"]
 
 aten = torch.ops.aten
 
@@ -104,5 +105,61 @@ def _split_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 SPLIT_RULE = ShardingRule(family="split", one_dim_strategies=_split_strategies)
 
+
+def _stack_dim(call_args: Sequence[object], kwargs: Mapping[str, object], out_ndim: int) -> int:
+    dim = call_args[1] if len(call_args) > 1 else kwargs.get("dim", 0)
+    assert isinstance(dim, int)
+    return normalize_dim(dim, out_ndim)
+
+
+def _stack_strategies(call: OpCall) -> list[OneDimStrategy]:
+    out_ndim = len(call.output_shape(0))
+    new_dim = _stack_dim(call.args, call.kwargs, out_ndim)
+    count = len(call.input_specs)
+    strategies = []
+    for shard_dim in range(out_ndim - 1):
+        out_dim = shard_dim if shard_dim < new_dim else shard_dim + 1
+        strategies.append(OneDimStrategy((Shard(out_dim),), (Shard(shard_dim),) * count))
+    strategies.append(OneDimStrategy((Replicate(),), (Replicate(),) * count))
+    for reduce_op in call.every_reduce_op():
+        partial = Partial(reduce_op)
+        strategies.append(OneDimStrategy((partial,), (partial,) * count))
+    return strategies
+
+
+def _stack_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    metas = [input_meta(tensor) for tensor in tensors]
+    if any(meta is None or not has_row_major_layout(meta) for meta in metas):
+        return None
+    shapes = {tuple(meta.shape) for meta in metas if meta is not None}
+    if len(shapes) != 1:
+        return None  # the meta run raises torch's error about unequal sizes
+    (shape,) = shapes
+    dim_arg = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(dim_arg, int) or not -(len(shape) + 1) <= dim_arg <= len(shape):
+        return None
+    dim = dim_arg % (len(shape) + 1)
+    dtype = dtype_on_empty_tensors(op, args, kwargs)
+    out_shape = (*shape[:dim], len(tensors), *shape[dim:])
+    return None if dtype is None else contiguous_meta(out_shape, dtype)
+
+
+STACK_RULE = ShardingRule(family="stack", one_dim_strategies=_stack_strategies, output_meta=_stack_output_meta)
+
 register_rule((aten.cat.default, aten.cat.out), CAT_RULE)
-register_rule((aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int), SPLIT_RULE)
+register_rule((aten.stack.default, aten.stack.out), STACK_RULE)
+register_rule(
+    (
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.unsafe_split.Tensor,
+        aten.unsafe_split_with_sizes.default,
+        aten.unbind.int,
+    ),
+    SPLIT_RULE,
+)

@@ -1,1 +1,598 @@
-"""Optimizer and training-utility ops: the _foreach_* family used by SGD/Adam/AdamW, norms for clip_grad_norm_."""
+"""Optimizer and training-utility ops: the ``_foreach_*`` family (SGD, Adam, AdamW, clip_grad_norm_).
+
+A ``_foreach_*`` op applies one per-tensor op to every element of its tensor lists
+(``_foreach_add_(params, grads, alpha=a)`` is ``params[i].add_(grads[i], alpha=a)``
+for every ``i``), in one local kernel.  Its sharding decision is composed the same
+way: each list element is decided by the engine as that per-tensor op on the
+element's arguments (its own cached decision, with the per-tensor op's rule:
+pointwise linearity in Partials, ``copy_``, ``zero_`` ...), and the foreach
+decision places every element as its own decision says.  Elements are independent,
+so the sum of the cheapest element decisions is the cheapest foreach decision, and
+lists may mix placements (some parameters sharded, others replicated).  A tensor
+argument shared by all elements (``_foreach_mul_(grads, clip_coef)``) must be
+placed alike for all of them.
+
+``_foreach_norm`` is an algorithm rather than a placement rule: a 2-norm of a
+sharded tensor is not any reduction of the shards' 2-norms.  Each rank computes
+``sum |x|^p`` of its shards, the values of all elements sharded on the same mesh
+dims are reduced in ONE all_reduce per mesh dim, and the p-th root is taken; mesh
+dims where an element is replicated take no part (nothing is counted twice).
+``_foreach_powsum`` (that inner sum) is linear in the shards and gets a rule:
+``Shard -> Partial(sum)``, no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Sequence, cast
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+
+from .._collectives import launch_all_reduce, wait
+from .._redistribute import redistribute_local_tensor
+from ._strategy import OpCall, PlacementsPerTensor, ShardingRule, register_builtin_op_handler, register_rule
+
+__all__ = [
+    "ELEMENT_OPS",
+    "ElementOp",
+    "FOREACH_RULE",
+    "INPLACE_FOREACH_RULE",
+    "POWSUM_RULE",
+    "norms_across_shards",
+]
+
+aten = torch.ops.aten
+OpOverload = torch._ops.OpOverload
+
+
+# ----------------------------------------------------------------------------------- the element table
+
+
+@dataclass(frozen=True)
+class ElementOp:
+    """How each list element of one ``_foreach_*`` overload is decided: as ``op`` on that element.
+
+    ``renamed`` maps a foreach argument name to the element op's (``scalars`` -> ``other``);
+    names not listed are the same.  ``written_as_out``: the in-place foreach op has no
+    in-place per-tensor counterpart (``_foreach_maximum_``), so its element is decided as the
+    ``out=`` form writing into ``self`` (``maximum(self, other, out=self)``).  ``whole_tensor_args``
+    are tensor arguments that the local kernel reads whole for every element (the 1-D
+    ``scalars`` of ``_foreach_addcmul.Tensor``: one value per element); they are replicated, and
+    the element op sees ``placeholders`` in their place (their values never change a decision).
+    """
+
+    op: OpOverload
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    written_as_out: bool = False
+    whole_tensor_args: tuple[str, ...] = ()
+    placeholders: Mapping[str, object] = field(default_factory=dict)
+
+
+ELEMENT_OPS: dict[OpOverload, ElementOp] = {}
+
+# _foreach_<name>(self) / _foreach_<name>_(self) -> aten.<name> / aten.<name>_
+_UNARY = (
+    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1", "floor", "frac",
+    "lgamma", "log", "log10", "log1p", "log2", "neg", "reciprocal", "round", "rsqrt", "sigmoid", "sign",
+    "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+def _overload(name: str, overload: str) -> OpOverload:
+    op: OpOverload = getattr(getattr(aten, name), overload)
+    return op
+
+
+def _add_pair(foreach_name: str, overload: str, element_name: str, element_overload: str, **options: Any) -> None:
+    """Map ``_foreach_<foreach_name>.<overload>`` and its in-place form to ``aten.<element_name>.<element_overload>``
+    and ``aten.<element_name>_.<element_overload>``.  ``inplace_overload`` / ``inplace_out`` adjust the in-place side.
+    """
+    inplace_overload = options.pop("inplace_overload", element_overload)
+    inplace_out = options.pop("inplace_out", False)
+    ELEMENT_OPS[_overload(f"_foreach_{foreach_name}", overload)] = ElementOp(
+        _overload(element_name, element_overload), **options
+    )
+    if inplace_out:
+        ELEMENT_OPS[_overload(f"_foreach_{foreach_name}_", overload)] = ElementOp(
+            _overload(element_name, "out"), written_as_out=True, **options
+        )
+    else:
+        ELEMENT_OPS[_overload(f"_foreach_{foreach_name}_", overload)] = ElementOp(
+            _overload(element_name + "_", inplace_overload), **options
+        )
+
+
+for _name in _UNARY:
+    _add_pair(_name, "default", _name, "default")
+
+for _name in ("add", "sub"):
+    _add_pair(_name, "List", _name, "Tensor")
+    _add_pair(_name, "Scalar", _name, "Scalar", renamed={"scalar": "other"})
+    _add_pair(_name, "ScalarList", _name, "Scalar", renamed={"scalars": "other"})
+_add_pair("add", "Tensor", "add", "Tensor")
+
+for _name in ("mul", "div"):
+    _add_pair(_name, "List", _name, "Tensor")
+    _add_pair(_name, "Tensor", _name, "Tensor")
+    _add_pair(_name, "Scalar", _name, "Scalar", renamed={"scalar": "other"})
+    _add_pair(_name, "ScalarList", _name, "Scalar", renamed={"scalars": "other"})
+
+# maximum(x, scalar) is clamp_min(x, scalar); aten has no maximum_/minimum_, so their lists are out= forms.
+for _name, _bound_name, _bound in (("maximum", "clamp_min", "min"), ("minimum", "clamp_max", "max")):
+    _add_pair(_name, "List", _name, "default", inplace_out=True)
+    _add_pair(_name, "Scalar", _bound_name, "default", renamed={"scalar": _bound})
+    _add_pair(_name, "ScalarList", _bound_name, "default", renamed={"scalars": _bound})
+
+for _name, _bound in (("clamp_min", "min"), ("clamp_max", "max")):
+    _add_pair(_name, "List", _name, "Tensor", renamed={"other": _bound})
+    _add_pair(_name, "Scalar", _name, "default", renamed={"scalar": _bound})
+    _add_pair(_name, "ScalarList", _name, "default", renamed={"scalars": _bound})
+
+_add_pair("pow", "List", "pow", "Tensor_Tensor", inplace_overload="Tensor")
+_add_pair("pow", "Scalar", "pow", "Tensor_Scalar", inplace_overload="Scalar")
+_add_pair("pow", "ScalarList", "pow", "Tensor_Scalar", inplace_overload="Scalar")
+ELEMENT_OPS[aten._foreach_pow.ScalarAndTensor] = ElementOp(aten.pow.Scalar)
+
+_add_pair("lerp", "List", "lerp", "Tensor", renamed={"tensors1": "end", "weights": "weight"})
+_add_pair("lerp", "Scalar", "lerp", "Scalar", renamed={"tensors1": "end"})
+_add_pair("lerp", "ScalarList", "lerp", "Scalar", renamed={"tensors1": "end"})
+
+for _name in ("addcmul", "addcdiv"):
+    _add_pair(_name, "Scalar", _name, "default")
+    _add_pair(_name, "ScalarList", _name, "default", renamed={"scalars": "value"})
+    _add_pair(_name, "Tensor", _name, "default", whole_tensor_args=("scalars",), placeholders={"value": 1.0})
+
+# The functional _foreach_copy / _foreach_zero return new tensors laid out like self: decided as copy_ / zero_.
+ELEMENT_OPS[aten._foreach_copy_.default] = ElementOp(aten.copy_.default)
+ELEMENT_OPS[aten._foreach_copy.default] = ElementOp(aten.copy_.default)
+ELEMENT_OPS[aten._foreach_zero_.default] = ElementOp(aten.zero_.default)
+ELEMENT_OPS[aten._foreach_zero.default] = ElementOp(aten.zero_.default)
+ELEMENT_OPS[aten._foreach_clone.default] = ElementOp(aten.clone.default)
+ELEMENT_OPS[aten._foreach_mm.default] = ElementOp(aten.mm.default)
+ELEMENT_OPS[aten._foreach_max.default] = ElementOp(aten.max.default)
+
+
+# ----------------------------------------------------------------------------------- element decisions
+
+
+def _is_list(argument: Any) -> bool:
+    return isinstance(argument.type, torch.ListType)
+
+
+def _named_arguments(op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, object]:
+    """The call's arguments by schema name (those given; defaults are left to the element op)."""
+    arguments = op._schema.arguments
+    named: dict[str, object] = {}
+    for index, value in enumerate(args):
+        named[arguments[index].name] = value
+    named.update(kwargs)
+    return named
+
+
+def _list_length(op: OpOverload, named: Mapping[str, object]) -> int:
+    lengths: dict[str, int] = {}
+    for argument in op._schema.arguments:
+        value = named.get(argument.name)
+        if _is_list(argument) and isinstance(value, (list, tuple)):
+            lengths[argument.name] = len(value)
+    distinct = set(lengths.values())
+    if len(distinct) != 1:
+        raise ValueError(
+            f"{op}: its list arguments must all have the same length, got "
+            + ", ".join(f"{name}: {length}" for name, length in lengths.items())
+        )
+    (length,) = distinct
+    if length == 0:
+        raise ValueError(f"{op}: the tensor lists are empty; expected at least one tensor")
+    return length
+
+
+class _ElementDecision:
+    """One element's decision: target placements per foreach argument name, and its output placements."""
+
+    __slots__ = ("targets", "output")
+
+    def __init__(self, targets: dict[str, tuple[Placement, ...]], output: DTensorSpec[Any] | None) -> None:
+        self.targets = targets
+        self.output = output
+
+
+# How one slot of an element call is filled: from a list argument's element, from an argument all elements
+# share, with a constant (placeholder or schema default), or with the element of ``self`` (the out= form).
+_FROM_LIST, _SHARED, _CONSTANT, _SELF_ELEMENT = range(4)
+
+
+class _CallTemplate(NamedTuple):
+    """The element call of one foreach overload (for one set of given arguments), worked out once."""
+
+    positional: tuple[tuple[int, str, object], ...]  # (kind, foreach argument name, constant)
+    keyword: tuple[tuple[str, int, str, object], ...]  # (element argument name, kind, foreach name, constant)
+
+
+_TEMPLATES: dict[tuple[OpOverload, frozenset[str]], _CallTemplate] = {}
+
+
+def _call_template(op: OpOverload, element: ElementOp, given: frozenset[str]) -> _CallTemplate:
+    key = (op, given)
+    template = _TEMPLATES.get(key)
+    if template is not None:
+        return template
+    list_arguments = {argument.name for argument in op._schema.arguments if _is_list(argument)}
+    inverse = {element_name: foreach_name for foreach_name, element_name in element.renamed.items()}
+    positional: list[tuple[int, str, object]] = []
+    keyword: list[tuple[str, int, str, object]] = []
+    skipped: list[Any] = []
+    for argument in element.op._schema.arguments:
+        foreach_name = inverse.get(argument.name, argument.name)
+        slot: tuple[int, str, object]
+        if element.written_as_out and argument.name == "out":
+            slot = (_SELF_ELEMENT, "self", None)
+        elif argument.name in element.placeholders:
+            slot = (_CONSTANT, "", element.placeholders[argument.name])
+        elif foreach_name in given and foreach_name not in element.whole_tensor_args:
+            slot = (_FROM_LIST if foreach_name in list_arguments else _SHARED, foreach_name, None)
+        else:
+            if not argument.kwarg_only:
+                skipped.append(argument)
+            continue
+        if argument.kwarg_only:
+            keyword.append((argument.name, *slot))
+        else:
+            # A later positional argument is given: the skipped ones are spelled out with their defaults.
+            positional.extend((_CONSTANT, "", missing.default_value) for missing in skipped)
+            skipped.clear()
+            positional.append(slot)
+    template = _CallTemplate(tuple(positional), tuple(keyword))
+    _TEMPLATES[key] = template
+    return template
+
+
+def _slot_value(kind: int, foreach_name: str, constant: object, named: Mapping[str, object], index: int) -> object:
+    if kind == _CONSTANT:
+        return constant
+    value = named[foreach_name]
+    if kind == _SHARED:
+        return value
+    assert isinstance(value, (list, tuple))
+    return value[index]
+
+
+def _element_call(
+    template: _CallTemplate, named: Mapping[str, object], index: int
+) -> tuple[tuple[object, ...], dict[str, object], list[str]]:
+    """Arguments of element ``index``'s per-tensor call, and the foreach argument name of each spec in it.
+
+    The names come in the engine's flattened order (positional, then keyword), which is the
+    order of the element decision's ``input_specs``; the out= slot is named "out".
+    """
+    args: list[object] = []
+    spec_names: list[str] = []
+    for kind, foreach_name, constant in template.positional:
+        value = _slot_value(kind, foreach_name, constant, named, index)
+        args.append(value)
+        if isinstance(value, DTensorSpec):
+            spec_names.append(foreach_name)
+    kwargs: dict[str, object] = {}
+    for element_name, kind, foreach_name, constant in template.keyword:
+        value = _slot_value(kind, foreach_name, constant, named, index)
+        kwargs[element_name] = value
+        if isinstance(value, DTensorSpec):
+            spec_names.append("out" if kind == _SELF_ELEMENT else foreach_name)
+    return tuple(args), kwargs, spec_names
+
+
+def _decide_element(
+    op: OpOverload, element: ElementOp, template: _CallTemplate, named: Mapping[str, object], index: int
+) -> _ElementDecision:
+    from .._sharding_prop import ShardingPropagationError, propagate_op_sharding  # this package loads first
+
+    args, kwargs, spec_names = _element_call(template, named, index)
+    try:
+        decision = propagate_op_sharding(element.op, args, kwargs)
+    except NotImplementedError as error:
+        raise NotImplementedError(
+            f"shardwise has no sharding rule for {op}: each list element is decided as {element.op}, and "
+            f"element {index} failed: {error}"
+        ) from error
+    except ShardingPropagationError as error:
+        raise ShardingPropagationError(f"{op}: list element {index} (decided as {element.op}): {error}") from error
+    targets = {
+        name: spec.placements for name, spec in zip(spec_names, decision.input_specs) if name != "out"
+    }
+    output = decision.output_specs
+    if output is not None and not isinstance(output, DTensorSpec):
+        raise AssertionError(f"{element.op} gave several outputs; a foreach element has one")
+    return _ElementDecision(targets, output)
+
+
+def _element_decisions(
+    op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> list[_ElementDecision]:
+    element = ELEMENT_OPS[op]
+    named = _named_arguments(op, args, kwargs)
+    template = _call_template(op, element, frozenset(named))
+    return [_decide_element(op, element, template, named, index) for index in range(_list_length(op, named))]
+
+
+def _rule_input_slots(call: OpCall) -> list[tuple[str, int | None]]:
+    """(foreach argument name, list index or None) of every rule input, in the engine's flattened order."""
+    arguments = call.op._schema.arguments
+    slots: list[tuple[str, int | None]] = []
+
+    def visit(name: str, value: object) -> None:
+        if isinstance(value, DTensorSpec):
+            slots.append((name, None))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, DTensorSpec):
+                    slots.append((name, index))
+                elif isinstance(item, torch.Tensor):
+                    raise TypeError(f"{call.op}: element {index} of {name!r} is a plain tensor among DTensors")
+
+    for position, value in enumerate(call.args):
+        visit(arguments[position].name, value)
+    for name, value in call.kwargs.items():
+        visit(name, value)
+    return slots
+
+
+def _foreach_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]:
+    from .._sharding_prop import ShardingPropagationError
+
+    element = ELEMENT_OPS[call.op]
+    decisions = _element_decisions(call.op, call.args, call.kwargs)
+    mesh_ndim = len(call.input_specs[0].placements)
+    inputs: list[tuple[Placement, ...]] = []
+    for (name, index), spec in zip(_rule_input_slots(call), call.input_specs):
+        if name in element.whole_tensor_args:
+            inputs.append((Replicate(),) * mesh_ndim)
+        elif index is not None:
+            inputs.append(decisions[index].targets[name])
+        else:
+            wanted = {decision.targets[name] for decision in decisions}
+            if len(wanted) != 1:
+                raise ShardingPropagationError(
+                    f"{call.op}: the shared tensor argument {name!r} (placements {spec.placements}) would have to be "
+                    f"placed differently for different list elements ({sorted(map(str, wanted))}); split the lists "
+                    "by placement or redistribute that argument first"
+                )
+            inputs.append(wanted.pop())
+    outputs: tuple[tuple[Placement, ...] | None, ...] = ()
+    if call.output_metas:
+        outputs = tuple(None if decision.output is None else decision.output.placements for decision in decisions)
+    return tuple(inputs), outputs
+
+
+def _foreach_output_metas(
+    op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[TensorMeta | None, ...] | None:
+    """Each output's metadata is its element decision's (no meta-tensor run of the whole list)."""
+    metas: list[TensorMeta | None] = []
+    for decision in _element_decisions(op, args, kwargs):
+        if decision.output is None or decision.output.tensor_meta is None:
+            return None
+        metas.append(decision.output.tensor_meta)
+    return tuple(metas)
+
+
+# Out-of-place overloads return one tensor per element; in-place ones return nothing (no output metadata).
+# Scalars (alpha, a Scalar, a ScalarList: Adam's step sizes change every step) never change where an element
+# runs, only their types can change a result dtype: the decision is cached by type.
+FOREACH_RULE = ShardingRule(
+    family="foreach",
+    combined_decision=_foreach_combined_decision,
+    output_meta=_foreach_output_metas,
+    scalar_values_matter=False,
+)
+INPLACE_FOREACH_RULE = ShardingRule(
+    family="foreach (in place)",
+    combined_decision=_foreach_combined_decision,
+    tensor_outputs=False,
+    scalar_values_matter=False,
+)
+
+
+def _returns_nothing(op: OpOverload) -> bool:
+    return not op._schema.returns
+
+
+register_rule([op for op in ELEMENT_OPS if not _returns_nothing(op)], FOREACH_RULE)
+register_rule([op for op in ELEMENT_OPS if _returns_nothing(op)], INPLACE_FOREACH_RULE)
+
+
+# ----------------------------------------------------------------------------------- _foreach_powsum
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _powsum_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]:
+    """sum |x|^p adds up over shards (Shard -> Partial(sum)); it is not linear in a Partial's parts (-> reduce)."""
+    inputs: list[tuple[Placement, ...]] = []
+    outputs: list[tuple[Placement, ...] | None] = []
+    for spec in call.input_specs:
+        target: list[Placement] = []
+        result: list[Placement] = []
+        for placement in spec.placements:
+            if isinstance(placement, Shard):
+                target.append(placement)
+                result.append(Partial("sum"))
+            else:
+                target.append(Replicate())
+                result.append(Replicate())
+        inputs.append(tuple(target))
+        outputs.append(tuple(result))
+    return tuple(inputs), tuple(outputs)
+
+
+def _powsum_output_metas(
+    op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[TensorMeta | None, ...] | None:
+    named = _named_arguments(op, args, kwargs)
+    tensors = named.get("self")
+    dtype = named.get("dtype")
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(item, DTensorSpec) for item in tensors):
+        return None
+    metas: list[TensorMeta | None] = []
+    for spec in tensors:
+        assert isinstance(spec, DTensorSpec) and spec.tensor_meta is not None
+        result_dtype = dtype if isinstance(dtype, torch.dtype) else _real_dtype(spec.tensor_meta.dtype)
+        metas.append(TensorMeta(torch.Size(()), (), result_dtype))
+    return tuple(metas)
+
+
+POWSUM_RULE = ShardingRule(
+    family="foreach powsum", combined_decision=_powsum_combined_decision, output_meta=_powsum_output_metas
+)
+register_rule((aten._foreach_powsum.Scalar,), POWSUM_RULE)
+
+
+# ----------------------------------------------------------------------------------- _foreach_norm
+
+
+def _accumulation_dtype(dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    if requested is not None:
+        return requested
+    real = _real_dtype(dtype)
+    # Half-precision partial sums lose digits at every step of the cross-rank sum: accumulate in float32.
+    return torch.float32 if real in (torch.float16, torch.bfloat16) else real
+
+
+_EMPTY_NORM_MESSAGE = "cannot compute the {} norm of an empty tensor (global shape {}): the operation has no identity"
+
+
+def norms_across_shards(
+    tensors: Sequence[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """The vector ``ord``-norm of each (whole, global) tensor, as a 0-dim replicated DTensor.
+
+    ``tensors`` are DTensors on one mesh (0-dim plain tensors, and any plain tensor inside
+    ``implicit_replication()``, count as replicated).  Partial inputs are reduced first (the norm
+    is not linear).  Each rank sums ``|x|^ord`` over its shards (max/min of ``|x|`` for
+    ``ord = ±inf``, the count of non-zeros for ``ord = 0``); the values of all tensors sharded on
+    the same mesh dims are reduced together, one all_reduce per such mesh dim; replicated mesh
+    dims are not reduced (no tensor is counted twice).  Errors are raised before any collective.
+    """
+    from .._dispatch import is_implicit_replication_enabled
+    from .._dtensor import DTensor, new_dtensor
+
+    if not tensors:
+        raise ValueError("norms_across_shards: expected at least one tensor, got an empty list")
+    mesh = next((tensor._spec.mesh for tensor in tensors if isinstance(tensor, DTensor)), None)
+    if mesh is None:
+        raise TypeError("norms_across_shards: expected DTensors, got only plain tensors")
+    order = float(ord)
+    reduce_op = "max" if order == math.inf else "min" if order == -math.inf else "sum"
+
+    specs: list[DTensorSpec[Any]] = []
+    locals_: list[torch.Tensor] = []
+    for index, tensor in enumerate(tensors):
+        if isinstance(tensor, DTensor):
+            if tensor._spec.mesh != mesh:
+                raise ValueError(
+                    f"norms_across_shards: tensor {index} lives on {tensor._spec.mesh!r}, tensor 0 on {mesh!r}; "
+                    "expected every DTensor on the same device mesh"
+                )
+            specs.append(tensor._spec)
+            locals_.append(tensor._local_tensor)
+        elif isinstance(tensor, torch.Tensor) and (tensor.dim() == 0 or is_implicit_replication_enabled()):
+            replicated = (Replicate(),) * mesh.ndim
+            specs.append(DTensorSpec(mesh, replicated, TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)))
+            locals_.append(tensor)
+        else:
+            raise RuntimeError(
+                f"norms_across_shards: tensor {index} is a plain torch.Tensor of shape {tuple(tensor.shape)} mixed "
+                "with DTensors; convert it with distribute_tensor / DTensor.from_local or use implicit_replication()"
+            )
+        if reduce_op != "sum" and math.prod(specs[-1].shape) == 0:
+            raise RuntimeError(_EMPTY_NORM_MESSAGE.format(order, tuple(specs[-1].shape)))
+
+    # Partial parts must be summed (or maxed) before a norm can be taken.
+    for index, spec in enumerate(specs):
+        if spec.has_partial():
+            reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+            target = spec.with_placements(reduced)
+            locals_[index] = redistribute_local_tensor(locals_[index], spec, target)
+            specs[index] = target
+
+    output_dtypes = [dtype if dtype is not None else _real_dtype(spec.dtype) for spec in specs]
+    values = [
+        _local_norm_part(local, order, _accumulation_dtype(spec.dtype, dtype)) for local, spec in zip(locals_, specs)
+    ]
+
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+    for index, spec in enumerate(specs):
+        sharded_mesh_dims = tuple(dim for dim, p in enumerate(spec.placements) if isinstance(p, Shard))
+        if sharded_mesh_dims:
+            groups.setdefault((sharded_mesh_dims, values[index].dtype), []).append(index)
+    group_names = mesh._dim_group_names
+    for (mesh_dims, _), members in groups.items():
+        stacked = torch.stack([values[index] for index in members])
+        for mesh_dim in mesh_dims:
+            stacked = wait(launch_all_reduce(stacked, reduce_op, group_names[mesh_dim]))
+        for position, index in enumerate(members):
+            values[index] = stacked[position]
+
+    results: list[torch.Tensor] = []
+    for value, output_dtype in zip(values, output_dtypes):
+        if reduce_op == "sum" and order not in (0.0, 1.0):
+            value = value.pow(1.0 / order)
+        local = value.to(output_dtype)
+        results.append(new_dtensor(local, _replicated_scalar_spec(mesh, output_dtype)))
+    return results
+
+
+def _local_norm_part(local: torch.Tensor, order: float, accumulate_in: torch.dtype) -> torch.Tensor:
+    """This rank's contribution: sum |x|^p, the count of non-zeros (p = 0), or max/min |x| (p = ±inf)."""
+    if order in (math.inf, -math.inf):
+        if local.numel() == 0:  # an empty shard: the reduction's identity (norms are never negative)
+            return torch.tensor(0.0 if order > 0 else math.inf, dtype=accumulate_in, device=local.device)
+        return torch.linalg.vector_norm(local, order, dtype=accumulate_in)
+    if order == 0.0:
+        return torch.linalg.vector_norm(local, 0.0, dtype=accumulate_in)
+    (part,) = torch._foreach_powsum([local], order, dtype=accumulate_in)
+    return part
+
+
+def _replicated_scalar_spec(mesh: Any, dtype: torch.dtype) -> DTensorSpec[Any]:
+    return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta(torch.Size(()), (), dtype))
+
+
+def _foreach_norm_handler(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    named = _named_arguments(op, args, kwargs)
+    tensors = named["self"]
+    order = named.get("ord", 2)
+    dtype = named.get("dtype")
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: expected a list of tensors, got {type(tensors).__name__}")
+    if not isinstance(order, (int, float)) or isinstance(order, bool):
+        raise TypeError(f"{op}: ord must be a real number, got {order!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r}")
+    return norms_across_shards(list(tensors), float(order), dtype)
+
+
+register_builtin_op_handler((aten._foreach_norm.Scalar,), _foreach_norm_handler)
+
+
+def _register_dtensor_for_foreach() -> None:
+    """Let torch's optimizers and clip_grad_norm_ pick their foreach paths for DTensors, as for plain tensors.
+
+    They check ``type(t)`` against these lists (PyTorch's own DTensor appends itself too).
+    """
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+
+    from .._dtensor import DTensor
+
+    for supported in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
+        supported_types = cast(list[type], supported)
+        if DTensor not in supported_types:
+            supported_types.append(DTensor)
+
+
+_register_dtensor_for_foreach()

@@ -8,6 +8,11 @@ partial values where the op is linear in them:
   ``Partial(sum)`` / ``Partial(avg)`` when *every* operand is partial of that kind
   (``sum_i a_i + sum_i b_i == sum_i (a_i + b_i)``); a Python number or plain
   tensor operand would be added once per rank, so then no Partial strategy exists;
+* adding a Python number or a replicated tensor to one partial operand
+  (``add``/``sub``/``rsub``, in place too) keeps ``Partial(avg)``, and
+  ``Partial(max)``/``Partial(min)`` where the partial operand is not negated
+  (``avg_i(x_i + c) == avg_i(x_i) + c``, same for max/min; a sum would get ``c``
+  once per rank);
 * multiplicative ops (``mul``, ``div`` by a divisor, the ``*_backward`` ops that
   scale the incoming gradient) keep it for one partial operand when all other
   operands are replicated;
@@ -43,6 +48,7 @@ _UNARY = (
     "rad2deg", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sgn", "signbit", "sin", "sinc",
     "sinh", "sqrt", "square", "tan", "tanh", "trunc", "gelu", "silu", "mish", "hardsigmoid", "hardswish",
     "hardtanh", "leaky_relu", "elu", "softplus", "threshold", "clamp", "clamp_min", "clamp_max", "pow",
+    "hardshrink", "softshrink",
 )  # fmt: skip
 _BINARY = (
     "add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "maximum", "minimum", "fmax",
@@ -53,7 +59,8 @@ _BINARY = (
 _GRADIENT_SCALING_BACKWARDS = (
     "sigmoid_backward", "tanh_backward", "threshold_backward", "gelu_backward", "silu_backward",
     "hardtanh_backward", "leaky_relu_backward", "hardsigmoid_backward", "hardswish_backward",
-    "softplus_backward", "mish_backward",
+    "softplus_backward", "mish_backward", "elu_backward", "logit_backward", "hardshrink_backward",
+    "softshrink_backward",
 )  # fmt: skip
 
 # Ops whose result is linear in all tensor operands together: operand positions.
@@ -63,6 +70,26 @@ for _op in (aten.add.Tensor, aten.add.out, aten.add_.Tensor, aten.sub.Tensor, at
     _ADDITIVE[_op] = (0, 1)
 for _op in (aten.neg.default, aten.neg.out, aten.neg_.default):
     _ADDITIVE[_op] = (0,)
+
+# Ops adding something replicated to one operand: its position -> the Partial kinds that shift with it.
+# Avg commutes with any affine map; max/min only where the operand keeps its sign (not the subtrahend,
+# not an ``alpha``-scaled operand, whose alpha the cache key holds by type only).
+_SHIFT_KINDS = ("avg", "max", "min")
+_SHIFTED: dict[torch._ops.OpOverload, tuple[tuple[int, tuple[str, ...]], ...]] = {}
+for _name, _overloads, _shifts in (
+    ("add", ("Tensor", "out"), ((0, _SHIFT_KINDS), (1, ("avg",)))),
+    ("add_", ("Tensor",), ((0, _SHIFT_KINDS), (1, ("avg",)))),
+    ("add", ("Scalar", "Scalar_out"), ((0, _SHIFT_KINDS),)),
+    ("add_", ("Scalar",), ((0, _SHIFT_KINDS),)),
+    ("sub", ("Tensor", "out"), ((0, _SHIFT_KINDS), (1, ("avg",)))),
+    ("sub_", ("Tensor",), ((0, _SHIFT_KINDS), (1, ("avg",)))),
+    ("sub", ("Scalar", "Scalar_out"), ((0, _SHIFT_KINDS),)),
+    ("sub_", ("Scalar",), ((0, _SHIFT_KINDS),)),
+    ("rsub", ("Tensor", "Tensor_out"), ((0, ("avg",)), (1, _SHIFT_KINDS))),  # other - alpha * self
+    ("rsub", ("Scalar", "Scalar_out"), ((0, ("avg",)),)),
+):
+    for _overload in _overloads:
+        _SHIFTED[getattr(getattr(aten, _name), _overload)] = _shifts
 
 # Ops linear in one operand while the others stay fixed: the positions it may be.
 _LINEAR_IN_ONE: dict[torch._ops.OpOverload, tuple[int, ...]] = {}
@@ -94,14 +121,21 @@ def pointwise_strategies(call: OpCall) -> list[OneDimStrategy]:
             for reduce_op in call.linear_reduce_ops():
                 partial = Partial(reduce_op)
                 strategies.append(OneDimStrategy((partial,), (partial,) * len(in_shapes)))
-    for position in _LINEAR_IN_ONE.get(call.op, ()):
+    one_partial: list[tuple[int, tuple[str, ...]]] = [
+        (position, call.linear_reduce_ops()) for position in _LINEAR_IN_ONE.get(call.op, ())
+    ]
+    for position, kinds in _SHIFTED.get(call.op, ()):
+        one_partial.append((position, tuple(kind for kind in kinds if kind in call.partial_reduce_ops)))
+    for position, kinds in one_partial:
         partial_index = call.input_index_at(position)
         if partial_index is None:
             continue
-        for reduce_op in call.linear_reduce_ops():
+        for reduce_op in kinds:
             partial = Partial(reduce_op)
             inputs = tuple(partial if index == partial_index else Replicate() for index in range(len(in_shapes)))
-            strategies.append(OneDimStrategy((partial,), inputs))
+            strategy = OneDimStrategy((partial,), inputs)
+            if strategy not in strategies:
+                strategies.append(strategy)
     return strategies
 
 

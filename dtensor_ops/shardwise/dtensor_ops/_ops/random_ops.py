@@ -1,1 +1,238 @@
-"""Random ops: rand/randn-like factories, uniform_, normal_, bernoulli, dropout."""
+"""Random ops: dropout, bernoulli, in-place and functional distribution fills, ``*_like`` random factories.
+
+Where the values land is decided here; which values each rank draws (per shard,
+equal on replicas, generators kept in step) is ``shardwise.dtensor_ops._random``'s
+job, which dispatch runs for every op in its random-op set.
+
+* Fills (``uniform_``, ``normal_``, ``bernoulli_(p)``, ``exponential_``, ...) never
+  read ``self``'s values: ``self`` keeps whatever placement it has (in place,
+  nothing moves).  On a Partial ``self`` the fill is drawn as if replicated along
+  that mesh dim and stored in the Partial layout: ``Partial(sum)`` keeps it on the
+  first rank of the mesh dim and zeros elsewhere, ``avg``/``max``/``min`` on every
+  rank, so the reduced value is one draw (as for a replicated tensor).
+* Functional fills (``uniform``, ``bernoulli(self, p)``, ...) and
+  ``randint_like``/``rand_like(generator=)`` take the input's shards and are
+  Replicate where the input is Partial (its values are not read).
+* ``bernoulli(self)`` reads ``self`` as probabilities: Shard or Replicate only
+  (a Partial input is reduced first); ``bernoulli_(self, p_tensor)`` reads ``p``,
+  which follows ``self``'s shards like a broadcast operand.
+* ``native_dropout`` is linear in its input for a fixed mask: Shard and Replicate
+  pass through, and a ``Partial(sum/avg)`` input gives a Partial output with a
+  Replicate mask (the mask is equal along that mesh dim, so the parts still add
+  up to the dropout of the sum).  ``native_dropout_backward`` is the same
+  product: the gradient may be Partial with a replicated mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+
+from ._shapes import input_meta, is_contiguous, same_as_input_meta
+from ._strategy import (
+    OneDimStrategy,
+    OpCall,
+    PlacementsPerTensor,
+    ShardingRule,
+    broadcast_input_placement,
+    register_rule,
+)
+from .tensor_basics import LIKE_FACTORY_RULE
+
+__all__ = [
+    "BERNOULLI_PROBABILITIES_RULE",
+    "BERNOULLI_TENSOR_P_RULE",
+    "DROPOUT_BACKWARD_RULE",
+    "DROPOUT_RULE",
+    "FUNCTIONAL_FILL_RULE",
+    "INPLACE_FILL_RULE",
+]
+
+aten = torch.ops.aten
+
+
+def _inplace_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
+    return [
+        OneDimStrategy((placement,), (placement,))
+        for placement in call.placements_keeping_values_unread(len(call.input_shape(0)))
+    ]
+
+
+INPLACE_FILL_RULE = ShardingRule(
+    family="random-fill_",
+    one_dim_strategies=_inplace_fill_strategies,
+    scalar_values_matter=False,
+    output_meta=same_as_input_meta,
+)
+
+
+def _functional_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = []
+    for placement in call.placements_keeping_values_unread(len(call.input_shape(0))):
+        output: Placement = Replicate() if isinstance(placement, Partial) else placement
+        strategies.append(OneDimStrategy((output,), (placement,)))
+    return strategies
+
+
+def _functional_fill_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    meta = input_meta(args[0]) if args else None
+    if meta is None or not is_contiguous(meta):
+        return None  # these ops keep a non-contiguous input's layout: let meta tensors say which
+    return meta
+
+
+FUNCTIONAL_FILL_RULE = ShardingRule(
+    family="random-fill",
+    one_dim_strategies=_functional_fill_strategies,
+    scalar_values_matter=False,
+    output_meta=_functional_fill_output_meta,
+)
+
+
+def _bernoulli_probabilities_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [OneDimStrategy((Shard(dim),), (Shard(dim),)) for dim in range(len(call.input_shape(0)))]
+    strategies.append(OneDimStrategy((Replicate(),), (Replicate(),)))
+    return strategies
+
+
+BERNOULLI_PROBABILITIES_RULE = ShardingRule(
+    family="bernoulli(probabilities)",
+    one_dim_strategies=_bernoulli_probabilities_strategies,
+    output_meta=_functional_fill_output_meta,
+)
+
+
+def _bernoulli_tensor_p_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``bernoulli(_)(self, p)``: ``self``'s values are unread, ``p`` is read like a broadcast operand."""
+    self_shape = call.input_shape(0)
+    has_p = len(call.input_specs) > 1
+    p_shape = call.input_shape(1) if has_p else torch.Size(())
+    in_place = call.op is aten.bernoulli_.Tensor
+    strategies = []
+    for placement in call.placements_keeping_values_unread(len(self_shape)):
+        if isinstance(placement, Shard):
+            p_placement = broadcast_input_placement(self_shape, p_shape, placement.dim)
+        else:
+            p_placement = Replicate()
+        output: Placement = placement
+        if isinstance(placement, Partial) and not in_place:
+            output = Replicate()
+        inputs: tuple[Placement, ...] = (placement, p_placement) if has_p else (placement,)
+        strategies.append(OneDimStrategy((output,), inputs))
+    return strategies
+
+
+BERNOULLI_TENSOR_P_RULE = ShardingRule(
+    family="bernoulli(p tensor)",
+    one_dim_strategies=_bernoulli_tensor_p_strategies,
+)
+
+
+def _dropout_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [
+        OneDimStrategy((Shard(dim), Shard(dim)), (Shard(dim),)) for dim in range(len(call.input_shape(0)))
+    ]
+    strategies.append(OneDimStrategy((Replicate(), Replicate()), (Replicate(),)))
+    for reduce_op in call.linear_reduce_ops():
+        strategies.append(OneDimStrategy((Partial(reduce_op), Replicate()), (Partial(reduce_op),)))
+    return strategies
+
+
+def _native_dropout_with_bool_mask(
+    input: torch.Tensor, p: float, train: bool | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    output, mask = aten.native_dropout.default(input, p, train)
+    if mask.dtype != torch.bool:
+        # torch's CPU kernel returns a mask of the input's dtype for an empty input: an empty shard must still
+        # hold the bool mask every other rank holds, or its collectives would not match theirs.
+        mask = mask.to(torch.bool)
+    return output, mask
+
+
+def _dropout_local_kernel(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> Callable[..., Any]:
+    return _native_dropout_with_bool_mask
+
+
+DROPOUT_RULE = ShardingRule(
+    family="dropout", one_dim_strategies=_dropout_strategies, local_kernel=_dropout_local_kernel
+)
+
+
+def _dropout_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [
+        OneDimStrategy((Shard(dim),), (Shard(dim), Shard(dim))) for dim in range(len(call.input_shape(0)))
+    ]
+    strategies.append(OneDimStrategy((Replicate(),), (Replicate(), Replicate())))
+    for reduce_op in call.linear_reduce_ops():
+        strategies.append(OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op), Replicate())))
+    return strategies
+
+
+def _dropout_backward_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    grad = input_meta(args[0]) if args else None
+    mask = input_meta(args[1]) if len(args) > 1 else None
+    if grad is None or mask is None or grad.shape != mask.shape:
+        return None
+    if not is_contiguous(grad):
+        return None
+    return grad
+
+
+DROPOUT_BACKWARD_RULE = ShardingRule(
+    family="dropout-backward",
+    one_dim_strategies=_dropout_backward_strategies,
+    scalar_values_matter=False,
+    output_meta=_dropout_backward_output_meta,
+)
+
+register_rule(
+    (
+        aten.uniform_.default,
+        aten.normal_.default,
+        aten.bernoulli_.float,
+        aten.exponential_.default,
+        aten.log_normal_.default,
+        aten.geometric_.default,
+        aten.cauchy_.default,
+        getattr(aten.random_, "default"),
+        getattr(aten.random_, "from"),
+        getattr(aten.random_, "to"),
+    ),
+    INPLACE_FILL_RULE,
+)
+register_rule(
+    (
+        aten.uniform.default,
+        aten.bernoulli.p,
+        aten.exponential.default,
+        aten.log_normal.default,
+        aten.geometric.default,
+        aten.cauchy.default,
+    ),
+    FUNCTIONAL_FILL_RULE,
+)
+register_rule((aten.bernoulli.default,), BERNOULLI_PROBABILITIES_RULE)
+register_rule((aten.bernoulli.Tensor, aten.bernoulli_.Tensor), BERNOULLI_TENSOR_P_RULE)
+register_rule((aten.native_dropout.default,), DROPOUT_RULE)
+register_rule((aten.native_dropout_backward.default,), DROPOUT_BACKWARD_RULE)
+# The like-factory rule (tensor_basics) covers the default and out= overloads; these take a generator or bounds.
+register_rule(
+    (
+        aten.rand_like.generator,
+        aten.randn_like.generator,
+        aten.randint_like.default,
+        aten.randint_like.low_dtype,
+        aten.randint_like.generator,
+        aten.randint_like.low_generator_dtype,
+    ),
+    LIKE_FACTORY_RULE,
+)

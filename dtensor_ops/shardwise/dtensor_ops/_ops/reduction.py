@@ -1,16 +1,32 @@
-"""Reductions: sum and mean over all dims or over ``dim`` (with ``keepdim``, ``dtype``, ``out=``).
+"""Reductions over some or all dims: sum, mean, amax/amin, max/min, aminmax, all/any, prod, argmax/argmin.
 
-On one mesh dim:
+On one mesh dim a dim the op keeps may stay sharded (its index shifts when
+``keepdim`` is False).  A reduced dim that is sharded leaves each rank with the
+reduction of its own shard; that is exact only where combining the per-rank
+results is one of the Partial kinds:
 
-* a dim that is kept may stay sharded (its index shifts when ``keepdim`` is False);
-* a reduced dim that is sharded leaves each rank with the reduction of its own
-  shard.  For ``sum`` that is ``Partial(sum)``, exact for any shard sizes (an
-  empty shard sums to 0).  For ``mean`` it is ``Partial(avg)``, which is exact
-  only when every rank averaged the same number of elements, i.e. when every
-  sharded reduced dim divides evenly over the mesh dims cutting it; otherwise the
-  combination is rejected and the cost choice redistributes instead;
-* both ops are linear, so a ``Partial(sum)``/``Partial(avg)`` input stays partial
-  (unless ``dtype`` converts the partial values to integers).
+* ``sum`` -> ``Partial(sum)``, exact for any shard sizes (an empty shard sums to 0);
+* ``mean`` -> ``Partial(avg)``, exact only when every rank averaged the same
+  number of elements, i.e. when every sharded reduced dim divides evenly over the
+  mesh dims cutting it; otherwise the combination is rejected and the cost choice
+  redistributes instead;
+* ``amax``/``max`` -> ``Partial(max)``, ``amin``/``min`` -> ``Partial(min)``
+  (``aminmax`` gives both), exact when no rank holds an empty piece of a reduced
+  dim (torch refuses to take the maximum of nothing, and there is no identity
+  that works for every dtype);
+* ``all`` -> ``Partial(min)``, ``any`` -> ``Partial(max)``: their results are 0/1
+  (bool, or uint8 for uint8 inputs) and an empty shard gives the identity
+  (``all`` of nothing is True), so any shard sizes work; every rank then reads
+  the same answer once the partial is reduced;
+* ``prod``, ``argmax``/``argmin`` (indices are global positions) and ``max.dim``
+  / ``min.dim`` (values with indices) have no matching Partial kind: their reduced
+  dims must be whole on every rank.
+
+Partial inputs carry through where the reduction commutes with the pending one:
+``sum``/``mean`` are linear (``Partial(sum)``/``Partial(avg)``, unless ``dtype``
+converts the parts to integers), ``amax``/``max`` of a ``Partial(max)`` is the max
+of the per-rank maxima (likewise for min), and ``all``/``any`` of a bool
+``Partial(min)``/``Partial(max)``.  Everything else reduces a Partial input first.
 """
 
 from __future__ import annotations
@@ -20,10 +36,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, normalize_dim
+from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, chunk_sizes, normalize_dim
 
 from ._shapes import contiguous_meta, dtype_on_empty_tensors, has_row_major_layout, input_meta
-
 from ._strategy import (
     OneDimStrategy,
     OpCall,
@@ -36,24 +51,65 @@ from ._strategy import (
 
 __all__ = [
     "ARG_REDUCTION_RULE",
-    "REDUCTION_RULE", "reduced_dims", "reduced_dims_of", "reduction_output_meta", "reduction_strategies"]
+    "EXTREMUM_RULE",
+    "LOGICAL_REDUCTION_RULE",
+    "REDUCTION_RULE",
+    "WHOLE_DIM_REDUCTION_RULE",
+    "every_sharded_piece_nonempty",
+    "kept_dim_strategies",
+    "reduced_dims",
+    "reduced_dims_of",
+    "reduction_output_meta",
+    "reduction_output_shape",
+    "reduction_strategies",
+    "schema_argument",
+]
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def schema_argument(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], name: str, default: object
+) -> object:
+    """The value of the schema argument ``name``, given positionally or by keyword; ``default`` if absent."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            if not argument.kwarg_only and index < len(args):
+                return args[index]
+            return kwargs.get(name, default)
+    return default
+
+
+# Overloads of these read an empty dim list as "reduce nothing" (every other reduction: "reduce all").
+_EMPTY_DIM_LIST_REDUCES_NOTHING = frozenset({"aten::all", "aten::any"})
 
 
 def reduced_dims_of(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], ndim: int
 ) -> tuple[frozenset[int], bool]:
-    """The input dims a sum/mean call reduces (normalised) and its keepdim flag."""
-    takes_dim = any(argument.name == "dim" for argument in op._schema.arguments)
-    if not takes_dim:
-        return frozenset(range(ndim)), False
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    """The input dims a reduction call reduces (normalised) and its keepdim flag.
+
+    Reads the schema's ``dim`` and ``keepdim`` arguments wherever the overload puts
+    them (positional or keyword-only); ``dim=None`` or an absent ``dim`` reduces every
+    dim (for ``argmax`` that is its flattened form).  Raises IndexError for a dim out
+    of range.
+    """
+    keepdim = bool(schema_argument(op, args, kwargs, "keepdim", False))
+    if not any(argument.name == "dim" for argument in op._schema.arguments):
+        return frozenset(range(ndim)), keepdim
+    dims = schema_argument(op, args, kwargs, "dim", None)
     if dims is None:
         return frozenset(range(ndim)), keepdim
     if isinstance(dims, int):
         dims = [dims]
-    assert isinstance(dims, (list, tuple))
-    if len(dims) == 0:  # torch: an empty dim list reduces every dim
+    if not isinstance(dims, (list, tuple)):
+        raise TypeError(f"{op}: dim must be an int, a list of ints or None, got {dims!r}")
+    if len(dims) == 0:
+        if op._schema.name in _EMPTY_DIM_LIST_REDUCES_NOTHING:
+            return frozenset(), keepdim
         return frozenset(range(ndim)), keepdim
     if ndim == 0:  # a 0-dim tensor accepts dim 0 / -1 and reduces nothing
         return frozenset(), keepdim
@@ -64,22 +120,59 @@ def reduced_dims(call: OpCall) -> tuple[frozenset[int], bool]:
     return reduced_dims_of(call.op, call.args, call.kwargs, len(call.input_shape(0)))
 
 
+def reduction_output_shape(shape: Sequence[int], reduced: frozenset[int], keepdim: bool) -> list[int]:
+    if keepdim:
+        return [1 if dim in reduced else size for dim, size in enumerate(shape)]
+    return [size for dim, size in enumerate(shape) if dim not in reduced]
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def kept_dim_strategies(
+    ndim: int,
+    reduced: frozenset[int],
+    keepdim: bool,
+    num_outputs: int,
+    sharded_reduction: tuple[Placement, ...] | None = None,
+) -> list[OneDimStrategy]:
+    """Per input dim in order: a kept dim ``d`` gives Shard(d) -> Shard(d') on every output, a reduced one
+    gives Shard(d) -> ``sharded_reduction`` (one placement per output) when that is given; then all replicated.
+    """
+    strategies = []
+    for dim in range(ndim):
+        if dim in reduced:
+            if sharded_reduction is not None:
+                strategies.append(OneDimStrategy(sharded_reduction, (Shard(dim),)))
+            continue
+        out_dim = dim if keepdim else dim - sum(1 for other in reduced if other < dim)
+        strategies.append(OneDimStrategy((Shard(out_dim),) * num_outputs, (Shard(dim),)))
+    strategies.append(OneDimStrategy((Replicate(),) * num_outputs, (Replicate(),)))
+    return strategies
+
+
+def every_sharded_piece_nonempty(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], dims: frozenset[int]
+) -> bool:
+    """Whether every rank's piece of each of ``dims`` is non-empty under ``placements`` (nested, torch.chunk)."""
+    pieces: dict[int, list[int]] = {dim: [shape[dim]] for dim in dims}
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard) and placement.dim in pieces:
+            pieces[placement.dim] = [
+                size for piece in pieces[placement.dim] for size in chunk_sizes(piece, mesh_shape[mesh_dim])
+            ]
+    return all(size > 0 for sizes in pieces.values() for size in sizes)
+
+
 def _is_mean(call: OpCall) -> bool:
     return call.op._schema.name == "aten::mean"
 
 
 def reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """sum / mean."""
     reduced, keepdim = reduced_dims(call)
     sharded_reduction: Placement = Partial("avg") if _is_mean(call) else Partial("sum")
-    strategies: list[OneDimStrategy] = []
-    dropped_before = 0
-    for dim in range(len(call.input_shape(0))):
-        if dim in reduced:
-            strategies.append(OneDimStrategy((sharded_reduction,), (Shard(dim),)))
-            dropped_before += 0 if keepdim else 1
-        else:
-            strategies.append(OneDimStrategy((Shard(dim - dropped_before),), (Shard(dim),)))
-    strategies.append(OneDimStrategy((Replicate(),), (Replicate(),)))
+    strategies = kept_dim_strategies(len(call.input_shape(0)), reduced, keepdim, 1, (sharded_reduction,))
     source_dtype = call.input_meta(0).dtype
     output_meta = call.output_metas[0]
     assert output_meta is not None
@@ -105,22 +198,115 @@ def _mean_shards_are_even(
     return all(shape[dim] % count == 0 for dim, count in pieces.items() if count > 1) or math.prod(shape) == 0
 
 
+# Per op: the Partial kind each output becomes when a reduced dim is sharded.
+_EXTREMUM_KINDS: dict[str, tuple[str, ...]] = {
+    "aten::amax": ("max",),
+    "aten::max": ("max",),
+    "aten::amin": ("min",),
+    "aten::min": ("min",),
+    "aten::aminmax": ("min", "max"),
+}
+
+
+def _extremum_strategies(call: OpCall) -> list[OneDimStrategy]:
+    kinds = _EXTREMUM_KINDS[call.op._schema.name]
+    reduced, keepdim = reduced_dims(call)
+    partial_outputs = tuple(Partial(kind) for kind in kinds)
+    strategies = kept_dim_strategies(len(call.input_shape(0)), reduced, keepdim, len(kinds), partial_outputs)
+    # max of per-rank maxima: a pending Partial(max) may be reduced after the op instead of before.
+    if len(set(kinds)) == 1 and kinds[0] in call.partial_reduce_ops:
+        strategies.append(OneDimStrategy(partial_outputs, (Partial(kinds[0]),)))
+    return strategies
+
+
+def _sharded_reduced_dims_nonempty(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
+) -> bool:
+    reduced, _ = reduced_dims(call)
+    sharded = frozenset(p.dim for p in inputs[0] if isinstance(p, Shard) and p.dim in reduced)
+    if not sharded:
+        return True
+    return every_sharded_piece_nonempty(call.input_shape(0), tuple(call.mesh.shape), inputs[0], sharded)
+
+
+_LOGICAL_KINDS: dict[str, str] = {"aten::all": "min", "aten::any": "max"}
+
+
+def _logical_reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
+    kind = _LOGICAL_KINDS[call.op._schema.name]
+    reduced, keepdim = reduced_dims(call)
+    strategies = kept_dim_strategies(len(call.input_shape(0)), reduced, keepdim, 1, (Partial(kind),))
+    # Only on bool values is all() the min (any() the max): bool(min(-1, 0)) is True, all([-1, 0]) is not.
+    if call.input_meta(0).dtype == torch.bool and kind in call.partial_reduce_ops:
+        strategies.append(OneDimStrategy((Partial(kind),), (Partial(kind),)))
+    return strategies
+
+
+def _whole_dim_reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
+    reduced, keepdim = reduced_dims(call)
+    return kept_dim_strategies(len(call.input_shape(0)), reduced, keepdim, len(call.output_metas))
+
+
+def _arg_reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """max.dim / min.dim: (values, indices) over one dim, which must not be sharded (indices are global)."""
+    ndim = len(call.input_shape(0))
+    dim_arg = call.arg(1, "dim")
+    assert isinstance(dim_arg, int)
+    reduced = frozenset([normalize_dim(dim_arg, ndim)]) if ndim else frozenset()
+    keepdim = bool(call.arg(2, "keepdim", False))
+    return kept_dim_strategies(ndim, reduced, keepdim, 2)
+
+
+# --------------------------------------------------------------------------- output metadata
+
+_COMPLEX_TO_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _result_dtype(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], source: torch.dtype) -> torch.dtype | None:
+    name = op._schema.name
+    if name in _EXTREMUM_KINDS:
+        return source
+    if name in ("aten::argmax", "aten::argmin"):
+        return torch.int64
+    if name in _LOGICAL_KINDS:
+        return torch.uint8 if source == torch.uint8 else torch.bool
+    # Everything else: the op's own promotion, from a run on element-free tensors.
+    return dtype_on_empty_tensors(op, args, kwargs)
+
+
 def reduction_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
+) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
+    """Reduced shape, contiguous, when the input has a row-major layout; one meta per output."""
     meta = input_meta(args[0]) if args else None
     if meta is None or not has_row_major_layout(meta):
         return None
     try:
         reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
-    except IndexError:
-        return None  # a dim out of range: the meta run raises torch's error
-    if keepdim:
-        shape = [1 if dim in reduced else size for dim, size in enumerate(meta.shape)]
-    else:
-        shape = [size for dim, size in enumerate(meta.shape) if dim not in reduced]
-    dtype = dtype_on_empty_tensors(op, args, kwargs)
-    return None if dtype is None else contiguous_meta(shape, dtype)
+    except (IndexError, TypeError):
+        return None  # a bad dim: the meta run raises torch's error
+    if 0 in meta.shape and op._schema.name in _EXTREMUM_KINDS:
+        return None  # torch refuses some empty reductions: the meta run raises its error
+    dtype = _result_dtype(op, args, kwargs, meta.dtype)
+    if dtype is None:
+        return None
+    output = contiguous_meta(reduction_output_shape(meta.shape, reduced, keepdim), dtype)
+    outputs = len(op._schema.returns)
+    return output if outputs == 1 else (output,) * outputs
+
+
+def _arg_reduction_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[TensorMeta | None, ...] | None:
+    meta = input_meta(args[0]) if args else None
+    if meta is None or not has_row_major_layout(meta) or 0 in meta.shape:
+        return None
+    try:
+        reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
+    except (IndexError, TypeError):
+        return None
+    shape = reduction_output_shape(meta.shape, reduced, keepdim)
+    return (contiguous_meta(shape, meta.dtype), contiguous_meta(shape, torch.int64))
 
 
 REDUCTION_RULE = ShardingRule(
@@ -130,26 +316,37 @@ REDUCTION_RULE = ShardingRule(
     output_meta=reduction_output_meta,
 )
 
+EXTREMUM_RULE = ShardingRule(
+    family="max/min reduction",
+    one_dim_strategies=_extremum_strategies,
+    is_valid=_sharded_reduced_dims_nonempty,
+    output_meta=reduction_output_meta,
+)
 
+LOGICAL_REDUCTION_RULE = ShardingRule(
+    family="all/any", one_dim_strategies=_logical_reduction_strategies, output_meta=reduction_output_meta
+)
 
-def _arg_reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
-    """max.dim / min.dim: (values, indices) over one dim, which must not be sharded (indices are global)."""
-    ndim = len(call.input_shape(0))
-    dim_arg = call.arg(1, "dim")
-    assert isinstance(dim_arg, int)
-    reduced = normalize_dim(dim_arg, max(ndim, 1))
-    keepdim = bool(call.arg(2, "keepdim", False))
-    strategies = []
-    for dim in range(ndim):
-        if dim == reduced:
-            continue
-        out_dim = dim if keepdim or dim < reduced else dim - 1
-        strategies.append(OneDimStrategy((Shard(out_dim), Shard(out_dim)), (Shard(dim),)))
-    strategies.append(OneDimStrategy((Replicate(), Replicate()), (Replicate(),)))
-    return strategies
+# Reductions with no Partial kind for a sharded reduced dim: it is gathered first.
+WHOLE_DIM_REDUCTION_RULE = ShardingRule(
+    family="reduction over whole dims",
+    one_dim_strategies=_whole_dim_reduction_strategies,
+    output_meta=reduction_output_meta,
+)
 
-
-ARG_REDUCTION_RULE = ShardingRule(family="max/min over a dim", one_dim_strategies=_arg_reduction_strategies)
+ARG_REDUCTION_RULE = ShardingRule(
+    family="max/min over a dim", one_dim_strategies=_arg_reduction_strategies, output_meta=_arg_reduction_output_meta
+)
 
 register_rule(aten_overloads(("sum", "mean"), with_inplace=False), REDUCTION_RULE)
-register_rule((torch.ops.aten.max.dim, torch.ops.aten.min.dim), ARG_REDUCTION_RULE)
+register_rule(
+    (
+        aten.amax.default, aten.amax.out, aten.amin.default, aten.amin.out,
+        aten.max.default, aten.max.unary_out, aten.min.default, aten.min.unary_out,
+        aten.aminmax.default, aten.aminmax.out,
+    ),
+    EXTREMUM_RULE,
+)  # fmt: skip
+register_rule(aten_overloads(("all", "any"), with_inplace=False), LOGICAL_REDUCTION_RULE)
+register_rule(aten_overloads(("prod", "argmax", "argmin"), with_inplace=False), WHOLE_DIM_REDUCTION_RULE)
+register_rule((aten.max.dim, aten.max.dim_max, aten.min.dim, aten.min.dim_min), ARG_REDUCTION_RULE)

@@ -1,6 +1,6 @@
 """Tensor basics: copies and aliases, ``*_like`` and ``new_*`` factories, fills, ``equal``.
 
-* ``detach``/``alias``/``clone``/``_to_copy`` keep the input's layout; a Partial
+* ``detach``/``detach_``/``alias``/``clone``/``_to_copy`` keep the input's layout; a Partial
   input stays Partial when converting each part keeps the reduction meaningful
   (``_to_copy`` to an integer dtype does not keep a sum).
 * ``copy_`` writes ``src`` into ``self`` in place: ``self`` keeps its placements,
@@ -78,7 +78,7 @@ def _copy_output_meta(
     if meta is None:
         return None
     name = op._schema.name
-    if name in ("aten::detach", "aten::alias"):
+    if name in ("aten::detach", "aten::detach_", "aten::alias"):
         return meta
     if len(args) > 1 or not has_row_major_layout(meta) or kwargs.get("memory_format") not in _KEEPS_LAYOUT:
         return None
@@ -242,6 +242,8 @@ register_rule(
     aten_overloads(("detach", "alias", "clone", "_to_copy"), overloads=("default", "out"), with_inplace=False),
     COPY_RULE,
 )
+# Optimizer.zero_grad(set_to_none=False) detaches a gradient in place when it has a history (create_graph=True).
+register_rule((aten.detach_.default,), COPY_RULE)
 register_rule((aten.copy_.default,), INPLACE_COPY_RULE)
 register_rule(
     aten_overloads(

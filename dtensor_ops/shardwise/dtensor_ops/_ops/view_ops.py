@@ -1,17 +1,34 @@
-"""Shape ops: view / _unsafe_view / reshape, expand, t, transpose.
+"""Shape ops: view / _unsafe_view / reshape, expand, t, transpose, permute, squeeze, unsqueeze.
 
 All of them move elements without combining them, so every Partial kind
 (sum, avg, max, min) passes through unchanged.
 
 ``view`` groups the input and output dims into runs of equal element count
-(``[b, s, h] -> [b*s, h]`` has the groups ``(b, s) -> (b*s)`` and ``h -> h``).  A
-dim alone in its group maps one to one.  In a merged or split group only the
-outermost dim can carry a shard, and only when the shards are the same flat
-ranges on both sides: ``[4, 3] -> [12]`` cut in 4 (rows 1 each, flat 3 each)
-works, ``[2, 3] -> [6]`` cut in 4 does not (torch.chunk gives rows 1,1,0,0 but
-flat 2,2,2,0).  That is checked exactly for the mesh sizes at hand, including
-several mesh dims nesting on the same dim.  The local op gets the local output
+(``[b, s, h] -> [b*s, h]`` has the groups ``(b, s) -> (b*s)`` and ``h -> h``).
+A dim alone in its group on both sides maps one to one.  In a group that merges
+or splits dims, a shard of any input dim of the group may become a shard of any
+output dim of the group, but only where every rank then holds exactly the
+elements the output placement says it holds: each rank's block of the group
+must be one contiguous range of the group's row-major (flat) order, the same
+range on both sides.  That is checked exactly, per mesh coordinate, for the
+combination of all mesh dims sharding the group (nested left to right), uneven
+and empty shards included.  So ``[4, 3] -> [12]`` cut in 4 keeps the shard
+(rows of 3 = flat ranges of 3), ``[2, 3] -> [6]`` cut in 4 does not (rows
+1,1,0,0 but flat 2,2,2,0); ``[b, s, h] -> [b*s, h]`` sharded on ``s`` only when
+``b == 1`` (then ``b`` is a group of its own) or when other mesh dims already cut
+``b`` into single rows; the attention head split ``[b, s, heads*hd] -> [b, s,
+heads, hd]`` sharded on the last dim gives a shard of ``heads`` whenever the
+heads divide evenly (and back again for the merge).  Otherwise the cheapest
+strategy that redistributes the input wins.  The local op gets the local output
 shape in place of the global ``size`` argument.
+
+``squeeze`` removes only the dims of *global* size 1.  A local shard can have
+size 1 where the global dim does not (a 4-row dim cut in 4); ``squeeze.dims``
+therefore gets the list of globally squeezed dims as its local argument, and
+for ``squeeze()`` / ``squeeze(dim)``, which cannot be told which dims to keep,
+the shardings that leave such a size-1 shard on a kept dim are refused (the
+input is redistributed instead).  A sharded dim that is squeezed away is
+replicated first.
 """
 
 from __future__ import annotations
@@ -29,11 +46,11 @@ from shardwise.placement import (
     Replicate,
     Shard,
     TensorMeta,
-    compute_local_shape_and_global_offset,
+    chunk_size_and_offset,
+    normalize_dim,
 )
 
 from ._shapes import contiguous_meta, input_meta, is_contiguous, resolve_view_size
-
 from ._strategy import (
     ArgPosition,
     OneDimStrategy,
@@ -44,7 +61,15 @@ from ._strategy import (
     register_rule,
 )
 
-__all__ = ["VIEW_RULE", "EXPAND_RULE", "TRANSPOSE_RULE", "view_dim_groups"]
+__all__ = [
+    "EXPAND_RULE",
+    "PERMUTE_RULE",
+    "SQUEEZE_RULE",
+    "TRANSPOSE_RULE",
+    "UNSQUEEZE_RULE",
+    "VIEW_RULE",
+    "view_dim_groups",
+]
 
 aten = torch.ops.aten
 
@@ -99,6 +124,16 @@ def view_dim_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple[
     return tuple(groups)
 
 
+def _unchanged_replicate_and_partials(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [OneDimStrategy((Replicate(),), (Replicate(),))]
+    for reduce_op in call.every_reduce_op():
+        strategies.append(OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op),)))
+    return strategies
+
+
+# --------------------------------------------------------------------------- view
+
+
 def _view_size_position(call: OpCall) -> ArgPosition:
     return 1 if len(call.args) > 1 else "size"
 
@@ -107,28 +142,72 @@ def _view_strategies(call: OpCall) -> list[OneDimStrategy]:
     groups = view_dim_groups(call.input_shape(0), call.output_shape(0))
     strategies: list[OneDimStrategy] = []
     for in_dims, out_dims in groups or ():
-        if in_dims and out_dims:
-            strategies.append(OneDimStrategy((Shard(out_dims[0]),), (Shard(in_dims[0]),)))
+        # Outermost to outermost first: on ties between exact strategies it is the natural one.
+        for in_dim in in_dims:
+            for out_dim in out_dims:
+                strategies.append(OneDimStrategy((Shard(out_dim),), (Shard(in_dim),)))
     strategies.extend(_unchanged_replicate_and_partials(call))
     return strategies
 
 
-def _unchanged_replicate_and_partials(call: OpCall) -> list[OneDimStrategy]:
-    strategies = [OneDimStrategy((Replicate(),), (Replicate(),))]
-    for reduce_op in call.every_reduce_op():
-        strategies.append(OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op),)))
-    return strategies
+def _flat_block(
+    shape: Sequence[int], dims: Sequence[int], cuts: Sequence[tuple[int, int, int]]
+) -> tuple[int, int] | None:
+    """(start, length) of one rank's block of ``dims`` in their row-major order; None if not one range.
+
+    ``cuts`` are (tensor dim, number of chunks, chunk index) applied in order
+    (nested mesh dims, left to right).  An empty block is ``(0, 0)``.
+    """
+    sizes = {dim: shape[dim] for dim in dims}
+    offsets = {dim: 0 for dim in dims}
+    for dim, chunks, index in cuts:
+        size, offset = chunk_size_and_offset(sizes[dim], chunks, index)
+        sizes[dim] = size
+        offsets[dim] += offset
+    if any(sizes[dim] == 0 for dim in dims):
+        return (0, 0)
+    # One range iff, inside the innermost dim not held whole, every outer dim holds a single index.
+    cut_positions = [position for position, dim in enumerate(dims) if sizes[dim] != shape[dim]]
+    if cut_positions and any(sizes[dim] != 1 for dim in dims[: cut_positions[-1]]):
+        return None
+    start = 0
+    inner = 1
+    for dim in reversed(dims):
+        start += offsets[dim] * inner
+        inner *= shape[dim]
+    return (start, math.prod(sizes[dim] for dim in dims))
 
 
-def _flat_ranges_match(
-    in_size: int, in_inner: int, out_size: int, out_inner: int, split_sizes: Sequence[int]
+def _group_shards_line_up(
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+    group: DimGroup,
+    mesh_shape: Sequence[int],
+    in_cuts: Sequence[tuple[int, int]],
+    out_cuts: Sequence[tuple[int, int]],
 ) -> bool:
-    """Whether nested torch.chunk splits of two dims cover the same flat element ranges everywhere."""
-    placements = (Shard(0),) * len(split_sizes)
-    for coordinate in itertools.product(*(range(size) for size in split_sizes)):
-        (in_len,), (in_off,) = compute_local_shape_and_global_offset((in_size,), split_sizes, coordinate, placements)
-        (out_len,), (out_off,) = compute_local_shape_and_global_offset((out_size,), split_sizes, coordinate, placements)
-        if in_len * in_inner != out_len * out_inner or in_off * in_inner != out_off * out_inner:
+    """Whether every coordinate holds the same single flat range of the group on both sides.
+
+    ``in_cuts`` / ``out_cuts``: (mesh dim, tensor dim) for the mesh dims sharding the group, in mesh-dim order.
+    """
+    in_dims, out_dims = group
+    mesh_dims = [mesh_dim for mesh_dim, _ in in_cuts]
+    for coordinate in itertools.product(*(range(mesh_shape[mesh_dim]) for mesh_dim in mesh_dims)):
+        in_block = _flat_block(
+            in_shape,
+            in_dims,
+            [(dim, mesh_shape[mesh_dim], index) for (mesh_dim, dim), index in zip(in_cuts, coordinate)],
+        )
+        out_block = _flat_block(
+            out_shape,
+            out_dims,
+            [(dim, mesh_shape[mesh_dim], index) for (mesh_dim, dim), index in zip(out_cuts, coordinate)],
+        )
+        if in_block is None or out_block is None:
+            return False
+        if in_block[1] == 0 and out_block[1] == 0:
+            continue
+        if in_block != out_block:
             return False
     return True
 
@@ -140,16 +219,21 @@ def _view_is_valid(
     groups = view_dim_groups(in_shape, out_shape)
     if groups is None:
         return True
+    output = outputs[0]
+    assert output is not None
     mesh_shape = tuple(call.mesh.shape)
-    for in_dims, out_dims in groups:
+    for group in groups:
+        in_dims, out_dims = group
         if len(in_dims) <= 1 and len(out_dims) <= 1:
-            continue
-        splitting = [mesh_shape[m] for m, placement in enumerate(inputs[0]) if placement == Shard(in_dims[0])]
-        if not splitting:
-            continue
-        in_inner = math.prod(in_shape[d] for d in in_dims[1:])
-        out_inner = math.prod(out_shape[d] for d in out_dims[1:])
-        if not _flat_ranges_match(in_shape[in_dims[0]], in_inner, out_shape[out_dims[0]], out_inner, splitting):
+            continue  # one dim to one dim of the same size: the same cut on both sides
+        in_cuts: list[tuple[int, int]] = []
+        out_cuts: list[tuple[int, int]] = []
+        for mesh_dim, (before, after) in enumerate(zip(inputs[0], output)):
+            if isinstance(before, Shard) and before.dim in in_dims:
+                assert isinstance(after, Shard) and after.dim in out_dims, "strategies pair shards within a group"
+                in_cuts.append((mesh_dim, before.dim))
+                out_cuts.append((mesh_dim, after.dim))
+        if in_cuts and not _group_shards_line_up(in_shape, out_shape, group, mesh_shape, in_cuts, out_cuts):
             return False
     return True
 
@@ -182,6 +266,9 @@ VIEW_RULE = ShardingRule(
     local_arg_overrides=_local_size_override,
     output_meta=_view_output_meta,
 )
+
+
+# --------------------------------------------------------------------------- expand
 
 
 def _expand_strategies(call: OpCall) -> list[OneDimStrategy]:
@@ -231,6 +318,9 @@ EXPAND_RULE = ShardingRule(
     local_arg_overrides=_local_size_override,
     output_meta=_expand_output_meta,
 )
+
+
+# --------------------------------------------------------------------------- transpose / t
 
 
 def _swapped_dims(call: OpCall) -> tuple[int, int]:
@@ -285,7 +375,188 @@ TRANSPOSE_RULE = ShardingRule(
     family="transpose", one_dim_strategies=_transpose_strategies, output_meta=_transpose_output_meta
 )
 
+
+# --------------------------------------------------------------------------- permute
+
+
+def _permutation(dims: object, ndim: int) -> tuple[int, ...] | None:
+    """``dims`` normalised, or None when it is not a permutation of ``range(ndim)`` (torch then raises)."""
+    if not isinstance(dims, (list, tuple)) or len(dims) != ndim:
+        return None
+    if not all(isinstance(dim, int) and -max(ndim, 1) <= dim < max(ndim, 1) for dim in dims):
+        return None
+    normalised = tuple(dim % max(ndim, 1) for dim in dims)
+    return normalised if sorted(normalised) == list(range(ndim)) else None
+
+
+def _permute_strategies(call: OpCall) -> list[OneDimStrategy]:
+    ndim = len(call.input_shape(0))
+    order = _permutation(call.arg(1, "dims"), ndim)
+    assert order is not None, "the output metadata check rejects a bad permutation first"
+    strategies = [OneDimStrategy((Shard(out_dim),), (Shard(in_dim),)) for out_dim, in_dim in enumerate(order)]
+    strategies.extend(_unchanged_replicate_and_partials(call))
+    return strategies
+
+
+def _permute_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    meta = input_meta(args[0]) if args else None
+    if meta is None:
+        return None
+    order = _permutation(args[1] if len(args) > 1 else kwargs.get("dims"), len(meta.shape))
+    if order is None:
+        return None  # the meta run raises torch's own error
+    return TensorMeta(
+        torch.Size([meta.shape[dim] for dim in order]), tuple(meta.stride[dim] for dim in order), meta.dtype
+    )
+
+
+PERMUTE_RULE = ShardingRule(family="permute", one_dim_strategies=_permute_strategies, output_meta=_permute_output_meta)
+
+
+# --------------------------------------------------------------------------- squeeze / unsqueeze
+
+
+def _requested_squeeze_dims(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], ndim: int
+) -> tuple[int, ...] | None:
+    """The dims the call asks to squeeze (normalised); None when an argument is out of range."""
+    if op is aten.squeeze.default:
+        return tuple(range(ndim))
+    raw = args[1] if len(args) > 1 else kwargs.get("dim")
+    requested = [raw] if isinstance(raw, int) else raw
+    if not isinstance(requested, (list, tuple)):
+        return None
+    size = max(ndim, 1)
+    if not all(isinstance(dim, int) and -size <= dim < size for dim in requested):
+        return None
+    return tuple(dim % size for dim in requested) if ndim > 0 else ()
+
+
+def _squeezed_dims(call: OpCall) -> tuple[int, ...]:
+    """Dims the call really removes: requested ones of global size 1."""
+    shape = call.input_shape(0)
+    requested = _requested_squeeze_dims(call.op, call.args, call.kwargs, len(shape))
+    assert requested is not None, "the output metadata check rejects bad dims first"
+    return tuple(sorted({dim for dim in requested if shape[dim] == 1}))
+
+
+def _squeeze_strategies(call: OpCall) -> list[OneDimStrategy]:
+    removed = _squeezed_dims(call)
+    strategies = []
+    for dim in range(len(call.input_shape(0))):
+        if dim in removed:
+            continue  # its only element sits on one rank; the others hold nothing to squeeze
+        strategies.append(OneDimStrategy((Shard(dim - sum(1 for gone in removed if gone < dim)),), (Shard(dim),)))
+    strategies.extend(_unchanged_replicate_and_partials(call))
+    return strategies
+
+
+def _nested_chunk_sizes(size: int, splits: Sequence[int]) -> set[int]:
+    sizes = {size}
+    for chunks in splits:
+        sizes = {chunk_size_and_offset(piece, chunks, index)[0] for piece in sizes for index in range(chunks)}
+    return sizes
+
+
+def _squeeze_is_valid(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
+) -> bool:
+    if call.op is aten.squeeze.dims:
+        return True  # the local call is told exactly which dims to squeeze
+    shape = call.input_shape(0)
+    requested = _requested_squeeze_dims(call.op, call.args, call.kwargs, len(shape))
+    assert requested is not None
+    mesh_shape = tuple(call.mesh.shape)
+    for dim in requested:
+        if shape[dim] == 1:
+            continue
+        splits = [mesh_shape[m] for m, placement in enumerate(inputs[0]) if placement == Shard(dim)]
+        # squeeze() / squeeze(dim) on the local tensor would drop a kept dim whose shard has 1 element.
+        if splits and 1 in _nested_chunk_sizes(shape[dim], splits):
+            return False
+    return True
+
+
+def _squeeze_overrides(
+    call: OpCall, output_specs: tuple[DTensorSpec[Any] | None, ...]
+) -> tuple[tuple[ArgPosition, object], ...]:
+    if call.op is not aten.squeeze.dims:
+        return ()
+    removed = list(_squeezed_dims(call))
+    given = call.arg(1, "dim")
+    if isinstance(given, (list, tuple)) and list(given) == removed:
+        return ()
+    return ((1 if len(call.args) > 1 else "dim", removed),)
+
+
+def _squeeze_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    meta = input_meta(args[0]) if args else None
+    if meta is None:
+        return None
+    requested = _requested_squeeze_dims(op, args, kwargs, len(meta.shape))
+    if requested is None or len(set(requested)) != len(requested):
+        return None
+    kept = [dim for dim in range(len(meta.shape)) if not (dim in requested and meta.shape[dim] == 1)]
+    return TensorMeta(
+        torch.Size([meta.shape[dim] for dim in kept]), tuple(meta.stride[dim] for dim in kept), meta.dtype
+    )
+
+
+SQUEEZE_RULE = ShardingRule(
+    family="squeeze",
+    one_dim_strategies=_squeeze_strategies,
+    is_valid=_squeeze_is_valid,
+    local_arg_overrides=_squeeze_overrides,
+    output_meta=_squeeze_output_meta,
+)
+
+
+def _unsqueeze_dim(dim: object, ndim: int) -> int | None:
+    if not isinstance(dim, int) or not -(ndim + 1) <= dim <= ndim:
+        return None
+    return dim % (ndim + 1)
+
+
+def _unsqueeze_strategies(call: OpCall) -> list[OneDimStrategy]:
+    ndim = len(call.input_shape(0))
+    new_dim = _unsqueeze_dim(call.arg(1, "dim"), ndim)
+    assert new_dim is not None, "the output metadata check rejects a bad dim first"
+    strategies = [
+        OneDimStrategy((Shard(dim if dim < new_dim else dim + 1),), (Shard(dim),)) for dim in range(ndim)
+    ]
+    strategies.extend(_unchanged_replicate_and_partials(call))
+    return strategies
+
+
+def _unsqueeze_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    meta = input_meta(args[0]) if args else None
+    if meta is None:
+        return None
+    new_dim = _unsqueeze_dim(args[1] if len(args) > 1 else kwargs.get("dim"), len(meta.shape))
+    if new_dim is None:
+        return None
+    shape, stride = list(meta.shape), list(meta.stride)
+    # torch's rule for the new dim's stride: what stepping over the next dim's whole extent would take.
+    new_stride = 1 if new_dim == len(shape) else shape[new_dim] * stride[new_dim]
+    shape.insert(new_dim, 1)
+    stride.insert(new_dim, new_stride)
+    return TensorMeta(torch.Size(shape), tuple(stride), meta.dtype)
+
+
+UNSQUEEZE_RULE = ShardingRule(
+    family="unsqueeze", one_dim_strategies=_unsqueeze_strategies, output_meta=_unsqueeze_output_meta
+)
+
 register_rule((aten.view.default, aten._unsafe_view.default, aten._unsafe_view.out, aten.reshape.default), VIEW_RULE)
 register_rule((aten.expand.default,), EXPAND_RULE)
-# t_/transpose_ change the shape of self in place; not supported here.
+# t_/transpose_/squeeze_/unsqueeze_ change the shape of self in place; not supported here.
 register_rule(aten_overloads(("t", "transpose"), overloads=("default", "int"), with_inplace=False), TRANSPOSE_RULE)
+register_rule((aten.permute.default,), PERMUTE_RULE)
+register_rule((aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims), SQUEEZE_RULE)
+register_rule((aten.unsqueeze.default,), UNSQUEEZE_RULE)

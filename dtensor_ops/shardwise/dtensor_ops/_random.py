@@ -1,0 +1,430 @@
+"""Random numbers on DTensors: per-shard streams derived from generators that every rank keeps in step.
+
+The contract (see the package README, "Random ops"):
+
+* the values a random op produces are a function of the *shard* a rank holds:
+  ranks that hold the same shard (they differ only along Replicate or Partial
+  mesh dims) get identical values, ranks holding different shards (along Shard
+  mesh dims) get different ones;
+* every rank's generator advances by the same amount for the same op, whatever
+  its shard size (uneven and empty shards included), so the ranks stay in step
+  for the next op without any communication;
+* the generators start in step because every rank seeds them alike
+  (``torch.manual_seed(seed)`` or :func:`manual_seed`; the default seeds of a
+  fresh process agree too).  Nothing checks it: a check would cost a collective
+  per op.
+
+How a sharded op gets its stream (values with no Shard mesh dim simply run the op
+on the generator as it is, so they equal plain torch's values for the same seed):
+
+* CUDA (Philox, counter based): the generator keeps its seed; shard ``k`` of
+  ``n`` runs at offset ``start + k * stride`` and afterwards every rank sets the
+  offset to ``start + n * stride``.  ``stride`` bounds what a kernel consumes for
+  the largest shard, so the shards' counter ranges never overlap.
+* CPU (mt19937, no offsets): one 32-bit value is drawn from the generator (the
+  only advance, equal on every rank), the generator is seeded with a bijective
+  mix of (that value, shard index) for the op and then restored.
+
+Only the ops in the random-op set take this path (one set membership test when
+dispatch builds its cached ``PreparedOp``); everything else pays nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+
+import torch
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
+
+if TYPE_CHECKING:
+    from ._sharding_prop import OpDecision
+
+__all__ = [
+    "RandomPlan",
+    "default_generator_for",
+    "is_random_op",
+    "is_rng_supported_mesh",
+    "manual_seed",
+    "plan_for_spec",
+    "plan_random_op",
+    "random_ops",
+    "register_random_ops",
+    "run_in_shard_stream",
+    "run_random_op",
+]
+
+aten = torch.ops.aten
+_T = TypeVar("_T")
+
+_U32 = 1 << 32
+
+
+def _overloads(*packets: Any) -> list[torch._ops.OpOverload]:
+    found = []
+    for packet in packets:
+        for name in packet.overloads():
+            if name.endswith("out"):
+                continue  # out= forms are not supported with DTensors here
+            found.append(getattr(packet, name))
+    return found
+
+
+# Ops whose values come from a generator. Dispatch consults this set once per cached decision.
+_RANDOM_OPS: set[torch._ops.OpOverload] = set(
+    _overloads(
+        aten.native_dropout,
+        aten.bernoulli,
+        aten.bernoulli_,
+        aten.uniform,
+        aten.uniform_,
+        aten.normal_,
+        aten.exponential,
+        aten.exponential_,
+        aten.log_normal,
+        aten.log_normal_,
+        aten.geometric,
+        aten.geometric_,
+        aten.cauchy,
+        aten.cauchy_,
+        aten.random_,
+        aten.rand_like,
+        aten.randn_like,
+        aten.randint_like,
+    )
+)
+# out= forms the like-factory rule supports (the output takes the input's shards).
+_RANDOM_OPS.update((aten.rand_like.out, aten.randn_like.out))
+
+# In-place fills whose result ignores the old values of self: on a Partial(sum) self, the parts must add up to
+# one draw, so the first rank along each such mesh dim keeps the values and the others hold zeros.
+_SELF_IGNORING_FILLS: frozenset[torch._ops.OpOverload] = frozenset(
+    _overloads(
+        aten.bernoulli_,
+        aten.uniform_,
+        aten.normal_,
+        aten.exponential_,
+        aten.log_normal_,
+        aten.geometric_,
+        aten.cauchy_,
+        aten.random_,
+    )
+)
+
+
+def register_random_ops(ops: Iterable[torch._ops.OpOverload]) -> None:
+    """Make ``ops`` draw their values per shard (of their first output) on DTensors.
+
+    For op families whose kernels consume the generator (e.g. attention with
+    dropout).  Call it at import time: decisions dispatch cached earlier keep the
+    plain path.
+    """
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"register_random_ops expects aten OpOverloads, got {type(op).__name__} {op!r}")
+        _RANDOM_OPS.add(op)
+
+
+def is_random_op(op: torch._ops.OpOverload) -> bool:
+    return op in _RANDOM_OPS
+
+
+def random_ops() -> frozenset[torch._ops.OpOverload]:
+    return frozenset(_RANDOM_OPS)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True, slots=True)
+class RandomPlan:
+    """How this rank draws the values of one random op (plain data, cached with the dispatch decision).
+
+    ``shard_index`` is None when the values are the same on every rank of the mesh
+    (no Shard mesh dim of size > 1): the op then runs on the generator as it is.
+    ``cuda_offset_stride`` is the Philox offset range reserved per shard.
+    ``holds_zeros``: this rank's part of a Partial(sum) fill is zero.
+    ``generator_arg``: where the op takes an explicit generator (position or keyword), if anywhere.
+    """
+
+    shard_index: int | None
+    num_shards: int
+    cuda_offset_stride: int
+    holds_zeros: bool
+    generator_arg: int | str | None
+
+
+def _round_up_to_4(value: int) -> int:
+    return (value + 3) // 4 * 4
+
+
+def _offset_stride(spec: DTensorSpec[Any]) -> int:
+    """Philox offsets that cover any kernel's consumption on the largest shard.
+
+    CUDA's distribution kernels advance the offset by 4 per ``unroll`` elements a
+    thread handles (``unroll`` is 4 for float, 2 for double), i.e. at most
+    ``2 * numel + 4``; the first shard (coordinate 0 everywhere) is the largest
+    under torch.chunk's layout. A margin of 16 keeps it safe for kernels that
+    round up further.
+    """
+    meta = spec.tensor_meta
+    if meta is None:
+        raise ValueError(f"random ops need the output spec's tensor_meta, got {spec!r}")
+    mesh = spec.mesh
+    first_shard = compute_local_shape(meta.shape, mesh.shape, (0,) * mesh.ndim, spec.placements)
+    numel = 1
+    for extent in first_shard:
+        numel *= extent
+    return _round_up_to_4(2 * numel) + 16
+
+
+def plan_for_spec(
+    spec: DTensorSpec[Any], *, zeros_off_root_of_partial_sum: bool = False, generator_arg: int | str | None = None
+) -> RandomPlan:
+    """The plan for drawing a tensor laid out as ``spec`` on this rank.
+
+    ``zeros_off_root_of_partial_sum``: the values are to be stored in ``spec``'s
+    Partial(sum) layout (one rank per group holds them, the others zeros).
+    """
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    shard_index = 0
+    num_shards = 1
+    holds_zeros = False
+    for mesh_dim, placement in enumerate(spec.placements):
+        size = mesh.shape[mesh_dim]
+        if isinstance(placement, Shard) and size > 1:
+            num_shards *= size
+            shard_index = shard_index * size + (coordinate[mesh_dim] if coordinate is not None else 0)
+        elif (
+            zeros_off_root_of_partial_sum
+            and isinstance(placement, Partial)
+            and placement.reduce_op == "sum"
+            and coordinate is not None
+            and coordinate[mesh_dim] != 0
+        ):
+            holds_zeros = True
+    if num_shards == 1 or coordinate is None:
+        return RandomPlan(None, 1, 0, holds_zeros, generator_arg)
+    return RandomPlan(shard_index, num_shards, _offset_stride(spec), holds_zeros, generator_arg)
+
+
+def _first_spec(value: Any) -> DTensorSpec[Any] | None:
+    if isinstance(value, DTensorSpec):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_spec(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _generator_argument(op: torch._ops.OpOverload) -> int | str | None:
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "generator":
+            return argument.name if argument.kwarg_only else position
+    return None
+
+
+def plan_random_op(op: torch._ops.OpOverload, decision: OpDecision) -> RandomPlan | None:
+    """The plan for ``op`` under ``decision``; None if ``op`` draws no random values.
+
+    The values are laid out like the op's first tensor output (for in-place ops:
+    the written tensor).
+    """
+    if op not in _RANDOM_OPS:
+        return None
+    spec = _first_spec(decision.output_specs)
+    if spec is None:
+        spec = _first_spec(decision.input_specs)
+    if spec is None:
+        return None
+    return plan_for_spec(
+        spec, zeros_off_root_of_partial_sum=op in _SELF_IGNORING_FILLS, generator_arg=_generator_argument(op)
+    )
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def default_generator_for(device: torch.device) -> torch.Generator | None:
+    """The default generator random ops on ``device`` draw from; None for devices without one (meta)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+def _mix32(value: int) -> int:
+    """A bijection on 32-bit ints that scatters nearby inputs (MurmurHash3's finaliser)."""
+    value ^= value >> 16
+    value = (value * 0x85EBCA6B) % _U32
+    value ^= value >> 13
+    value = (value * 0xC2B2AE35) % _U32
+    value ^= value >> 16
+    return value
+
+
+def shard_seed(base: int, shard_index: int) -> int:
+    """The mt19937 seed of one shard: distinct for distinct shard indices (below 2**32) of one ``base``.
+
+    torch's CPU generator keeps only the low 32 bits of a seed, so distinctness is
+    ensured in 32 bits: an odd multiple of the index plus ``base`` and then the
+    finaliser are both bijections.
+    """
+    return _mix32((base + 0x9E3779B9 * (shard_index + 1)) % _U32)
+
+
+# One reusable 0-dim tensor per device receives the draw: allocating it per op costs more than the draw.
+_draw_carriers: dict[torch.device, torch.Tensor] = {}
+
+
+def _draw_u32(generator: torch.Generator) -> int:
+    device = generator.device
+    carrier = _draw_carriers.get(device)
+    if carrier is None:
+        carrier = torch.empty((), dtype=torch.int64, device=device)
+        _draw_carriers[device] = carrier
+    carrier.random_(0, _U32, generator=generator)
+    return int(carrier)
+
+
+_warned_devices: set[str] = set()
+
+
+def _warn_unsupported(device: torch.device) -> None:
+    if device.type not in _warned_devices:
+        _warned_devices.add(device.type)
+        warnings.warn(
+            f"shardwise random ops on {device.type!r} DTensors run on each rank's generator as it is: sharded "
+            "values are not made distinct per shard (supported: 'cpu' and 'cuda')",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def run_in_shard_stream(plan: RandomPlan, generator: torch.Generator, sample: Callable[[], _T]) -> _T:
+    """Run ``sample`` (which draws from ``generator``) in this rank's shard stream of ``plan``.
+
+    Afterwards ``generator`` has advanced by the same amount on every rank.
+    """
+    shard_index = plan.shard_index
+    if shard_index is None:
+        return sample()
+    device_type = generator.device.type
+    if device_type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a sharded DTensor random op cannot run under CUDA graph capture: its per-shard Philox offset is "
+                "set on the host; run it outside the captured region (or on replicated values)"
+            )
+        start = generator.get_offset()
+        generator.set_offset(start + shard_index * plan.cuda_offset_stride)
+        try:
+            return sample()
+        finally:
+            generator.set_offset(start + plan.num_shards * plan.cuda_offset_stride)
+    base = _draw_u32(generator)
+    saved = generator.get_state()
+    generator.manual_seed(shard_seed(base, shard_index))
+    try:
+        return sample()
+    finally:
+        generator.set_state(saved)
+
+
+def _first_tensor_device(values: Sequence[Any]) -> torch.device | None:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)):
+            device = _first_tensor_device(value)
+            if device is not None:
+                return device
+    return None
+
+
+def _explicit_generator(plan: RandomPlan, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Generator | None:
+    where = plan.generator_arg
+    if where is None:
+        return None
+    if isinstance(where, str):
+        found = kwargs.get(where)
+    else:
+        found = args[where] if where < len(args) else kwargs.get("generator")
+    return found if isinstance(found, torch.Generator) else None
+
+
+def _zero_result(result: Any) -> None:
+    if isinstance(result, torch.Tensor):
+        with torch.no_grad():
+            result.zero_()
+
+
+def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[Any], local_kwargs: dict[str, Any]) -> Any:
+    """Dispatch's execution step for a random op: ``call`` on the local tensors in this rank's shard stream."""
+    if plan.shard_index is None:
+        result = call(*local_args, **local_kwargs)
+    else:
+        generator = _explicit_generator(plan, local_args, local_kwargs)
+        if generator is None:
+            device = _first_tensor_device(local_args) or _first_tensor_device(list(local_kwargs.values()))
+            generator = default_generator_for(device) if device is not None else None
+            if generator is None:
+                if device is not None and device.type != "meta":
+                    _warn_unsupported(device)
+                return call(*local_args, **local_kwargs)
+        result = run_in_shard_stream(plan, generator, lambda: call(*local_args, **local_kwargs))
+    if plan.holds_zeros:
+        _zero_result(result)
+    return result
+
+
+# --------------------------------------------------------------------------- public API (shardwise.dtensor_ops.random)
+
+
+def is_rng_supported_mesh(device_mesh: DeviceMesh) -> bool:
+    """Whether random ops on DTensors of ``device_mesh`` draw per shard as described above.
+
+    True for CPU meshes and for CUDA meshes when CUDA is available (PyTorch's
+    DTensor supports only CUDA-like devices here; ours also supports CPU). Other
+    device types warn and return False: random ops on them run each rank's
+    generator as it is.
+    """
+    device_type = device_mesh.device_type
+    if device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available()):
+        return True
+    warnings.warn(
+        f"DTensor random operators may not have complete support on {device_type} device mesh",
+        UserWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
+    """Seed the calling rank's generators (all devices) with ``seed``; call it with the same seed on every rank.
+
+    Random ops on DTensors rely on every rank of the mesh drawing from generators
+    in the same state; this is ``torch.manual_seed(seed)`` after checking that the
+    calling rank belongs to ``device_mesh``. The value of ``seed`` is not checked
+    against the other ranks' (that would need a collective).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"manual_seed: seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"manual_seed: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    if device_mesh.get_coordinate() is None:
+        raise RuntimeError(
+            f"manual_seed requires the calling rank to be part of the device mesh {device_mesh!r} (mesh ranks "
+            f"{device_mesh.mesh.flatten().tolist()}); otherwise its DTensor random ops would not be in step with the "
+            "mesh's ranks"
+        )
+    if device_mesh.device_type not in ("cpu", "cuda"):
+        is_rng_supported_mesh(device_mesh)
+    torch.manual_seed(seed)

@@ -1,0 +1,847 @@
+"""The OpInfo sweep: PyTorch's ``op_db`` samples run on DTensors, each op classified by outcome.
+
+Shared by ``dtensor_ops/tests/test_opinfo_sweep.py`` (the regression guard) and
+``python -m shardwise.tools.opinfo_sweep`` (the report). Two phases:
+
+1. **Plan** (``plan_sweep``): for every OpInfo with float32 CPU support, draw its CPU float32
+   samples (no grad), keep the first few that ``DTensorConverter`` can turn into DTensors
+   (preferring samples with at least one tensor it can shard), compute the expected output on the
+   full tensors with plain torch, and pick a few of the converter's sharding combinations per
+   sample. Samples that draw random numbers (their reference run calls an aten op tagged
+   ``nondeterministic_seeded``) are dropped: op_db seeds them, but a DTensor draws per shard, so
+   there is no single expected value; an op left with no sample for that reason is left out
+   (e.g. ``bernoulli``), one with deterministic samples keeps those (e.g. ``dropout`` with
+   ``training=False``). Ops whose output is uninitialised memory
+   (``empty*``) are compared by shape and dtype only. The plan is plain data, made once, and the
+   same for every backend, so two backends are compared on exactly the same calls.
+2. **Run** (``run_sweep``): a world of rank threads (``run_on_threads``) runs every planned call
+   with each tensor argument laid out as planned, gathers the outputs with ``full_tensor()`` and
+   compares them with the expected ones. The backend (``SweepBackend``) says how to build the mesh,
+   convert tensors and recognise a missing sharding rule: ``ShardwiseBackend`` here, PyTorch's
+   DTensor in ``shardwise.tools.bench_opinfo_pytorch`` (PyTorch's DTensor may not be imported by
+   this package).
+
+Per call the ranks meet at a ``threading.Barrier`` after the call: a call that failed on some
+ranks but not on others may leave ranks waiting in a collective that the others skipped; the
+barrier's timeout detects that, the world is torn down (which wakes the waiting ranks) and a
+new world resumes at the next call. Calls that fail the same way on every rank (the usual case:
+sharding propagation raises before any collective) cost nothing extra.
+
+Outcome of one op (worst over its calls): ``wrong`` (some output differs from plain torch: a
+bug) > ``error`` (any other exception, or ranks that disagree or hang) > ``no_rule`` (the
+backend's "no sharding rule" error) > ``pass``. ``skipped``: no sample could be converted.
+Ops left out before running (random, no float32 on CPU, sample generation failed) are listed
+with their reason and are not "tried".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import importlib
+import itertools
+import math
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Placement, Shard
+from shardwise.testing._converter import DTensorConverter
+from shardwise.testing._rank_pool import MultiRankError
+from shardwise.testing._threaded import run_on_threads
+
+__all__ = [
+    "OUTCOMES",
+    "TRIED_OUTCOMES",
+    "CallOutcome",
+    "OpPlan",
+    "OpResult",
+    "Outcome",
+    "PlannedCall",
+    "ShardwiseBackend",
+    "SweepBackend",
+    "SweepConfig",
+    "SweepPlan",
+    "SweepReport",
+    "load_op_db",
+    "plan_sweep",
+    "run_sweep",
+]
+
+Outcome = Literal["pass", "wrong", "no_rule", "error", "skipped"]
+# Worst first: an op's outcome is the worst outcome of its calls.
+OUTCOMES: tuple[Outcome, ...] = ("wrong", "error", "no_rule", "pass", "skipped")
+TRIED_OUTCOMES: tuple[Outcome, ...] = ("pass", "wrong", "no_rule", "error")
+_SEVERITY: dict[str, int] = {outcome: len(OUTCOMES) - index for index, outcome in enumerate(OUTCOMES)}
+
+# OpInfos whose output is uninitialised memory: only the shape and dtype mean anything.
+_UNINITIALISED_OUTPUT_OPS = frozenset(
+    {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
+)
+_MESSAGE_LIMIT = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """What the sweep runs. The defaults keep the whole sweep within a few minutes on 2 cores.
+
+    ``op_patterns``: ``fnmatch`` patterns matched against the op key (``name`` or
+    ``name.variant``); empty means every op. ``candidate_samples``: how many samples of an
+    OpInfo are looked at to find ``samples_per_op`` convertible ones.
+    """
+
+    world_size: int = 4
+    samples_per_op: int = 3
+    shardings_per_sample: int = 4
+    candidate_samples: int = 24
+    op_patterns: tuple[str, ...] = ()
+    # Also shard dims the mesh does not divide (see _placement_choices).
+    uneven_shardings: bool = True
+    # How long a rank waits at the per-call barrier for the others before the world is declared
+    # diverged (some rank stuck in a collective the others skipped).
+    divergence_timeout_s: float = 30.0
+    world_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "samples_per_op", "shardings_per_sample", "candidate_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SweepConfig.{name} must be a positive int, got {value!r}")
+        if self.candidate_samples < self.samples_per_op:
+            raise ValueError(
+                f"SweepConfig.candidate_samples ({self.candidate_samples}) must be at least "
+                f"samples_per_op ({self.samples_per_op})"
+            )
+
+    def selects(self, op_key: str) -> bool:
+        return not self.op_patterns or any(fnmatch.fnmatchcase(op_key, pattern) for pattern in self.op_patterns)
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+PlacementsPerTensor = tuple[tuple[Placement, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCall:
+    """One sample of an op with one sharding of its tensor arguments (in flattened arg order)."""
+
+    sample_index: int
+    sample_description: str
+    placements: PlacementsPerTensor
+
+    def describe(self) -> str:
+        layout = ", ".join("(" + ", ".join(str(p) for p in per_tensor) + ")" for per_tensor in self.placements)
+        return f"sample {self.sample_index} [{self.sample_description}] with placements [{layout}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedSample:
+    index: int
+    description: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    expected: Any
+    placements: tuple[PlacementsPerTensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPlan:
+    key: str
+    call: Callable[..., Any]
+    samples: tuple[PlannedSample, ...]
+    metadata_only: bool
+    # Why no sample was kept (the op is "skipped"); empty when samples were kept.
+    skip_reason: str = ""
+
+    def calls(self) -> Iterator[tuple[PlannedSample, PlacementsPerTensor]]:
+        for sample in self.samples:
+            for placements in sample.placements:
+                yield sample, placements
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPlan:
+    config: SweepConfig
+    ops: tuple[OpPlan, ...]
+    # op key -> why it was left out before running (not counted as tried).
+    excluded: dict[str, str]
+    planning_s: float
+
+    @property
+    def num_calls(self) -> int:
+        return sum(1 for op in self.ops for _ in op.calls())
+
+
+class OpInfoLike(Protocol):
+    """What the sweep reads from an OpInfo (tests may pass their own objects)."""
+
+    name: str
+    variant_test_name: str
+
+    @property
+    def op(self) -> Callable[..., Any]: ...
+
+    def supported_dtypes(self, device_type: str) -> Any: ...
+
+    def sample_inputs(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> Any: ...
+
+
+def load_op_db() -> list[Any]:
+    """PyTorch's OpInfo database (needs the ``expecttest`` package, which torch's test utilities import)."""
+    try:
+        # Imported by name: mypy would otherwise analyse torch's 25k-line test module on every run.
+        module = importlib.import_module("torch.testing._internal.common_methods_invocations")
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            f"the OpInfo sweep needs torch.testing._internal.common_methods_invocations, whose import failed "
+            f"({error}); torch's test utilities need the `expecttest` package: pip install expecttest"
+        ) from error
+    op_db: list[Any] = list(module.op_db)
+    return op_db
+
+
+def op_key(opinfo: OpInfoLike) -> str:
+    return f"{opinfo.name}.{opinfo.variant_test_name}" if opinfo.variant_test_name else opinfo.name
+
+
+def plan_sweep(config: SweepConfig, opinfos: Sequence[OpInfoLike] | None = None) -> SweepPlan:
+    """Choose the samples and shardings to run and compute their expected outputs (see module doc).
+
+    ``opinfos`` defaults to PyTorch's ``op_db``. Planning runs on rank 0 of a thread world (the
+    converter enumerates shardings for a real mesh); it issues no collectives.
+    """
+    started = time.perf_counter()
+    candidates = list(load_op_db() if opinfos is None else opinfos)
+    selected = [opinfo for opinfo in candidates if config.selects(op_key(opinfo))]
+    results = run_on_threads(
+        _plan_on_rank, selected, config, world_size=config.world_size, timeout=config.world_timeout_s
+    )
+    plans, excluded = results[0]
+    return SweepPlan(config=config, ops=tuple(plans), excluded=excluded, planning_s=time.perf_counter() - started)
+
+
+def _build_mesh(world_size: int) -> DeviceMesh:
+    return DeviceMesh("cpu", list(range(world_size)))
+
+
+def _plan_on_rank(
+    opinfos: list[OpInfoLike], config: SweepConfig
+) -> tuple[list[OpPlan], dict[str, str]] | None:
+    mesh = _build_mesh(config.world_size)
+    if dist.get_rank() != 0:
+        return None
+    plans: list[OpPlan] = []
+    excluded: dict[str, str] = {}
+    seen: set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for opinfo in opinfos:
+            key = op_key(opinfo)
+            if key in seen:
+                continue
+            seen.add(key)
+            plan_or_reason = _plan_op(opinfo, key, mesh, config)
+            if isinstance(plan_or_reason, str):
+                excluded[key] = plan_or_reason
+            else:
+                plans.append(plan_or_reason)
+    return plans, excluded
+
+
+def _clone_tensors(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.clone(), tree)
+
+
+def _op_seed(key: str) -> int:
+    # Stable per op, so a filtered run draws the same samples as the full sweep.
+    return zlib.crc32(key.encode())
+
+
+def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig) -> OpPlan | str:
+    try:
+        supports_float32 = torch.float32 in opinfo.supported_dtypes("cpu")
+    except Exception as error:  # noqa: BLE001 - an OpInfo that cannot say is left out with the reason
+        return f"supported_dtypes('cpu') raised {type(error).__name__}: {error}"
+    if not supports_float32:
+        return "no float32 support on CPU"
+    call = opinfo.op
+    metadata_only = opinfo.name in _UNINITIALISED_OUTPUT_OPS
+    torch.manual_seed(_op_seed(key))
+    shardable: list[PlannedSample] = []
+    replicate_only: list[PlannedSample] = []
+    seen = 0
+    unconvertible = 0
+    failing_reference = 0
+    random_ops: set[str] = set()
+    try:
+        samples = iter(opinfo.sample_inputs("cpu", torch.float32, requires_grad=False))
+        for index in range(config.candidate_samples):
+            if len(shardable) >= config.samples_per_op:
+                break
+            try:
+                sample = next(samples)
+            except StopIteration:
+                break
+            seen += 1
+            args = (sample.input, *sample.args)
+            kwargs = dict(sample.kwargs)
+            converter = DTensorConverter(mesh, args, kwargs)
+            if not _converts_every_tensor(converter):
+                unconvertible += 1
+                continue
+            spy = _RandomOpSpy()
+            try:
+                with spy:
+                    expected = call(*_clone_tensors(args), **_clone_tensors(kwargs))
+            except Exception:  # noqa: BLE001 - samples plain torch rejects are not DTensor's business
+                failing_reference += 1
+                continue
+            if spy.random_ops and not metadata_only:
+                # op_db runs its random ops under a fixed seed, but DTensor draws per shard:
+                # the values are not comparable with plain torch's.
+                random_ops.update(spy.random_ops)
+                continue
+            choices = [
+                _placement_choices(converter, leaf, uneven=config.uneven_shardings)
+                for leaf in _tensor_leaves(args, kwargs)
+            ]
+            planned = PlannedSample(
+                index=index,
+                description=_describe_sample(args, kwargs),
+                args=args,
+                kwargs=kwargs,
+                expected=expected,
+                placements=_pick_combinations(choices, config.shardings_per_sample),
+            )
+            (shardable if math.prod(len(c) for c in choices) > 1 else replicate_only).append(planned)
+    except Exception as error:  # noqa: BLE001 - a broken sample generator leaves the op out, with the reason
+        return f"sample_inputs('cpu', float32) raised {type(error).__name__}: {_first_line(str(error))}"
+    kept = sorted((shardable + replicate_only)[: config.samples_per_op], key=lambda s: s.index)
+    reason = ""
+    if not kept and random_ops:
+        return (
+            f"every convertible sample among the first {seen} draws random numbers "
+            f"({', '.join(sorted(random_ops))}): no single expected value to compare with"
+        )
+    if not kept:
+        reason = (
+            f"no convertible sample among the first {seen}: {unconvertible} with no tensor argument DTensor "
+            f"can carry, {failing_reference} that plain torch rejects"
+        )
+    return OpPlan(key=key, call=call, samples=tuple(kept), metadata_only=metadata_only, skip_reason=reason)
+
+
+def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    leaves = tree_flatten(args)[0] + tree_flatten(kwargs)[0]
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _converts_every_tensor(converter: DTensorConverter) -> bool:
+    tensors = _tensor_leaves(converter.args, converter.kwargs)
+    return bool(tensors) and all(
+        type(t) in (torch.Tensor, nn.Parameter) and converter.is_supported_tensor(t) for t in tensors
+    )
+
+
+def _placement_choices(
+    converter: DTensorConverter, leaf: torch.Tensor, *, uneven: bool
+) -> list[tuple[Placement, ...]]:
+    """The converter's choices for ``leaf`` (even shards only), plus uneven ``Shard(d)`` when asked.
+
+    OpInfo samples mostly have dims of 5 and 10, which a mesh of 4 does not divide: with even
+    shards only, most calls would be fully replicated and test little. Uneven shards follow
+    ``torch.chunk`` (trailing shards smaller or empty), which both DTensors support. 1-D meshes
+    only; bool tensors stay replicated (as in the converter: c10d has no bool collectives).
+    """
+    even = converter.gen_placement_choices_for_arg(leaf)
+    if not uneven or converter.mesh.ndim != 1 or leaf.dtype == torch.bool:
+        return even
+    extra = [(Shard(dim),) for dim, size in enumerate(leaf.shape) if size > 1 and (Shard(dim),) not in even]
+    return even + extra
+
+
+def _pick_combinations(choices: list[list[tuple[Placement, ...]]], limit: int) -> tuple[PlacementsPerTensor, ...]:
+    """At most ``limit`` of the cartesian product of ``choices``, spread evenly over it.
+
+    The first (everything replicated) and the last (every tensor on its last choice) are always
+    in; the product is indexed, never materialised (a call with many tensors has a huge one).
+    """
+    total = math.prod(len(per_tensor) for per_tensor in choices)
+    if total <= limit:
+        return tuple(tuple(combo) for combo in itertools.product(*choices))
+    if limit == 1:
+        indices = [0]
+    else:
+        indices = sorted({round(i * (total - 1) / (limit - 1)) for i in range(limit)})
+    return tuple(_combination_at(choices, index) for index in indices)
+
+
+def _combination_at(choices: list[list[tuple[Placement, ...]]], index: int) -> PlacementsPerTensor:
+    # itertools.product order: the last tensor varies fastest.
+    picked: list[tuple[Placement, ...]] = []
+    for per_tensor in reversed(choices):
+        index, position = divmod(index, len(per_tensor))
+        picked.append(per_tensor[position])
+    return tuple(reversed(picked))
+
+
+class _RandomOpSpy(TorchDispatchMode):
+    """Records the aten ops tagged ``nondeterministic_seeded`` (they draw random numbers) that run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.random_ops: set[str] = set()
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random_ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_describe_value(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _describe_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    parts = [_describe_value(arg) for arg in args]
+    parts += [f"{name}={_describe_value(value)}" for name, value in kwargs.items()]
+    return ", ".join(parts)
+
+
+def _first_line(text: str) -> str:
+    stripped = text.strip()
+    return stripped.splitlines()[0] if stripped else ""
+
+
+# ------------------------------------------------------------------------------- the backends
+
+
+class ConverterLike(Protocol):
+    """The part of ``DTensorConverter`` (ours or PyTorch's) that the run uses."""
+
+    def to_dist_tensor(self, t: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor: ...
+
+    def successful(self) -> bool: ...
+
+
+class SweepBackend(Protocol):
+    """A DTensor implementation the sweep can run on."""
+
+    name: str
+
+    def world_context(self) -> AbstractContextManager[object]:
+        """Entered in the driver around each thread world (process-wide set-up the backend needs)."""
+        ...
+
+    def build_mesh(self, world_size: int) -> Any:
+        """Called on every rank thread: the 1-D mesh over the whole world."""
+        ...
+
+    def new_converter(self, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ConverterLike: ...
+
+    def placements(self, ours: tuple[Placement, ...]) -> Any:
+        """``ours`` (one placement per mesh dim) as the backend's ``to_dist_tensor`` takes them."""
+        ...
+
+    def is_dtensor(self, value: object) -> bool: ...
+
+    def full_tensor(self, value: Any) -> torch.Tensor: ...
+
+    def missing_rule(self, error: BaseException) -> str | None:
+        """The op named by ``error`` if it is the backend's "no sharding rule" error, else None."""
+        ...
+
+
+_SHARDWISE_NO_RULE_PREFIX = "shardwise has no sharding rule for "
+
+
+class ShardwiseBackend:
+    """shardwise's DTensor, converted by ``shardwise.testing.DTensorConverter``."""
+
+    name = "shardwise"
+
+    def world_context(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def build_mesh(self, world_size: int) -> DeviceMesh:
+        return _build_mesh(world_size)
+
+    def new_converter(self, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ConverterLike:
+        return DTensorConverter(mesh, args, kwargs)
+
+    def placements(self, ours: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        return ours
+
+    def is_dtensor(self, value: object) -> bool:
+        return isinstance(value, DTensor)
+
+    def full_tensor(self, value: Any) -> torch.Tensor:
+        full: torch.Tensor = value.full_tensor()
+        return full
+
+    def missing_rule(self, error: BaseException) -> str | None:
+        message = str(error)
+        if not isinstance(error, NotImplementedError) or not message.startswith(_SHARDWISE_NO_RULE_PREFIX):
+            return None
+        rest = message[len(_SHARDWISE_NO_RULE_PREFIX) :]
+        return rest.split(" ", 1)[0].rstrip(":")
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOutcome:
+    outcome: Outcome
+    message: str = ""
+    missing_rule: str | None = None
+
+
+@dataclasses.dataclass
+class OpResult:
+    key: str
+    outcome: Outcome
+    calls_run: int = 0
+    calls_passed: int = 0
+    # The first call with the op's outcome (not for pass): what failed and how.
+    first_failure: str = ""
+    # Every op named by a "no sharding rule" error, over all calls.
+    missing_rules: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class SweepReport:
+    backend: str
+    config: SweepConfig
+    results: dict[str, OpResult]
+    excluded: dict[str, str]
+    planning_s: float
+    running_s: float
+    worlds: int
+
+    def ops_with(self, outcome: Outcome) -> list[str]:
+        return sorted(key for key, result in self.results.items() if result.outcome == outcome)
+
+    def counts(self) -> dict[str, int]:
+        return {outcome: len(self.ops_with(outcome)) for outcome in OUTCOMES}
+
+    @property
+    def tried(self) -> int:
+        return sum(1 for result in self.results.values() if result.outcome in TRIED_OUTCOMES)
+
+    @property
+    def passing(self) -> int:
+        return len(self.ops_with("pass"))
+
+    def summary_line(self) -> str:
+        counts = self.counts()
+        details = ", ".join(f"{counts[outcome]} {outcome}" for outcome in OUTCOMES)
+        return (
+            f"{self.backend}: {self.passing} ops passing out of {self.tried} tried ({details}; "
+            f"{len(self.excluded)} left out)"
+        )
+
+    def missing_rule_counts(self) -> dict[str, int]:
+        """aten op -> how many swept ops hit "no sharding rule" for it (most wanted first)."""
+        counts: dict[str, int] = {}
+        for result in self.results.values():
+            for op in result.missing_rules:
+                counts[op] = counts.get(op, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "config": dataclasses.asdict(self.config),
+            "summary": {"passing": self.passing, "tried": self.tried, "counts": self.counts()},
+            "planning_s": round(self.planning_s, 2),
+            "running_s": round(self.running_s, 2),
+            "worlds": self.worlds,
+            "ops": {key: dataclasses.asdict(result) for key, result in sorted(self.results.items())},
+            "excluded": dict(sorted(self.excluded.items())),
+            "missing_rules": self.missing_rule_counts(),
+        }
+
+
+class _WrongResult(Exception):
+    pass
+
+
+class _RanksDiverged(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class _WorldState:
+    """What the rank threads of one world share with the driver."""
+
+    world_size: int
+    barrier: threading.Barrier
+    # (op index, call index) -> rank -> outcome.
+    outcomes: dict[tuple[int, int], dict[int, CallOutcome]] = dataclasses.field(default_factory=dict)
+    # rank -> the call it is running (or last ran).
+    position: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    seconds_per_op: dict[int, float] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def record(self, where: tuple[int, int], rank: int, outcome: CallOutcome) -> None:
+        with self.lock:
+            self.outcomes.setdefault(where, {})[rank] = outcome
+
+
+def run_sweep(backend: SweepBackend, plan: SweepPlan) -> SweepReport:
+    """Run every planned call on ``backend`` and classify each op (see the module doc)."""
+    config = plan.config
+    started = time.perf_counter()
+    state_log: list[_WorldState] = []
+    cursor = (0, 0)
+    total_ops = len(plan.ops)
+    diverged: dict[tuple[int, int], str] = {}
+    while cursor[0] < total_ops:
+        state = _WorldState(config.world_size, threading.Barrier(config.world_size))
+        state_log.append(state)
+        error: MultiRankError | None = None
+        with backend.world_context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                run_on_threads(
+                    _run_on_rank,
+                    backend,
+                    plan,
+                    cursor,
+                    state,
+                    world_size=config.world_size,
+                    timeout=config.world_timeout_s,
+                )
+            except MultiRankError as raised:
+                error = raised
+        if error is None:
+            break
+        if not state.position:
+            raise RuntimeError(f"the {backend.name} sweep world failed before running any call:\n{error}") from error
+        stopped_at = max(state.position.values())
+        diverged[stopped_at] = _describe_divergence(error, state, stopped_at, config.world_size)
+        cursor = _next_call(plan, stopped_at)
+    running_s = time.perf_counter() - started
+    results = _classify(plan, state_log, diverged)
+    return SweepReport(
+        backend=backend.name,
+        config=config,
+        results=results,
+        excluded=dict(plan.excluded),
+        planning_s=plan.planning_s,
+        running_s=running_s,
+        worlds=len(state_log),
+    )
+
+
+def _next_call(plan: SweepPlan, where: tuple[int, int]) -> tuple[int, int]:
+    op_index, call_index = where
+    if call_index + 1 < sum(1 for _ in plan.ops[op_index].calls()):
+        return op_index, call_index + 1
+    return op_index + 1, 0
+
+
+def _describe_divergence(error: MultiRankError, state: _WorldState, where: tuple[int, int], world_size: int) -> str:
+    finished = state.outcomes.get(where, {})
+    stuck = sorted(set(range(world_size)) - set(finished))
+    parts = [f"ranks disagreed and the world was torn down: ranks {stuck} did not finish the call"]
+    for rank, outcome in sorted(finished.items()):
+        detail = f": {outcome.message}" if outcome.message else ""
+        parts.append(f"rank {rank} got {outcome.outcome}{detail}")
+    raised = [
+        f"rank {rank} raised {remote.headline()}"
+        for rank, remote in sorted(error.errors.items())
+        if "_RanksDiverged" not in remote.exception_type
+    ]
+    return "; ".join(parts + raised)[:_MESSAGE_LIMIT]
+
+
+def _run_on_rank(backend: SweepBackend, plan: SweepPlan, cursor: tuple[int, int], state: _WorldState) -> None:
+    mesh = backend.build_mesh(plan.config.world_size)
+    rank = dist.get_rank()
+    for op_index in range(cursor[0], len(plan.ops)):
+        op = plan.ops[op_index]
+        op_started = time.perf_counter()
+        for call_index, (sample, placements) in enumerate(op.calls()):
+            if (op_index, call_index) < cursor:
+                continue
+            where = (op_index, call_index)
+            state.position[rank] = where
+            outcome = _run_call(backend, mesh, op, sample, placements)
+            state.record(where, rank, outcome)
+            try:
+                state.barrier.wait(timeout=plan.config.divergence_timeout_s)
+            except threading.BrokenBarrierError:
+                # Another rank is stuck in a collective this one skipped (or the reverse): only
+                # tearing the world down frees it.
+                raise _RanksDiverged(f"rank {rank}: the ranks diverged at {op.key} call {call_index}") from None
+        if rank == 0:
+            state.seconds_per_op[op_index] = state.seconds_per_op.get(op_index, 0.0) + (
+                time.perf_counter() - op_started
+            )
+
+
+def _run_call(
+    backend: SweepBackend, mesh: Any, op: OpPlan, sample: PlannedSample, placements: PlacementsPerTensor
+) -> CallOutcome:
+    try:
+        args, kwargs = _clone_tensors(sample.args), _clone_tensors(sample.kwargs)
+        converter = backend.new_converter(mesh, args, kwargs)
+        flat_args, args_spec = tree_flatten(args)
+        flat_kwargs, kwargs_spec = tree_flatten(kwargs)
+        per_tensor = iter(placements)
+
+        def convert(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            return converter.to_dist_tensor(leaf, mesh, backend.placements(next(per_tensor)))
+
+        dist_args = tree_unflatten([convert(leaf) for leaf in flat_args], args_spec)
+        dist_kwargs = tree_unflatten([convert(leaf) for leaf in flat_kwargs], kwargs_spec)
+        if not converter.successful():
+            return CallOutcome("skipped", f"{backend.name}'s converter passed a tensor through unconverted")
+        actual = op.call(*dist_args, **dist_kwargs)
+        gathered, plain_tensor_outputs = _gather(backend, actual)
+        problem = _mismatch(gathered, sample.expected, metadata_only=op.metadata_only)
+        if problem is not None:
+            raise _WrongResult(problem)
+        if plain_tensor_outputs:
+            return CallOutcome(
+                "error", f"outputs {plain_tensor_outputs} are plain torch.Tensors where DTensors were expected"
+            )
+        return CallOutcome("pass")
+    except _WrongResult as wrong:
+        return CallOutcome("wrong", str(wrong)[:_MESSAGE_LIMIT])
+    except Exception as error:  # noqa: BLE001 - every failure is classified and recorded
+        missing = backend.missing_rule(error)
+        text = f"{type(error).__name__}: {_first_line(str(error))}"[:_MESSAGE_LIMIT]
+        return CallOutcome("no_rule" if missing else "error", text, missing)
+
+
+def _gather(backend: SweepBackend, actual: Any) -> tuple[Any, list[int]]:
+    """``actual`` with every DTensor replaced by its full tensor (same collectives on every rank)."""
+    leaves, spec = tree_flatten(actual)
+    plain_tensor_outputs: list[int] = []
+    gathered: list[Any] = []
+    for position, leaf in enumerate(leaves):
+        if backend.is_dtensor(leaf):
+            gathered.append(backend.full_tensor(leaf))
+        else:
+            if isinstance(leaf, torch.Tensor):
+                plain_tensor_outputs.append(position)
+            gathered.append(leaf)
+    return tree_unflatten(gathered, spec), plain_tensor_outputs
+
+
+def _mismatch(actual: Any, expected: Any, *, metadata_only: bool) -> str | None:
+    """Why ``actual`` differs from ``expected`` (plain values), or None when they agree."""
+    actual_leaves = tree_flatten(actual)[0]
+    expected_leaves = tree_flatten(expected)[0]
+    if len(actual_leaves) != len(expected_leaves):
+        return f"the output has {len(actual_leaves)} values, plain torch returns {len(expected_leaves)}"
+    for position, (got, want) in enumerate(zip(actual_leaves, expected_leaves)):
+        where = f"output {position}" if len(expected_leaves) > 1 else "the output"
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor):
+                return f"{where} is a {type(got).__name__}, plain torch returns a tensor"
+            if metadata_only:
+                if got.shape != want.shape or got.dtype != want.dtype:
+                    return f"{where} is {got.dtype}{list(got.shape)}, plain torch gives {want.dtype}{list(want.shape)}"
+                continue
+            try:
+                torch.testing.assert_close(got, want, equal_nan=True, check_device=False, check_layout=False)
+            except AssertionError as error:
+                return f"{where}: {' '.join(str(error).split())}"
+        elif isinstance(want, (bool, int, float, complex)) and isinstance(got, (bool, int, float, complex)):
+            if type(got) is not type(want):
+                return f"{where} is {got!r} ({type(got).__name__}), plain torch returns {want!r} ({type(want).__name__})"
+            if isinstance(want, float) and math.isnan(want) and isinstance(got, float) and math.isnan(got):
+                continue
+            try:
+                torch.testing.assert_close(got, want)
+            except AssertionError:
+                return f"{where} is {got!r}, plain torch returns {want!r}"
+        elif got != want:
+            return f"{where} is {got!r}, plain torch returns {want!r}"
+    return None
+
+
+def _merge(per_rank: dict[int, CallOutcome], world_size: int) -> CallOutcome:
+    """One outcome for a call from every rank's: agreement, or the worst with who saw what."""
+    outcomes = [per_rank[rank] for rank in sorted(per_rank)]
+    if len({(o.outcome, o.message) for o in outcomes}) == 1 and len(outcomes) == world_size:
+        return outcomes[0]
+    worst = max(outcomes, key=lambda o: _SEVERITY[o.outcome])
+    outcome: Outcome = worst.outcome if worst.outcome == "wrong" else "error"
+    seen = "; ".join(f"rank {rank}: {o.outcome} {o.message}".strip() for rank, o in sorted(per_rank.items()))
+    return CallOutcome(outcome, f"ranks disagree: {seen}"[:_MESSAGE_LIMIT], worst.missing_rule)
+
+
+def _classify(
+    plan: SweepPlan, worlds: list[_WorldState], diverged: dict[tuple[int, int], str]
+) -> dict[str, OpResult]:
+    merged: dict[tuple[int, int], CallOutcome] = {}
+    seconds: dict[int, float] = {}
+    for state in worlds:
+        for where, per_rank in state.outcomes.items():
+            merged[where] = _merge(per_rank, plan.config.world_size)
+        for op_index, spent in state.seconds_per_op.items():
+            seconds[op_index] = seconds.get(op_index, 0.0) + spent
+    for where, description in diverged.items():
+        recorded = merged.get(where)
+        outcome: Outcome = "wrong" if recorded is not None and recorded.outcome == "wrong" else "error"
+        merged[where] = CallOutcome(outcome, description)
+    results: dict[str, OpResult] = {}
+    for op_index, op in enumerate(plan.ops):
+        result = OpResult(key=op.key, outcome="skipped", seconds=round(seconds.get(op_index, 0.0), 3))
+        if not op.samples:
+            result.first_failure = op.skip_reason
+        missing: set[str] = set()
+        first_call: dict[str, str] = {}
+        for call_index, (sample, placements) in enumerate(op.calls()):
+            call = merged.get((op_index, call_index))
+            if call is None:
+                continue
+            if call.outcome != "skipped":
+                result.calls_run += 1
+            if call.outcome == "pass":
+                result.calls_passed += 1
+            if call.missing_rule:
+                missing.add(call.missing_rule)
+            where = PlannedCall(sample.index, sample.description, placements).describe()
+            first_call.setdefault(call.outcome, f"{where}: {call.message}")
+            if _SEVERITY[call.outcome] > _SEVERITY[result.outcome]:
+                result.outcome = call.outcome
+        if result.outcome != "pass" and result.outcome in first_call:
+            result.first_failure = first_call[result.outcome]
+        result.missing_rules = sorted(missing)
+        results[op.key] = result
+    return results

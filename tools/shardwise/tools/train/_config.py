@@ -1,0 +1,252 @@
+"""Command-line flags of the trainer and their validation (done before any process or collective starts)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+__all__ = ["TrainConfig", "ConfigError", "build_parser", "parse_config", "default_output_dir"]
+
+DEFAULT_OUTPUT_FOLDER = "shardwise_train_out"
+OPTIMIZERS = ("adamw", "sgd")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float64", "float32")
+
+# Default parity tolerances per training dtype.  In float32, AdamW amplifies round-off: at
+# initialisation the attention query/key gradients are so small that their rounding error is a
+# sizeable part of them, and Adam's normalised update turns that into a difference of a fraction
+# of the learning rate.  Two single-process float32 runs that differ only in the attention
+# kernel already differ by ~1e-4 in those weights after 40 steps (SGD: ~3e-7).  In float64 the
+# same runs differ by ~1e-12, so float64 (the default) allows a strict check.
+PARITY_TOLERANCES = {"float64": (1e-6, 1e-9), "float32": (1e-2, 2e-3)}
+
+
+class ConfigError(ValueError):
+    """A flag value the trainer cannot run with; the message names the flag and what it accepts."""
+
+
+def default_output_dir() -> pathlib.Path:
+    # `bazel run` starts the program in its runfiles tree; BUILD_WORKING_DIRECTORY is where the
+    # user typed the command, which is where they will look for the results.
+    base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+    return pathlib.Path(base) / DEFAULT_OUTPUT_FOLDER
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 32
+    batch_size: int = 8
+    steps: int = 40
+    lr: float = 3e-3
+    seed: int = 0
+    tp: int = 4
+    dp: int = 1
+    seq_parallel: bool = True
+    loss_parallel: bool = True
+    optimizer: str = "adamw"
+    foreach: bool = True
+    device: str = "cpu"
+    dtype: str = "float64"
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    output_dir: str = ""
+    log_every: int = 1
+    parity_rtol: float | None = None  # None: PARITY_TOLERANCES[dtype]
+    parity_atol: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def rtol(self) -> float:
+        return PARITY_TOLERANCES[self.dtype][0] if self.parity_rtol is None else self.parity_rtol
+
+    @property
+    def atol(self) -> float:
+        return PARITY_TOLERANCES[self.dtype][1] if self.parity_atol is None else self.parity_atol
+
+    def resolved_output_dir(self) -> pathlib.Path:
+        if not self.output_dir:
+            return default_output_dir()
+        path = pathlib.Path(self.output_dir).expanduser()
+        if not path.is_absolute():
+            base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+            path = pathlib.Path(base) / path
+        return path
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_argv(self) -> list[str]:
+        """Flags that parse back to this config (how the launcher hands it to every worker)."""
+        argv: list[str] = []
+        for key, value in asdict(self).items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + key.replace("_", "-"))
+            elif value is None or (key == "rdzv_endpoint" and not value):
+                continue
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    def validate(self) -> None:
+        positive = {
+            "--dim": self.dim,
+            "--n-layers": self.n_layers,
+            "--n-heads": self.n_heads,
+            "--seq-len": self.seq_len,
+            "--batch-size": self.batch_size,
+            "--steps": self.steps,
+            "--tp": self.tp,
+            "--dp": self.dp,
+            "--nnodes": self.nnodes,
+            "--log-every": self.log_every,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.dp > 1:
+            raise ConfigError(
+                f"--dp {self.dp}: data parallelism needs FSDP (shardwise.fsdp_ext), which is not available yet; "
+                "run with --dp 1 (tensor parallelism only, over --tp ranks)"
+            )
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.rtol < 0 or self.atol < 0:
+            raise ConfigError(f"--parity-rtol and --parity-atol must be >= 0, got {self.rtol} and {self.atol}")
+        if self.dim % self.n_heads != 0:
+            raise ConfigError(f"--dim {self.dim} must be a multiple of --n-heads {self.n_heads} (each head gets dim / n_heads)")
+        if self.n_heads % self.tp != 0:
+            raise ConfigError(
+                f"--n-heads {self.n_heads} must be a multiple of --tp {self.tp}: tensor parallelism gives each rank "
+                "whole attention heads"
+            )
+        if self.seq_parallel and self.seq_len % self.tp != 0:
+            raise ConfigError(
+                f"--seq-len {self.seq_len} must be a multiple of --tp {self.tp} with --seq-parallel: each rank holds "
+                "an equal piece of the sequence (or use --no-seq-parallel)"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}")
+        if self.world_size % self.nnodes != 0:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} must divide the world size --tp x --dp = {self.world_size}: "
+                "every machine runs the same number of ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the address of the machine with "
+                "--node-rank 0, given identically on every machine"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m shardwise.tools.train",
+        description=(
+            "Train a small character-level Transformer with shardwise tensor (and sequence) parallelism on "
+            "local ranks started by PyTorch's elastic launcher, then train the same model in one process "
+            "without DTensor and compare losses and parameters."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model and data (the vocabulary is the corpus' characters)")
+    model.add_argument("--dim", type=int, default=defaults.dim, help="model width")
+    model.add_argument("--n-layers", type=int, default=defaults.n_layers, help="Transformer blocks")
+    model.add_argument("--n-heads", type=int, default=defaults.n_heads, help="attention heads (a multiple of --tp)")
+    model.add_argument("--seq-len", type=int, default=defaults.seq_len, help="characters per sequence")
+    model.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
+    model.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data seed")
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    training.add_argument("--lr", type=float, default=defaults.lr, help="learning rate")
+    training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    training.add_argument(
+        "--foreach", action=argparse.BooleanOptionalAction, default=defaults.foreach,
+        help="use the optimizer's multi-tensor (_foreach_*) implementation",
+    )
+    training.add_argument("--log-every", type=int, default=defaults.log_every, help="print progress every N steps")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (mesh dim 'tp')")
+    parallel.add_argument("--dp", type=int, default=defaults.dp, help="data-parallel ranks (needs FSDP: only 1 for now)")
+    parallel.add_argument(
+        "--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel,
+        help="shard norms and residuals on the sequence dim between the tensor-parallel layers",
+    )
+    parallel.add_argument(
+        "--loss-parallel", action=argparse.BooleanOptionalAction, default=defaults.loss_parallel,
+        help="compute cross-entropy on vocabulary-sharded logits without gathering them",
+    )
+    parallel.add_argument(
+        "--device", choices=DEVICES, default=defaults.device,
+        help="cpu: gloo; cuda: NCCL, one GPU per rank",
+    )
+    training.add_argument(
+        "--dtype", choices=DTYPES, default=defaults.dtype,
+        help="parameter and activation dtype (the logits are float32 either way); float64 makes the parity "
+        "check strict, float32 needs loose tolerances with AdamW",
+    )
+
+    launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
+    launch.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines taking part")
+    launch.add_argument("--node-rank", type=int, default=defaults.node_rank, help="this machine's index")
+    launch.add_argument(
+        "--rdzv-endpoint", default=defaults.rdzv_endpoint,
+        help="HOST:PORT of the machine with --node-rank 0 (needed with --nnodes > 1)",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--output-dir", default=defaults.output_dir,
+        help=f"where the loss plot and summary.json go (default: ./{DEFAULT_OUTPUT_FOLDER}; "
+        "under `bazel run`, relative to the directory the command was typed in)",
+    )
+    output.add_argument(
+        "--parity-rtol", type=float, default=defaults.parity_rtol,
+        help="relative tolerance of the parity check (losses and parameters); default "
+        + ", ".join(f"{dtype}: {tolerances[0]:g}" for dtype, tolerances in PARITY_TOLERANCES.items()),
+    )
+    output.add_argument(
+        "--parity-atol", type=float, default=defaults.parity_atol,
+        help="absolute tolerance of the parity check (losses and parameters); default "
+        + ", ".join(f"{dtype}: {tolerances[1]:g}" for dtype, tolerances in PARITY_TOLERANCES.items()),
+    )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None) -> TrainConfig:
+    """Parses and validates; bad values exit through argparse with status 2 and a message naming the flag."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    config = TrainConfig(**vars(namespace))
+    try:
+        config.validate()
+    except ConfigError as error:
+        parser.error(str(error))
+    return config

@@ -1,0 +1,138 @@
+"""One training loop for both runs: tensor-parallel (DTensor) and the single-process reference."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops.debug import CommDebugMode
+
+from ._data import CharCorpus
+
+__all__ = ["PHASES", "StepRecord", "train_loop", "comm_counts_by_name", "language_model_loss", "reduce_partial_gradients"]
+
+# A step's collectives are counted separately in each of these phases.
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class StepRecord:
+    step: int  # 1-based
+    loss: float
+    seconds: float
+    # {phase: {collective name: count}}; only for the steps whose collectives were counted.
+    collectives: dict[str, dict[str, int]] | None = field(default=None)
+
+    @property
+    def total_collectives(self) -> int | None:
+        if self.collectives is None:
+            return None
+        return sum(sum(counts.values()) for counts in self.collectives.values())
+
+
+def comm_counts_by_name(counts: Mapping[Any, int]) -> dict[str, int]:
+    """``{"all_reduce": 2, ...}`` from CommDebugMode's counts keyed by op packets."""
+    by_name: dict[str, int] = {}
+    for key, count in counts.items():
+        if count:
+            name = str(key).rsplit(".", 1)[-1]
+            by_name[name] = by_name.get(name, 0) + int(count)
+    return dict(sorted(by_name.items()))
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Mean next-character cross-entropy in ``dtype``; ``logits`` is ``(batch, seq, vocab)``, possibly a
+    vocabulary-sharded DTensor.
+
+    The model hands back float32 logits whatever its dtype.  Taking the loss in the training
+    dtype matters for the parity check under ``loss_parallel``: its log-softmax over vocabulary
+    shards rounds differently from the fused single-device kernel, by ~1e-7 in float32, which
+    AdamW then amplifies; in float64 the difference is ~1e-16.
+    """
+    return F.cross_entropy(logits.to(dtype).flatten(0, 1), targets.flatten())
+
+
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """Turns each gradient that is a ``Partial`` DTensor into its parameter's placements, once.
+
+    Parameters replicated over sequence-parallel activations (the norms' weights and biases) get
+    ``Partial`` gradients: each rank holds the contribution of its part of the sequence.  Left
+    as they are, every optimizer op that reads such a gradient reduces it again (AdamW reads it
+    three times, so three all-reduces per parameter per step, as with PyTorch's DTensor).
+    """
+    for parameter in model.parameters():
+        gradient = parameter.grad
+        if isinstance(gradient, DTensor) and isinstance(parameter, DTensor) and any(
+            placement.is_partial() for placement in gradient.placements
+        ):
+            parameter.grad = gradient.redistribute(parameter.device_mesh, parameter.placements)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    corpus: CharCorpus,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    loss_context: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+    count_collectives_at: frozenset[int] = frozenset(),
+    on_step: Callable[[StepRecord], None] = lambda record: None,
+) -> list[StepRecord]:
+    """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
+
+    ``loss_context`` wraps forward and backward (``loss_parallel`` must see both).  Steps in
+    ``count_collectives_at`` run each phase under its own ``CommDebugMode``; counting slows a
+    step down, so callers keep those steps out of throughput figures.
+    """
+    model.train()
+    records: list[StepRecord] = []
+    for step in range(1, steps + 1):
+        inputs, targets = corpus.batch(step, batch_size, seq_len, seed)
+        inputs, targets = inputs.to(device), targets.to(device)
+        counting = step in count_collectives_at
+        collectives: dict[str, dict[str, int]] | None = {} if counting else None
+        _synchronize(device)
+        started = time.perf_counter()
+        with loss_context():
+            with _phase_counter("forward", collectives):
+                loss = language_model_loss(model(inputs), targets, dtype)
+            with _phase_counter("backward", collectives):
+                loss.backward()
+        with _phase_counter("optimizer", collectives):
+            reduce_partial_gradients(model)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        # .item() of a replicated DTensor reads the local value: no collective.
+        loss_value = float(loss.item())
+        _synchronize(device)
+        record = StepRecord(step, loss_value, time.perf_counter() - started, collectives)
+        records.append(record)
+        on_step(record)
+    return records
+
+
+@contextlib.contextmanager
+def _phase_counter(phase: str, into: dict[str, dict[str, int]] | None) -> Iterator[None]:
+    if into is None:
+        yield
+        return
+    mode = CommDebugMode()
+    with mode:
+        yield
+    into[phase] = comm_counts_by_name(mode.get_comm_counts())

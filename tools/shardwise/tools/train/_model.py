@@ -1,0 +1,88 @@
+"""The model: the toy Transformer of ``shardwise.testing`` and its tensor-parallel plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh
+from shardwise.testing import ModelArgs, Transformer
+
+from ._config import TrainConfig
+
+__all__ = ["model_args", "build_model", "parallelize_transformer", "build_optimizer"]
+
+
+def model_args(config: TrainConfig, vocab_size: int) -> ModelArgs:
+    # No dropout: the parity check compares against a single-process run, and dropout masks drawn
+    # on sharded activations cannot match the masks of one process bit for bit.
+    return ModelArgs(
+        n_layers=config.n_layers,
+        vocab_size=vocab_size,
+        max_seq_len=config.seq_len,
+        dim=config.dim,
+        n_heads=config.n_heads,
+        dropout_p=0.0,
+        use_attn_mask=True,
+        weight_tying=True,
+    )
+
+
+def build_model(args: ModelArgs, seed: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The same initial weights in every process that calls this with the same seed."""
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    _init_small_weights(model, args.n_layers)
+    return model.to(device=device, dtype=dtype)
+
+
+INIT_STD = 0.02
+
+
+def _init_small_weights(model: Transformer, n_layers: int) -> None:
+    """GPT-2's initialisation instead of PyTorch's defaults.
+
+    With the defaults the tied embedding is N(0, 1), so the first logits have a standard
+    deviation of about sqrt(dim) and the first loss is ten times log(vocab): the loss curve
+    would show the model unlearning its initialisation rather than learning the text.
+    Projections into the residual stream are scaled down by the depth, as GPT-2 does.
+    """
+    residual_std = INIT_STD / (2 * n_layers) ** 0.5
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else INIT_STD
+                module.weight.normal_(0.0, std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+
+
+def parallelize_transformer(model: Transformer, mesh: DeviceMesh, *, seq_parallel: bool, loss_parallel: bool) -> Transformer:
+    """The model zoo's Megatron-style plan (``Transformer.parallelize``), in place.
+
+    Attention is split by heads (``wq``/``wk``/``wv`` by output column, ``wo`` by input row), the
+    feed-forward by hidden unit, the token embedding and the tied output projection by
+    vocabulary row.  With ``seq_parallel`` the norms and the residual stream stay sharded on the
+    sequence dim between those layers, so each row-parallel layer ends in a reduce-scatter
+    instead of an all-reduce and each column-parallel one starts with an all-gather.  With
+    ``loss_parallel`` the logits stay sharded on the vocabulary dim for
+    :func:`shardwise.tp_styles.loss_parallel`; otherwise they are all-gathered.
+    """
+    return Transformer.parallelize(model, mesh, seq_parallel, loss_parallel=loss_parallel)
+
+
+def build_optimizer(config: TrainConfig, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW or SGD with momentum over ``parameters``, DTensor parameters in their own group.
+
+    Without sequence parallelism the norms keep plain parameters next to the DTensor ones, and
+    one multi-tensor (``_foreach_*``) call cannot take both kinds; the optimizer makes one such
+    call per group.  The hyperparameters are the same in every group.
+    """
+    distributed = [parameter for parameter in parameters if isinstance(parameter, DTensor)]
+    plain = [parameter for parameter in parameters if not isinstance(parameter, DTensor)]
+    groups: list[dict[str, Any]] = [{"params": group} for group in (distributed, plain) if group]
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, foreach=config.foreach)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=0.9, foreach=config.foreach)

@@ -1,0 +1,232 @@
+"""What every rank runs (started by torch.distributed.run): tensor-parallel training, then on rank 0
+the single-process reference run, the parity check and the report."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.tp_styles import loss_parallel
+
+from ._config import ConfigError, TrainConfig
+from ._data import CharCorpus, load_default_corpus
+from ._loop import StepRecord, train_loop
+from ._model import build_model, build_optimizer, model_args, parallelize_transformer
+from ._parity import compare_runs
+from ._report import (
+    PLOT_FILE_NAME,
+    SUMMARY_FILE_NAME,
+    format_collectives,
+    format_summary,
+    plot_losses,
+    summary_dict,
+    write_summary,
+)
+
+__all__ = ["PARITY_FAILED_EXIT_CODE", "run_worker", "is_worker_process"]
+
+# Rank 0 exits with this when training worked but the parity check failed; the launcher tells it
+# apart from a crash.
+PARITY_FAILED_EXIT_CODE = 3
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def is_worker_process() -> bool:
+    """True inside a process started by torch.distributed.run (torchrun sets these for each worker)."""
+    return all(name in os.environ for name in _TORCHRUN_VARIABLES)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _device_for_rank(config: TrainConfig, local_rank: int) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available to this process (no GPU visible or a CPU-only PyTorch build)")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device cuda: local rank {local_rank} needs GPU {local_rank}, but this machine shows "
+            f"{torch.cuda.device_count()} GPU(s); start at most that many ranks per machine"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _dtype(config: TrainConfig) -> torch.dtype:
+    return {"float64": torch.float64, "float32": torch.float32}[config.dtype]
+
+
+def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole tensor on every rank (collectives: all ranks must call this)."""
+    full: dict[str, torch.Tensor] = {}
+    for name, parameter in model.named_parameters():
+        value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        full[name] = value.detach().to("cpu").clone()
+    return full
+
+
+def _count_parameters(parameters: dict[str, torch.Tensor]) -> int:
+    return sum(tensor.numel() for tensor in parameters.values())
+
+
+def _progress_printer(label: str, steps: int, tokens_per_step: int, log_every: int) -> Callable[[StepRecord], None]:
+    width = len(str(steps))
+
+    def report(record: StepRecord) -> None:
+        if record.collectives is None and record.step % log_every != 0 and record.step not in (1, steps):
+            return
+        tokens_per_second = tokens_per_step / record.seconds if record.seconds > 0 else 0.0
+        line = (
+            f"{label} step {record.step:>{width}}/{steps}  loss {record.loss:.4f}  "
+            f"{tokens_per_second:>9,.0f} tok/s  {record.seconds * 1e3:7.1f} ms"
+        )
+        if record.collectives is not None:
+            line += f"  [counted, {record.total_collectives} collectives: {format_collectives(record.collectives)}]"
+        _say(line)
+
+    return report
+
+
+def run_worker(config: TrainConfig) -> int:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if world_size != config.world_size:
+        # Every rank sees the same numbers and stops here, before any collective.
+        raise ConfigError(
+            f"the launcher started {world_size} ranks, but --tp {config.tp} x --dp {config.dp} needs "
+            f"{config.world_size}; start {config.world_size} ranks in total (nproc-per-node x nnodes)"
+        )
+    device = _device_for_rank(config, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=5))
+    try:
+        return _train_and_check(config, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: torch.device) -> int:
+    is_reporter = rank == 0
+    mesh: DeviceMesh = init_device_mesh(device.type, (config.tp,), mesh_dim_names=("tp",))
+    corpus = load_default_corpus(vocab_multiple=config.tp)
+    args = model_args(config, corpus.vocab_size)
+    model = parallelize_transformer(
+        build_model(args, config.seed, device, _dtype(config)), mesh, seq_parallel=config.seq_parallel, loss_parallel=config.loss_parallel
+    )
+    optimizer = build_optimizer(config, list(model.parameters()))
+    if is_reporter:
+        _say(
+            f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh tp={config.tp}; "
+            f"sequence parallel {'on' if config.seq_parallel else 'off'}, loss parallel "
+            f"{'on' if config.loss_parallel else 'off'}"
+        )
+        _say(
+            f"model: Transformer dim={config.dim} layers={config.n_layers} heads={config.n_heads} "
+            f"vocab={corpus.vocab_size} ({len(corpus.characters)} characters); data: {len(corpus.text):,} characters, "
+            f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, {config.steps} steps"
+        )
+        _say("collectives are counted with CommDebugMode on the first and the last step")
+    loss_context: Callable[[], ContextManager[object]] = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    tp_records = train_loop(
+        model,
+        optimizer,
+        corpus,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        device=device,
+        dtype=_dtype(config),
+        loss_context=loss_context,
+        count_collectives_at=frozenset({1, config.steps}),
+        on_step=_progress_printer("tp ", config.steps, config.tokens_per_step, config.log_every) if is_reporter else (lambda _: None),
+    )
+    tp_parameters = _full_parameters(model)
+    if not is_reporter:
+        return 0
+    return _reference_and_report(config, corpus, device, world_size, tp_records, tp_parameters)
+
+
+def _reference_and_report(
+    config: TrainConfig,
+    corpus: CharCorpus,
+    device: torch.device,
+    world_size: int,
+    tp_records: list[StepRecord],
+    tp_parameters: dict[str, torch.Tensor],
+) -> int:
+    _say("\nsingle-process reference: the same model, seed, data and steps with plain torch (no DTensor)")
+    reference_model = build_model(model_args(config, corpus.vocab_size), config.seed, device, _dtype(config))
+    reference_optimizer = build_optimizer(config, list(reference_model.parameters()))
+    reference_records = train_loop(
+        reference_model,
+        reference_optimizer,
+        corpus,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        device=device,
+        dtype=_dtype(config),
+        on_step=_progress_printer("ref", config.steps, config.tokens_per_step, max(config.log_every, config.steps // 5 or 1)),
+    )
+    reference_parameters = {name: p.detach().to("cpu").clone() for name, p in reference_model.named_parameters()}
+    parity = compare_runs(
+        [record.loss for record in tp_records],
+        [record.loss for record in reference_records],
+        tp_parameters,
+        reference_parameters,
+        rtol=config.rtol,
+        atol=config.atol,
+    )
+
+    output_dir = config.resolved_output_dir()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    plot_path = output_dir / PLOT_FILE_NAME
+    plot_error: str | None = None
+    try:
+        plot_losses(
+            plot_path,
+            [record.loss for record in tp_records],
+            [record.loss for record in reference_records],
+            title=(
+                f"shardwise TP={config.tp}{' + SP' if config.seq_parallel else ''}"
+                f"{' + loss parallel' if config.loss_parallel else ''}: Transformer dim={config.dim}, "
+                f"{config.n_layers} layers, batch {config.batch_size}x{config.seq_len}, parity {parity.verdict}"
+            ),
+        )
+    except ImportError as error:
+        plot_error = f"matplotlib is not installed ({error}); pip install matplotlib to get the loss plot"
+        plot_path_or_none = None
+    else:
+        plot_path_or_none = plot_path
+    summary = summary_dict(
+        config,
+        world_size=world_size,
+        mesh_shape=(config.tp,),
+        vocab_size=corpus.vocab_size,
+        corpus_characters=len(corpus.text),
+        parameter_count=_count_parameters(reference_parameters),
+        tp_records=tp_records,
+        reference_records=reference_records,
+        parity=parity,
+        plot_path=plot_path_or_none,
+        plot_error=plot_error,
+    )
+    summary_path = output_dir / SUMMARY_FILE_NAME
+    write_summary(summary_path, summary)
+    _say(format_summary(summary, summary_path))
+    sys.stdout.flush()
+    return 0 if parity.passed else PARITY_FAILED_EXIT_CODE
