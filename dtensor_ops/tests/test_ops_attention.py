@@ -23,12 +23,15 @@ import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
+from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.placement import DTensorSpec, TensorMeta
 from shardwise.testing import Attention, DTensorOpTestBase, ModelArgs, multi_rank
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, check_layout, sweep
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ, HEADS = 1, 2  # dims of the (batch, seq, heads, head_dim) inputs
 
 
@@ -36,7 +39,10 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def qkv(batch: int, heads: int, q_seq: int, kv_seq: int, head_dim: int = 8, kv_heads: int | None = None) -> list[torch.Tensor]:
+def qkv(
+    batch: int, heads: int, q_seq: int, kv_seq: int, head_dim: int = 8, kv_heads: int | None = None
+) -> list[torch.Tensor]:
+    """q, k, v of shape (batch, seq, heads, head_dim), float64, from fixed seeds."""
     kv_heads = heads if kv_heads is None else kv_heads
     return [
         randn(batch, q_seq, heads, head_dim, seed=1),
@@ -98,12 +104,51 @@ def check_against_plain(inputs: list[torch.Tensor], out: DTensor, dtensors: list
             torch.testing.assert_close(dtensor.grad.full_tensor(), reference.grad, msg=lambda m: f"input {index}: {m}")
 
 
+class _OneRankMesh:
+    """Enough of a mesh for specs that only carry global metadata."""
+
+    shape = (1,)
+    ndim = 1
+
+    def get_coordinate(self) -> list[int]:
+        return [0]
+
+
+def _spec(tensor: torch.Tensor) -> DTensorSpec[Any]:
+    return DTensorSpec(_OneRankMesh(), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+
+
+def test_output_metadata_rules_agree_with_meta_tensors() -> None:
+    """Layouts the rules compute (output like the query, logsumexp and gradients seq-major) are the kernel's."""
+    contiguous = torch.empty(2, 4, 6, 8)
+    seq_major = torch.empty(2, 6, 4, 8).transpose(1, 2)
+    batch_last = torch.empty(4, 6, 8, 2).permute(3, 0, 1, 2)
+    kv = torch.empty(2, 4, 5, 8)
+    answered = 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for query in (contiguous, seq_major, batch_last, torch.empty(1, 4, 6, 8)):
+            query = query.to(dtype)
+            for kwargs in ({}, {"attn_mask": _spec(torch.empty(6, 5, dtype=dtype))}):
+                args = (_spec(query), _spec(kv.to(dtype)), _spec(kv.to(dtype)))
+                forward = rule_for(FLASH)
+                assert forward is not None and forward.output_meta is not None
+                computed = forward.output_meta(FLASH, args, kwargs)
+                _, metas = _run_on_meta(FLASH, args, kwargs)
+                if computed is not None:
+                    assert computed == metas, (query.shape, query.stride(), dtype)
+                    answered += 1
+                out = _spec(torch.empty_strided(metas[0].shape, metas[0].stride, dtype=dtype))
+                lse = _spec(torch.empty_strided(metas[1].shape, metas[1].stride, dtype=metas[1].dtype))
+                backward_args = (out, args[0], args[1], args[2], out, lse, 0.0, False)
+                backward = rule_for(FLASH_BACKWARD)
+                assert backward is not None and backward.output_meta is not None
+                computed = backward.output_meta(FLASH_BACKWARD, backward_args, kwargs)
+                assert computed == _run_on_meta(FLASH_BACKWARD, backward_args, kwargs)[1]
+    assert answered >= 18  # only size-1 dims outside the contiguous layout are left to meta tensors
+
+
 class FlashAttentionTest(DTensorOpTestBase):
     """Every test method runs on 4 rank threads."""
-
-    def test_rules_cover_the_cpu_kernel_forward_and_backward(self) -> None:
-        assert rule_for(FLASH) is not None
-        assert rule_for(aten._scaled_dot_product_flash_attention_for_cpu_backward.default) is not None
 
     def test_layouts_against_plain_torch(self) -> None:
         mesh = self.build_device_mesh()
@@ -141,14 +186,16 @@ class FlashAttentionTest(DTensorOpTestBase):
 
     def test_query_rows_sharded_with_replicated_keys_and_values(self) -> None:
         mesh = self.build_device_mesh()
-        inputs = qkv(2, 2, 8, 5)
         layouts = [(Shard(SEQ),), (Replicate(),), (Replicate(),)]
-        out, dtensors, forward, _, used_flash = run_attention(mesh, inputs, layouts)
-        assert used_flash and forward == {}
-        assert out.placements == (Shard(2),)
-        # Every query shard contributes to every key/value gradient: partial sums.
-        assert dtensors[1].grad is not None and dtensors[1].grad.placements == (Partial(),)
-        check_against_plain(inputs, out, dtensors)
+        for query_rows in (8, 3):  # 3 rows: the last rank holds none, yet all keys and values
+            inputs = qkv(2, 2, query_rows, 5)
+            out, dtensors, forward, _, used_flash = run_attention(mesh, inputs, layouts)
+            assert used_flash and forward == {}
+            assert out.placements == (Shard(2),)
+            # Every query shard contributes to every key/value gradient: partial sums.
+            assert dtensors[1].grad is not None and dtensors[1].grad.placements == (Partial(),)
+            check_against_plain(inputs, out, dtensors)
+        inputs = qkv(2, 2, 8, 5)
         # With a causal mask the kernel would align the mask with the local rows: not a valid strategy.
         out, dtensors, _, _, _ = run_attention(mesh, inputs, layouts, is_causal=True)
         assert out.placements != (Shard(2),)

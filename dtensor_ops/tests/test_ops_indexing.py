@@ -18,7 +18,7 @@ import torch
 from shardwise.dtensor_ops import DeviceMesh, Partial, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._ops.indexing import advanced_index_layout, slice_bounds
-from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError, _run_on_meta
+from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError, _run_on_meta, decide_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
 from shardwise.testing import DTensorOpTestBase
@@ -359,9 +359,12 @@ class _Mesh:
         return [0]
 
 
+_MESH = _Mesh()
+
+
 def _as_spec(value: object) -> object:
     if isinstance(value, torch.Tensor):
-        return DTensorSpec(_Mesh(), (Replicate(),), TensorMeta(value.shape, tuple(value.stride()), value.dtype))
+        return DTensorSpec(_MESH, (Replicate(),), TensorMeta(value.shape, tuple(value.stride()), value.dtype))
     if isinstance(value, (list, tuple)):
         return type(value)(_as_spec(item) for item in value)
     return value
@@ -436,14 +439,14 @@ def test_backward_output_metadata_matches_torch(op: torch._ops.OpOverload, args:
             "too many indices for tensor of dimension 2",
         ),
         (aten.slice_backward.default, (randn(4, 3), [4, 6], 1, 0, 2, 1), RuntimeError, "must match the size"),
+        (aten.index_select.default, (randn(4, 6), 1, torch.zeros(2, 2, dtype=torch.long)), IndexError, "a vector"),
+        (aten.index_select.default, (randn(4, 6), 1, torch.zeros(2)), RuntimeError, "int32 or int64 for index"),
     ],
 )
 def test_bad_calls_are_refused_by_the_rule_like_torch_would(
     op: torch._ops.OpOverload, args: tuple, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        op(*args)  # torch itself refuses them ...
-    rule = rule_for(op)
-    assert rule is not None and rule.output_meta is not None
-    with pytest.raises(error, match=message):  # ... and so does the rule, before any redistribution
-        rule.output_meta(op, tuple(_as_spec(arg) for arg in args), {})
+        op(*args)  # torch refuses them, but meta tensors do not: the rule must, before any redistribution
+    with pytest.raises(error, match=message):
+        decide_op_sharding(op, tuple(_as_spec(arg) for arg in args), {})

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
-from shardwise.dtensor_ops._ops.nn_ops import RowShardedEmbeddingLookup
-from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.dtensor_ops._ops import rule_for
+from shardwise.dtensor_ops._ops.nn_ops import BatchShardedMeanNllLoss, RowShardedEmbeddingLookup
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta, propagate_op_sharding
+from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, split_tensor
 from shardwise.testing import DTensorOpTestBase, multi_rank
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, as_dtensor, check_layout, sweep
@@ -68,23 +68,61 @@ def _spec(tensor: torch.Tensor) -> DTensorSpec[Any]:
     return DTensorSpec(_OneRankMesh(), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
 
 
+class _RankTwoOfFour:
+    """A 1-D mesh of 4 seen from coordinate 2, for decisions without a process group."""
+
+    shape = (4,)
+    ndim = 1
+    _dim_group_names = ("group-of-mesh-dim-0",)
+
+    def get_coordinate(self) -> list[int]:
+        return [2]
+
+
+def test_decisions_name_their_local_kernels_as_plain_data() -> None:
+    mesh = _RankTwoOfFour()
+
+    def spec(tensor: torch.Tensor, placement: Placement) -> DTensorSpec[Any]:
+        return DTensorSpec(mesh, (placement,), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+
+    table, ids = torch.empty(10, 6), torch.empty(3, 2, dtype=torch.long)
+    rows = propagate_op_sharding(aten.embedding.default, (spec(table, Shard(0)), spec(ids, Replicate())), {})
+    # Rows of 10 over 4 ranks: 3, 3, 3, 1; coordinate 2 starts at row 6.
+    assert rows.local_kernel == RowShardedEmbeddingLookup(row_start=6, num_rows=10)
+    assert hash(rows.local_kernel) == hash(RowShardedEmbeddingLookup(row_start=6, num_rows=10))
+    columns = propagate_op_sharding(aten.embedding.default, (spec(table, Shard(1)), spec(ids, Replicate())), {})
+    assert columns.local_kernel is None and not columns.local_arg_overrides
+
+    logits, target = torch.empty(8, 5), torch.empty(8, dtype=torch.long)
+    for reduction, kernel in ((1, BatchShardedMeanNllLoss(aten.nll_loss_forward.default, ("group-of-mesh-dim-0",))),
+                              (2, None), (0, None)):  # fmt: skip
+        args = (spec(logits, Shard(0)), spec(target, Shard(0)), None, reduction, -100)
+        decision = propagate_op_sharding(aten.nll_loss_forward.default, args, {})
+        assert decision.local_kernel == kernel, reduction
+    replicated = (spec(logits, Replicate()), spec(target, Replicate()), None, 1, -100)
+    assert propagate_op_sharding(aten.nll_loss_forward.default, replicated, {}).local_kernel is None
+
+
 def test_output_metadata_rules_agree_with_meta_tensors() -> None:
     """The shape rules that spare propagation a meta run give exactly what meta tensors give."""
     ids = torch.empty(3, 2, dtype=torch.long)
     transposed_table = torch.empty(6, 10).t()
     log_probs, target = torch.empty(5, 4, dtype=torch.float64), torch.empty(5, dtype=torch.long)
+    transposed_log_probs, scalar = torch.empty(4, 5, dtype=torch.float64).t(), torch.empty(())
+    class_scores, class_target = torch.empty(4), torch.empty((), dtype=torch.long)
+    image_scores, image_target = torch.empty(2, 3, 4, 5), torch.empty(2, 4, 5, dtype=torch.long)
     calls: list[tuple[Any, tuple[Any, ...]]] = [
         (aten.embedding.default, (torch.empty(10, 6), ids)),
         (aten.embedding.default, (transposed_table, ids, 2)),
         (aten.embedding.default, (torch.empty(10, 6, dtype=torch.float16), torch.empty((), dtype=torch.long))),
         (aten.embedding_dense_backward.default, (torch.empty(3, 2, 6), ids, 10, -1, False)),
         (aten.embedding_dense_backward.default, (torch.empty(2, 3, 6).transpose(0, 1), ids, 10, 4, True)),
-        (aten.nll_loss_backward.default, (torch.empty(()), log_probs.t().contiguous().t(), target, None, 1, -100, torch.empty(()))),
+        (aten.nll_loss_backward.default, (scalar, transposed_log_probs, target, None, 1, -100, scalar)),
     ]
     for reduction in (0, 1, 2):
         calls.append((aten.nll_loss_forward.default, (log_probs, target, None, reduction, -100)))
-        calls.append((aten.nll_loss_forward.default, (torch.empty(4), torch.empty((), dtype=torch.long), None, reduction, 1)))
-        calls.append((aten.nll_loss2d_forward.default, (torch.empty(2, 3, 4, 5), torch.empty(2, 4, 5, dtype=torch.long), torch.empty(3), reduction, 0)))
+        calls.append((aten.nll_loss_forward.default, (class_scores, class_target, None, reduction, 1)))
+        calls.append((aten.nll_loss2d_forward.default, (image_scores, image_target, torch.empty(3), reduction, 0)))
     for op, args in calls:
         spec_args = tuple(_spec(a) if isinstance(a, torch.Tensor) else a for a in args)
         rule = rule_for(op)

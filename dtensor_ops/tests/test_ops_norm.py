@@ -23,7 +23,7 @@ from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard,
 from shardwise.dtensor_ops._sharding_prop import propagate_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, select_local_shard
-from shardwise.testing import MultiRankError, RMSNormPython, multi_rank
+from shardwise.testing import RMSNormPython, multi_rank
 
 aten = torch.ops.aten
 
@@ -91,9 +91,7 @@ def _check_module(
         assert isinstance(grad, DTensor) and reference_parameter.grad is not None, f"{where}: {name}"
         if expected_param_grad_placements is not None:
             assert grad.placements == expected_param_grad_placements, f"{where}: {name}.grad {grad.placements}"
-        torch.testing.assert_close(
-            grad.full_tensor(), reference_parameter.grad, msg=lambda m, n=name: f"{where}, {n} grad: {m}"
-        )
+        torch.testing.assert_close(grad.full_tensor(), reference_parameter.grad, msg=f"{where}, {name} grad")
 
 
 def _norm_modules() -> list[nn.Module]:
@@ -148,6 +146,7 @@ def _layer_norm_on_its_normalized_dim() -> None:
     mode = CommDebugMode()
     with mode:
         out = F.layer_norm(x, (8,), w, b)
+    assert isinstance(out, DTensor)
     # The rows must be whole: one all-to-all moves the shards onto dim 0 (4 rows, cheaper than an all-gather).
     assert _counts(mode) == {"all_to_all_single": 1} and out.placements == (Shard(0),)
     torch.testing.assert_close(out.full_tensor(), F.layer_norm(x_full, (8,), weight, bias))
@@ -170,18 +169,33 @@ def test_norms_with_the_normalized_dim_sharded() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=MultiRankError,
-    reason="F.rms_norm decomposes into mean (Partial(avg) over the sharded dim) then add_(eps) in place, and "
-    "pointwise offers no Partial(avg) + scalar strategy yet (ShardingPropagationError; requested in contracts.md)",
-)
 @multi_rank(world_size=4)
 def test_f_rms_norm_with_its_normalized_dim_sharded() -> None:
+    """On CPU F.rms_norm is pow, mean (Partial(avg) over the sharded dim), add_(eps) in place, rsqrt, mul.
+
+    Adding a number to a Partial(avg) is exact, so the mean's pending average survives the in-place add
+    and is reduced only where rsqrt needs whole values; only the per-row statistic (1/8 of the input)
+    moves: one all-reduce, or a reduce-scatter then an all-gather of it.
+    """
     mesh = init_device_mesh("cpu", (4,))
-    x_full = _randn(8, 3, 8)
-    x = distribute_tensor(x_full, mesh, [Shard(1)])
-    torch.testing.assert_close(F.rms_norm(x, (8,)).full_tensor(), F.rms_norm(x_full, (8,)))
+    x_full, weight = _randn(8, 2, 3, 8), _randn(9, 8)
+    x = distribute_tensor(x_full, mesh, [Shard(2)]).requires_grad_()
+    w = distribute_tensor(weight, mesh, [Replicate()]).requires_grad_()
+    mode = CommDebugMode()
+    with mode:
+        out = F.rms_norm(x, (8,), w)
+    assert isinstance(out, DTensor)
+    assert _counts(mode) in ({"all_reduce": 1}, {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1})
+    reference_x, reference_w = x_full.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = F.rms_norm(reference_x, (8,), reference_w)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    upstream = _randn(10, 2, 3, 8)
+    out.backward(_from_full(upstream, mesh, out.placements))
+    expected.backward(upstream)
+    assert isinstance(x.grad, DTensor) and isinstance(w.grad, DTensor)
+    assert reference_x.grad is not None and reference_w.grad is not None
+    torch.testing.assert_close(x.grad.full_tensor(), reference_x.grad)
+    torch.testing.assert_close(w.grad.full_tensor(), reference_w.grad)
 
 
 # --------------------------------------------------------------------------------- fused RMSNorm backward

@@ -39,6 +39,10 @@ def full_tensors(seed: int, shapes: Sequence[tuple[int, ...]] = SHAPES, positive
     return [tensor.abs() + 0.5 for tensor in tensors] if positive else tensors
 
 
+def _matrix(seed: int, rows: int, columns: int) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
 def to_dtensor(full: torch.Tensor, mesh: Any, placements: Layout, seed: int = 7) -> DTensor:
     """``full`` laid out as ``placements``; Partial mesh dims hold random parts that reduce to it."""
     coordinate = tuple(mesh.get_coordinate())
@@ -80,6 +84,7 @@ class ForeachCase:
     inplace: bool
     positive: bool = False  # inputs must be > 0 (sqrt, log, pow, div)
     differentiable: bool = False  # out-of-place cases also compare gradients
+    elementwise: bool = True  # False for reductions: an empty shard may force communication
 
 
 def _extra_scalar(extra: list[torch.Tensor]) -> torch.Tensor:
@@ -128,6 +133,7 @@ CASES: tuple[ForeachCase, ...] = (
     ForeachCase("clone", lambda ls, e: torch._foreach_clone(ls[0]), 1, False),
     ForeachCase("exp", lambda ls, e: torch._foreach_exp(ls[0]), 1, False, differentiable=True),
     ForeachCase("sign_", lambda ls, e: torch._foreach_sign_(ls[0]), 1, True),
+    ForeachCase("max", lambda ls, e: torch._foreach_max(ls[0]), 1, False, elementwise=False),
 )
 
 # Layouts per list argument (one placement tuple per element), first list = self.
@@ -198,7 +204,7 @@ def _check_all_cases_on(mesh_shape: tuple[int, ...]) -> None:
     for case in CASES:
         for self_layouts, other_layouts in combos:
             collectives = _run_case(case, mesh, self_layouts, other_layouts)
-            if case.lists == 1 or other_layouts == self_layouts:
+            if case.elementwise and (case.lists == 1 or other_layouts == self_layouts):
                 # Every element already sits where its own op runs: nothing may move.
                 assert collectives == 0, f"{case.name} {self_layouts}/{other_layouts}: {collectives} collectives"
 
@@ -268,6 +274,16 @@ def _check_partial_and_scalar_arguments() -> None:
     assert total_collectives(mode) == 0
     for tensor, full in zip(tensors, fulls):
         assert_close(tensor, (full + 1.0) * 2.0 * 0.25, "0-dim scalar tensors")
+
+    # _foreach_mm: each product decided as aten.mm (a row-sharded left factor keeps its rows sharded).
+    lefts = [_matrix(20, 8, 6), _matrix(21, 5, 4)]
+    rights = [_matrix(22, 6, 3), _matrix(23, 4, 7)]
+    products = torch._foreach_mm(
+        to_dtensors(lefts, mesh, [(S0,), (R,)]), to_dtensors(rights, mesh, [(R,), (S1,)])
+    )
+    assert [product.placements for product in products] == [(S0,), (S1,)]
+    for product, left, right in zip(products, lefts, rights):
+        assert_close(product, left @ right, "_foreach_mm")
 
     # Out of place, a Python number added to a Partial must reduce it first (once per rank would be wrong).
     partial = to_dtensors(fulls, mesh, [(P,), (P,), (S0,)])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor
+from shardwise.dtensor_ops import DeviceMesh, Partial, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
@@ -196,7 +196,9 @@ class ViewOpsTest(DTensorOpTestBase):
         x_full = randn(batch, seq, dim)
         weights_full = [randn(dim, dim, seed=seed) for seed in range(1, 5)]
 
-        def attention_like(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor):
+        def attention_like(
+            x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor
+        ) -> torch.Tensor:
             # The seed's Attention, with an elementwise stand-in for the attention kernel.
             def split_heads(projected: torch.Tensor) -> torch.Tensor:
                 return projected.view(batch, seq, -1, head_dim).transpose(1, 2)

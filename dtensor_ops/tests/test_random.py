@@ -92,7 +92,8 @@ LAYOUTS: tuple[tuple[tuple[int, int] | tuple[int], tuple[Placement, ...]], ...] 
 @multi_rank
 def test_values_are_per_shard_and_generators_stay_in_step() -> None:
     meshes: dict[tuple[int, ...], DeviceMesh] = {shape: init_device_mesh("cpu", shape) for shape in ((4,), (2, 2))}
-    failures: list[str] = []
+    # Per case: which shard this rank holds, its values, its generator state afterwards (one gather at the end).
+    cases: list[tuple[str, tuple[int, ...], torch.Tensor, str]] = []
     for name, (op, in_domain) in RANDOM_OPS.items():
         for mesh_shape, placements in LAYOUTS:
             mesh = meshes[mesh_shape]
@@ -105,18 +106,23 @@ def test_values_are_per_shard_and_generators_stay_in_step() -> None:
             assert result.placements == placements, f"{case}: output placements {result.placements}"
             local = result.to_local()
             assert in_domain(local), f"{case}: values outside the distribution's range"
-            entries = gather((shard_key(mesh, placements), local))
-            assert_generators_in_step(case)
-            for i, (key_i, local_i) in enumerate(entries):
-                for key_j, local_j in entries[i + 1 :]:
-                    same = torch.equal(local_i, local_j)
-                    if key_i == key_j and not same:
-                        failures.append(f"{case}: ranks holding shard {key_i} drew different values")
-                    if key_i != key_j and same:
-                        failures.append(f"{case}: shards {key_i} and {key_j} drew the same values")
             if all(not isinstance(p, Shard) for p in placements):
                 # Replicated values run the op on the generator as it is: plain torch's values for the seed.
-                assert torch.equal(result.full_tensor(), plain), f"{case}: differs from plain torch with the same seed"
+                assert torch.equal(local, plain), f"{case}: differs from plain torch with the same seed"
+            cases.append((case, shard_key(mesh, placements), local, generator_fingerprint()))
+    failures: list[str] = []
+    by_rank = gather(cases)
+    for index, (case, _, _, _) in enumerate(cases):
+        entries = [rank_cases[index] for rank_cases in by_rank]
+        if len({fingerprint for _, _, _, fingerprint in entries}) != 1:
+            failures.append(f"{case}: default generators differ across ranks afterwards")
+        for i, (_, key_i, local_i, _) in enumerate(entries):
+            for _, key_j, local_j, _ in entries[i + 1 :]:
+                same = torch.equal(local_i, local_j)
+                if key_i == key_j and not same:
+                    failures.append(f"{case}: ranks holding shard {key_i} drew different values")
+                if key_i != key_j and same:
+                    failures.append(f"{case}: shards {key_i} and {key_j} drew the same values")
     assert not failures, "\n".join(failures)
 
 

@@ -149,12 +149,16 @@ def test_nested_sharding_of_one_dim_by_both_mesh_dims_is_kept() -> None:
     assert placements_out(decision) == (Shard(0), Shard(0))
 
 
-def test_view_rejects_a_nested_split_whose_shards_would_not_line_up() -> None:
-    # [8, 3] -> [2, 4, 3]: rows split 4 ways (2 each) are not the 2x2 nested split of the new dim 0.
-    x = spec(MESH_2X2, [Shard(0), Shard(0)], 8, 3)
-    decision = propagate_op_sharding(aten.view.default, (x, [2, 4, 3]), {})
-    assert decision.needs_redistribute
-    # ... while the same split on a 1-D mesh of 2 lines up (rows 4 and 4 = one slice of dim 0 each).
+def test_view_keeps_a_shard_only_where_every_rank_holds_the_same_block() -> None:
+    # [8, 3] -> [2, 4, 3] on a 1-D mesh of 4: rank r holds rows 2r..2r+1, i.e. half of new row r // 2,
+    # which no single placement of the new shape describes: the input must move.
+    x = spec(MESH_4, [Shard(0)], 8, 3)
+    assert propagate_op_sharding(aten.view.default, (x, [2, 4, 3]), {}).needs_redistribute
+    # On a 2x2 mesh, (S(0), S(0)) rows 4i+2j..4i+2j+1 are exactly new[i, 2j:2j+2]: (S(0), S(1)), no move.
+    nested = spec(MESH_2X2, [Shard(0), Shard(0)], 8, 3)
+    kept_nested = propagate_op_sharding(aten.view.default, (nested, [2, 4, 3]), {})
+    assert not kept_nested.needs_redistribute and placements_out(kept_nested) == (Shard(0), Shard(1))
+    # ... and the same split on a 1-D mesh of 2 lines up (rows 4 and 4 = one slice of dim 0 each).
     y = spec(FakeMesh((2,), (0,)), [Shard(0)], 8, 3)
     kept = propagate_op_sharding(aten.view.default, (y, [2, 4, 3]), {})
     assert not kept.needs_redistribute and placements_out(kept) == (Shard(0),)
@@ -412,9 +416,9 @@ def test_an_op_without_a_rule_names_the_op_and_the_input_placements() -> None:
     x = spec(MESH_4, [Shard(0)], 8, 6)
     with pytest.raises(
         NotImplementedError,
-        match=r"^shardwise has no sharding rule for aten\.cumsum\.default \(inputs: Shard\(dim=0\)\)$",
+        match=r"^shardwise has no sharding rule for aten\.logcumsumexp\.default \(inputs: Shard\(dim=0\)\)$",
     ):
-        propagate_op_sharding(aten.cumsum.default, (x, 1), {})
+        propagate_op_sharding(aten.logcumsumexp.default, (x, 1), {})
     a, b = spec(MESH_2X2, [Shard(0), R], 8, 3), spec(MESH_2X2, [R, P], 8, 3)
     with pytest.raises(
         NotImplementedError,

@@ -23,9 +23,10 @@ Shared by ``dtensor_ops/tests/test_opinfo_sweep.py`` (the regression guard) and
 
 Per call the ranks meet at a ``threading.Barrier`` after the call: a call that failed on some
 ranks but not on others may leave ranks waiting in a collective that the others skipped; the
-barrier's timeout detects that, the world is torn down (which wakes the waiting ranks) and a
-new world resumes at the next call. Calls that fail the same way on every rank (the usual case:
-sharding propagation raises before any collective) cost nothing extra.
+barrier's timeout detects that (a watchdog catches calls where no rank finishes at all), the
+world is torn down (which wakes the waiting ranks), the op is an ``error`` (or ``wrong`` if a
+rank saw a wrong result) and a new world resumes at the next op. Calls that fail the same way on
+every rank (the usual case: sharding propagation raises before any collective) cost nothing extra.
 
 Outcome of one op (worst over its calls): ``wrong`` (some output differs from plain torch: a
 bug) > ``error`` (any other exception, or ranks that disagree or hang) > ``no_rule`` (the
@@ -111,7 +112,9 @@ class SweepConfig:
     uneven_shardings: bool = True
     # How long a rank waits at the per-call barrier for the others before the world is declared
     # diverged (some rank stuck in a collective the others skipped).
-    divergence_timeout_s: float = 30.0
+    divergence_timeout_s: float = 10.0
+    # How long no rank may finish a call before the world is torn down (all ranks stuck).
+    stall_timeout_s: float = 60.0
     world_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
@@ -179,6 +182,8 @@ class SweepPlan:
     # op key -> why it was left out before running (not counted as tried).
     excluded: dict[str, str]
     planning_s: float
+    # CPU time of the whole process (every thread): on a loaded machine, wall time says little.
+    planning_cpu_s: float
 
     @property
     def num_calls(self) -> int:
@@ -223,14 +228,23 @@ def plan_sweep(config: SweepConfig, opinfos: Sequence[OpInfoLike] | None = None)
     ``opinfos`` defaults to PyTorch's ``op_db``. Planning runs on rank 0 of a thread world (the
     converter enumerates shardings for a real mesh); it issues no collectives.
     """
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     candidates = list(load_op_db() if opinfos is None else opinfos)
     selected = [opinfo for opinfo in candidates if config.selects(op_key(opinfo))]
     results = run_on_threads(
         _plan_on_rank, selected, config, world_size=config.world_size, timeout=config.world_timeout_s
     )
-    plans, excluded = results[0]
-    return SweepPlan(config=config, ops=tuple(plans), excluded=excluded, planning_s=time.perf_counter() - started)
+    planned = results[0]
+    if planned is None:
+        raise RuntimeError("planning rank 0 returned no plan")
+    plans, excluded = planned
+    return SweepPlan(
+        config=config,
+        ops=tuple(plans),
+        excluded=excluded,
+        planning_s=time.perf_counter() - started,
+        planning_cpu_s=time.process_time() - started_cpu,
+    )
 
 
 def _build_mesh(world_size: int) -> DeviceMesh:
@@ -543,7 +557,9 @@ class SweepReport:
     results: dict[str, OpResult]
     excluded: dict[str, str]
     planning_s: float
+    planning_cpu_s: float
     running_s: float
+    running_cpu_s: float
     worlds: int
 
     def ops_with(self, outcome: Outcome) -> list[str]:
@@ -582,7 +598,9 @@ class SweepReport:
             "config": dataclasses.asdict(self.config),
             "summary": {"passing": self.passing, "tried": self.tried, "counts": self.counts()},
             "planning_s": round(self.planning_s, 2),
+            "planning_cpu_s": round(self.planning_cpu_s, 2),
             "running_s": round(self.running_s, 2),
+            "running_cpu_s": round(self.running_cpu_s, 2),
             "worlds": self.worlds,
             "ops": {key: dataclasses.asdict(result) for key, result in sorted(self.results.items())},
             "excluded": dict(sorted(self.excluded.items())),
@@ -609,47 +627,50 @@ class _WorldState:
     # rank -> the call it is running (or last ran).
     position: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     seconds_per_op: dict[int, float] = dataclasses.field(default_factory=dict)
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    stalled: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def start(self, where: tuple[int, int], rank: int) -> None:
+        with self.lock:
+            self.position[rank] = where
+            self.last_progress = time.monotonic()
 
     def record(self, where: tuple[int, int], rank: int, outcome: CallOutcome) -> None:
         with self.lock:
             self.outcomes.setdefault(where, {})[rank] = outcome
+            self.last_progress = time.monotonic()
 
 
-def run_sweep(backend: SweepBackend, plan: SweepPlan) -> SweepReport:
-    """Run every planned call on ``backend`` and classify each op (see the module doc)."""
+ProgressFn = Callable[[str], None]
+
+
+def run_sweep(backend: SweepBackend, plan: SweepPlan, progress: ProgressFn | None = None) -> SweepReport:
+    """Run every planned call on ``backend`` and classify each op (see the module doc).
+
+    ``progress`` (e.g. a print to stderr) hears about every 50 ops and every torn-down world.
+    """
     config = plan.config
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     state_log: list[_WorldState] = []
-    cursor = (0, 0)
-    total_ops = len(plan.ops)
+    start_op = 0
     diverged: dict[tuple[int, int], str] = {}
-    while cursor[0] < total_ops:
+    while start_op < len(plan.ops):
         state = _WorldState(config.world_size, threading.Barrier(config.world_size))
         state_log.append(state)
-        error: MultiRankError | None = None
-        with backend.world_context(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                run_on_threads(
-                    _run_on_rank,
-                    backend,
-                    plan,
-                    cursor,
-                    state,
-                    world_size=config.world_size,
-                    timeout=config.world_timeout_s,
-                )
-            except MultiRankError as raised:
-                error = raised
+        error = _run_world(backend, plan, start_op, state, progress)
         if error is None:
             break
         if not state.position:
             raise RuntimeError(f"the {backend.name} sweep world failed before running any call:\n{error}") from error
         stopped_at = max(state.position.values())
-        diverged[stopped_at] = _describe_divergence(error, state, stopped_at, config.world_size)
-        cursor = _next_call(plan, stopped_at)
+        diverged[stopped_at] = _describe_divergence(error, state, stopped_at, config)
+        if progress is not None:
+            progress(f"[{backend.name}] {plan.ops[stopped_at[0]].key}: {diverged[stopped_at]}")
+        # The rest of a diverging op is not run: each further divergence would cost a timeout.
+        start_op = stopped_at[0] + 1
     running_s = time.perf_counter() - started
+    running_cpu_s = time.process_time() - started_cpu
     results = _classify(plan, state_log, diverged)
     return SweepReport(
         backend=backend.name,
@@ -657,44 +678,91 @@ def run_sweep(backend: SweepBackend, plan: SweepPlan) -> SweepReport:
         results=results,
         excluded=dict(plan.excluded),
         planning_s=plan.planning_s,
+        planning_cpu_s=plan.planning_cpu_s,
         running_s=running_s,
+        running_cpu_s=running_cpu_s,
         worlds=len(state_log),
     )
 
 
-def _next_call(plan: SweepPlan, where: tuple[int, int]) -> tuple[int, int]:
-    op_index, call_index = where
-    if call_index + 1 < sum(1 for _ in plan.ops[op_index].calls()):
-        return op_index, call_index + 1
-    return op_index + 1, 0
+def _run_world(
+    backend: SweepBackend, plan: SweepPlan, start_op: int, state: _WorldState, progress: ProgressFn | None
+) -> MultiRankError | None:
+    config = plan.config
+    world_over = threading.Event()
+    watchdog = threading.Thread(
+        target=_abort_on_stall, args=(state, world_over, config.stall_timeout_s), name="opinfo-sweep-watchdog", daemon=True
+    )
+    with backend.world_context(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watchdog.start()
+        try:
+            run_on_threads(
+                _run_on_rank,
+                backend,
+                plan,
+                start_op,
+                state,
+                progress,
+                world_size=config.world_size,
+                timeout=config.world_timeout_s,
+            )
+        except MultiRankError as error:
+            return error
+        finally:
+            world_over.set()
+            watchdog.join()
+    return None
 
 
-def _describe_divergence(error: MultiRankError, state: _WorldState, where: tuple[int, int], world_size: int) -> str:
+def _abort_on_stall(state: _WorldState, world_over: threading.Event, stall_timeout_s: float) -> None:
+    """Tear the world down when no rank has finished a call for ``stall_timeout_s``.
+
+    The per-call barrier catches ranks that skipped a collective others wait in; this catches
+    the rest (every rank stuck in a collective), which would otherwise last the world timeout.
+    """
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    while not world_over.wait(0.5):
+        if time.monotonic() - state.last_progress > stall_timeout_s:
+            state.stalled = True
+            state.barrier.abort()
+            multi_threaded_pg.ProcessLocalGroup.exception_handle(TimeoutError("an OpInfo sweep call stalled"))
+            return
+
+
+def _describe_divergence(error: MultiRankError, state: _WorldState, where: tuple[int, int], config: SweepConfig) -> str:
     finished = state.outcomes.get(where, {})
-    stuck = sorted(set(range(world_size)) - set(finished))
-    parts = [f"ranks disagreed and the world was torn down: ranks {stuck} did not finish the call"]
+    stuck = sorted(set(range(config.world_size)) - set(finished))
+    if state.stalled:
+        parts = [f"no rank finished the call within {config.stall_timeout_s:g} s: the world was torn down"]
+    else:
+        parts = [f"ranks disagreed and the world was torn down: ranks {stuck} did not finish the call"]
     for rank, outcome in sorted(finished.items()):
         detail = f": {outcome.message}" if outcome.message else ""
         parts.append(f"rank {rank} got {outcome.outcome}{detail}")
     raised = [
         f"rank {rank} raised {remote.headline()}"
         for rank, remote in sorted(error.errors.items())
-        if "_RanksDiverged" not in remote.exception_type
+        if "_RanksDiverged" not in remote.exception_type and "termination" not in remote.message
     ]
     return "; ".join(parts + raised)[:_MESSAGE_LIMIT]
 
 
-def _run_on_rank(backend: SweepBackend, plan: SweepPlan, cursor: tuple[int, int], state: _WorldState) -> None:
+_PROGRESS_EVERY_OPS = 50
+
+
+def _run_on_rank(
+    backend: SweepBackend, plan: SweepPlan, start_op: int, state: _WorldState, progress: ProgressFn | None
+) -> None:
     mesh = backend.build_mesh(plan.config.world_size)
     rank = dist.get_rank()
-    for op_index in range(cursor[0], len(plan.ops)):
+    for op_index in range(start_op, len(plan.ops)):
         op = plan.ops[op_index]
         op_started = time.perf_counter()
         for call_index, (sample, placements) in enumerate(op.calls()):
-            if (op_index, call_index) < cursor:
-                continue
             where = (op_index, call_index)
-            state.position[rank] = where
+            state.start(where, rank)
             outcome = _run_call(backend, mesh, op, sample, placements)
             state.record(where, rank, outcome)
             try:
@@ -704,9 +772,9 @@ def _run_on_rank(backend: SweepBackend, plan: SweepPlan, cursor: tuple[int, int]
                 # tearing the world down frees it.
                 raise _RanksDiverged(f"rank {rank}: the ranks diverged at {op.key} call {call_index}") from None
         if rank == 0:
-            state.seconds_per_op[op_index] = state.seconds_per_op.get(op_index, 0.0) + (
-                time.perf_counter() - op_started
-            )
+            state.seconds_per_op[op_index] = time.perf_counter() - op_started
+            if progress is not None and (op_index + 1) % _PROGRESS_EVERY_OPS == 0:
+                progress(f"[{backend.name}] {op_index + 1}/{len(plan.ops)} ops")
 
 
 def _run_call(
@@ -836,8 +904,8 @@ def _classify(
                 result.calls_passed += 1
             if call.missing_rule:
                 missing.add(call.missing_rule)
-            where = PlannedCall(sample.index, sample.description, placements).describe()
-            first_call.setdefault(call.outcome, f"{where}: {call.message}")
+            described = PlannedCall(sample.index, sample.description, placements).describe()
+            first_call.setdefault(call.outcome, f"{described}: {call.message}")
             if _SEVERITY[call.outcome] > _SEVERITY[result.outcome]:
                 result.outcome = call.outcome
         if result.outcome != "pass" and result.outcome in first_call:

@@ -79,7 +79,8 @@ def _to_torch_placement(placement: Placement) -> Any:
 @contextmanager
 def _thread_safe_sharding_propagation() -> Iterator[None]:
     original = ShardingPropagator._fake_mode_lock
-    ShardingPropagator._fake_mode_lock = threading.Lock()  # type: ignore[assignment]
+    # Re-entrant: a propagation that propagates again on the same thread must not deadlock.
+    ShardingPropagator._fake_mode_lock = threading.RLock()  # type: ignore[assignment]
     try:
         yield
     finally:

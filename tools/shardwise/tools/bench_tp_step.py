@@ -582,10 +582,15 @@ def _parse(argv: list[str] | None) -> tuple[BenchConfig, str | None]:
     if config.model == "transformer":
         if config.n_heads % config.world_size or config.dim % config.n_heads:
             parser.error(
-                f"--n-heads {config.n_heads} must be a multiple of --world-size {config.world_size} and divide --dim {config.dim}"
+                f"--n-heads {config.n_heads} must be a multiple of --world-size {config.world_size} "
+                f"and divide --dim {config.dim}"
             )
         if config.vocab_size % config.world_size:
             parser.error(f"--vocab-size {config.vocab_size} must be a multiple of --world-size {config.world_size}")
+        if config.seq_parallel and config.seq_len % config.world_size:
+            parser.error(
+                f"--seq-len {config.seq_len} must be a multiple of --world-size {config.world_size} with --seq-parallel"
+            )
     return config, json_path
 
 

@@ -62,7 +62,8 @@ def format_plan(plan: SweepPlan) -> str:
     )
     lines = [
         f"plan: {len(plan.ops)} ops, {plan.num_calls} calls ({sharded_ops} ops with at least one sharded tensor), "
-        f"{len(plan.excluded)} left out; planned in {plan.planning_s:.1f} s",
+        f"{len(plan.excluded)} left out; planned in {plan.planning_s:.1f} s "
+        f"({plan.planning_cpu_s:.1f} s CPU)",
         f"caps: world of {config.world_size} rank threads, 1-D mesh; float32 CPU samples; up to "
         f"{config.samples_per_op} samples per op (from the first {config.candidate_samples}), up to "
         f"{config.shardings_per_sample} shardings per sample",
@@ -74,7 +75,7 @@ def format_plan(plan: SweepPlan) -> str:
 
 
 def format_report(report: SweepReport) -> str:
-    lines = [f"== {report.backend} ==", report.summary_line(), f"ran in {report.running_s:.1f} s ({report.worlds} thread worlds)"]
+    lines = [f"== {report.backend} ==", report.summary_line(), f"ran in {report.running_s:.1f} s, {report.running_cpu_s:.1f} s CPU ({report.worlds} thread worlds)"]
     for outcome in OUTCOMES:
         keys = report.ops_with(outcome)
         lines.append(f"{outcome} ({len(keys)}):")
@@ -107,6 +108,10 @@ def format_comparison(ours: SweepReport, theirs: SweepReport) -> str:
     )
 
 
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     patterns = tuple(pattern.strip() for pattern in args.ops.split(",") if pattern.strip())
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     plan = plan_sweep(config)
     if not plan.ops:
         print(f"error: no op of op_db matches {list(patterns)}", file=sys.stderr)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.tools.bench_opinfo_pytorch import PyTorchBackend
 
         backends.append(PyTorchBackend())
-    reports = [run_sweep(backend, plan) for backend in backends]
+    reports = [run_sweep(backend, plan, progress=_progress) for backend in backends]
     for report in reports:
         print()
         print(format_report(report))
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for report in reports:
         print(f"{report.backend}: {report.passing} ops passing out of {report.tried} tried")
-    print(f"total {time.perf_counter() - started:.1f} s")
+    print(f"total {time.perf_counter() - started:.1f} s, {time.process_time() - started_cpu:.1f} s CPU")
     if args.json:
         document: dict[str, Any] = {
             "plan": {

@@ -2,10 +2,12 @@
 
 On CPU, ``F.scaled_dot_product_attention`` runs
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``)
-whenever that kernel accepts the call (4-D inputs, no dropout, ...); otherwise it
-decomposes into matrix products and softmax (``_scaled_dot_product_attention_math``
-is a composite op), which the matrix, view, softmax and pointwise rules cover.
-PyTorch's DTensor has no rule for the CPU kernel; here it has one.
+whenever that kernel accepts the call (4-D inputs, no dropout, no mask that needs
+a gradient, ...); otherwise it decomposes into matrix products and softmax
+(``_scaled_dot_product_attention_math`` is a composite op) handled by those ops'
+rules; with ``is_causal`` that decomposition builds its mask as a plain tensor,
+which DTensor accepts only under ``implicit_replication()``.  PyTorch's DTensor
+has no rule for the CPU kernel; here it has one.
 
 Inputs are ``(batch, heads, seq, head_dim)``; every (batch, head) pair is an
 independent attention problem, and so is every query row.  On one mesh dim:
@@ -72,8 +74,12 @@ class _Layout:
     """Where the tensors of one attention call sit among the rule inputs, and their shapes."""
 
     def __init__(self, call: OpCall, query_position: int, is_causal_position: int) -> None:
-        self.query = call.input_shape(self._index(call, query_position, "query"))
-        self.key = call.input_shape(self._index(call, query_position + 1, "key"))
+        # Rule input indices of query, key and value.
+        self.qkv = tuple(
+            self._index(call, query_position + offset, name) for offset, name in enumerate(("query", "key", "value"))
+        )
+        self.query = call.input_shape(self.qkv[0])
+        self.key = call.input_shape(self.qkv[1])
         self.mask_index = call.input_index_at("attn_mask")
         self.mask = None if self.mask_index is None else call.input_shape(self.mask_index)
         # The shape every score (and the mask) is broadcast to.
@@ -95,9 +101,7 @@ class _Layout:
         return _CUTS if not self.is_causal else (_BATCH_DIM, _HEAD_DIM)
 
 
-def _grouped_heads_line_up(
-    call: OpCall, layout: _Layout, inputs: PlacementsPerTensor, query_index: int
-) -> bool:
+def _grouped_heads_line_up(call: OpCall, layout: _Layout, inputs: PlacementsPerTensor) -> bool:
     """With fewer key/value heads than query heads, each rank's query heads must map onto its kv heads."""
     query_heads, kv_heads = layout.query[1], layout.key[1]
     if query_heads == kv_heads:
@@ -105,7 +109,7 @@ def _grouped_heads_line_up(
     mesh_shape = tuple(call.mesh.shape)
     shards = math.prod(
         mesh_shape[mesh_dim]
-        for mesh_dim, placement in enumerate(inputs[query_index])
+        for mesh_dim, placement in enumerate(inputs[layout.qkv[0]])
         if placement == Shard(_HEAD_DIM)
     )
     return query_heads % shards == 0 and kv_heads % shards == 0
@@ -122,9 +126,9 @@ def _sequence_major_zeros(shape: Sequence[int], like: torch.Tensor, dtype: torch
     return like.new_zeros(stored, dtype=dtype or like.dtype).transpose(1, 2)
 
 
-def _empty_shard_kernel(call: OpCall, inputs: PlacementsPerTensor, query_index: int, kernel: _Kernel) -> _Kernel | None:
+def _empty_shard_kernel(call: OpCall, inputs: PlacementsPerTensor, layout: _Layout, kernel: _Kernel) -> _Kernel | None:
     """``kernel`` when this rank's shard of q, k or v is empty (and the global tensor is not), else None."""
-    for index in range(query_index, query_index + 3):
+    for index in layout.qkv:
         spec: DTensorSpec[Any] = call.input_specs[index]
         if 0 not in spec.shape and 0 in spec.with_placements(inputs[index]).local_shape():
             return kernel
@@ -160,7 +164,7 @@ class EmptyShardFlashAttention:
 def _flash_attention_kernel(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[DTensorSpec[Any] | None, ...]
 ) -> EmptyShardFlashAttention | None:
-    return _empty_shard_kernel(call, inputs, 0, EmptyShardFlashAttention())
+    return _empty_shard_kernel(call, inputs, _Layout(call, 0, 4), EmptyShardFlashAttention())
 
 
 
@@ -182,7 +186,7 @@ def flash_attention_strategies(call: OpCall) -> list[OneDimStrategy]:
 def _flash_attention_is_valid(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
-    return _grouped_heads_line_up(call, _Layout(call, 0, 4), inputs, 0)
+    return _grouped_heads_line_up(call, _Layout(call, 0, 4), inputs)
 
 
 def _dense_strides_like(meta: TensorMeta) -> tuple[int, ...] | None:
@@ -288,7 +292,7 @@ class EmptyShardFlashAttentionBackward:
 def _flash_attention_backward_kernel(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[DTensorSpec[Any] | None, ...]
 ) -> EmptyShardFlashAttentionBackward | None:
-    return _empty_shard_kernel(call, inputs, 1, EmptyShardFlashAttentionBackward())
+    return _empty_shard_kernel(call, inputs, _Layout(call, 1, 7), EmptyShardFlashAttentionBackward())
 
 
 
@@ -314,7 +318,7 @@ def flash_attention_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
 def _flash_attention_backward_is_valid(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
-    return _grouped_heads_line_up(call, _Layout(call, 1, 7), inputs, 1)
+    return _grouped_heads_line_up(call, _Layout(call, 1, 7), inputs)
 
 
 def flash_attention_backward_output_meta(

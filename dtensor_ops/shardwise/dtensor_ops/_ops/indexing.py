@@ -196,18 +196,6 @@ def _select_output_meta(
 SELECT_RULE = ShardingRule(family="select", one_dim_strategies=_select_strategies, output_meta=_select_output_meta)
 
 
-def _select_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
-    sizes = call.arg(1, "input_sizes")
-    assert isinstance(sizes, (list, tuple))
-    dim = _dim_of(call, 2, "dim", len(sizes))
-    grad_ndim = len(call.input_shape(0))
-    strategies = [OneDimStrategy((Shard(d if d < dim else d + 1),), (Shard(d),)) for d in range(grad_ndim)]
-    strategies.append(_replicated(1))
-    # Zeros everywhere but the selected slice reduce to zeros under every kind.
-    strategies.extend(_partials(1, call.every_reduce_op()))
-    return strategies
-
-
 def _check_gradient_shape(op: torch._ops.OpOverload, grad: TensorMeta, expected: Sequence[int]) -> None:
     # Autograd always passes matching shapes; a direct call with others would fail only in the local op.
     if tuple(grad.shape) != tuple(expected):
@@ -216,24 +204,24 @@ def _check_gradient_shape(op: torch._ops.OpOverload, grad: TensorMeta, expected:
         )
 
 
-def _select_backward_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    result = _sizes_meta(op, args, kwargs)
-    grad = input_meta(args[0]) if args else None
-    dim = _arg(args, kwargs, 2, "dim", None)
-    if result is None or grad is None or not isinstance(dim, int) or not -len(result.shape) <= dim < len(result.shape):
-        return None
-    dim %= len(result.shape)
-    _check_gradient_shape(op, grad, [size for d, size in enumerate(result.shape) if d != dim])
-    return result
+def _select_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
+    sizes = call.arg(1, "input_sizes")
+    assert isinstance(sizes, (list, tuple))
+    dim = _dim_of(call, 2, "dim", len(sizes))
+    _check_gradient_shape(call.op, call.input_meta(0), [size for d, size in enumerate(sizes) if d != dim])
+    grad_ndim = len(call.input_shape(0))
+    strategies = [OneDimStrategy((Shard(d if d < dim else d + 1),), (Shard(d),)) for d in range(grad_ndim)]
+    strategies.append(_replicated(1))
+    # Zeros everywhere but the selected slice reduce to zeros under every kind.
+    strategies.extend(_partials(1, call.every_reduce_op()))
+    return strategies
 
 
 SELECT_BACKWARD_RULE = ShardingRule(
     family="select_backward",
     one_dim_strategies=_select_backward_strategies,
     local_arg_overrides=_local_input_sizes_override,
-    output_meta=_select_backward_meta,
+    output_meta=_sizes_meta,
 )
 
 
@@ -323,11 +311,20 @@ def _slice_output_meta(
 SLICE_RULE = ShardingRule(family="slice", one_dim_strategies=_slice_strategies, output_meta=_slice_output_meta)
 
 
+def _check_slice_backward(call: OpCall, sizes: Sequence[int], dim: int, bounds: SliceBounds | None) -> None:
+    if bounds is None:
+        raise ValueError(f"{call.op}: the slice step must be a positive int, got {call.arg(5, 'step')!r}")
+    expected = list(sizes)
+    expected[dim] = bounds.length
+    _check_gradient_shape(call.op, call.input_meta(0), expected)
+
+
 def _slice_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
     sizes = call.arg(1, "input_sizes")
     assert isinstance(sizes, (list, tuple))
     dim = _dim_of(call, 2, "dim", len(sizes))
     bounds = slice_bounds(sizes[dim], *_slice_args(call, 3))
+    _check_slice_backward(call, sizes, dim, bounds)
     whole = bounds is not None and _slice_is_whole(sizes[dim], bounds)
     strategies = [
         OneDimStrategy((Shard(d),), (Shard(d),)) for d in range(len(sizes)) if d != dim or whole
@@ -337,34 +334,11 @@ def _slice_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
     return strategies
 
 
-def _slice_backward_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    result = _sizes_meta(op, args, kwargs)
-    grad = input_meta(args[0]) if args else None
-    dim = _arg(args, kwargs, 2, "dim", None)
-    if result is None or grad is None or not isinstance(dim, int) or not -len(result.shape) <= dim < len(result.shape):
-        return None
-    dim %= len(result.shape)
-    bounds = slice_bounds(
-        result.shape[dim],
-        _arg(args, kwargs, 3, "start", None),
-        _arg(args, kwargs, 4, "end", None),
-        _arg(args, kwargs, 5, "step", 1),
-    )
-    if bounds is None:
-        return None
-    expected = list(result.shape)
-    expected[dim] = bounds.length
-    _check_gradient_shape(op, grad, expected)
-    return result
-
-
 SLICE_BACKWARD_RULE = ShardingRule(
     family="slice_backward",
     one_dim_strategies=_slice_backward_strategies,
     local_arg_overrides=_local_input_sizes_override,
-    output_meta=_slice_backward_meta,
+    output_meta=_sizes_meta,
 )
 
 
@@ -372,7 +346,12 @@ def _slice_scatter_strategies(call: OpCall) -> list[OneDimStrategy]:
     shape = call.input_shape(0)
     dim = _dim_of(call, 2, "dim", len(shape), 0)
     bounds = slice_bounds(shape[dim], *_slice_args(call, 3))
-    whole = bounds is not None and _slice_is_whole(shape[dim], bounds)
+    if bounds is None:
+        raise ValueError(f"{call.op}: the slice step must be a positive int, got {call.arg(5, 'step')!r}")
+    expected = list(shape)
+    expected[dim] = bounds.length
+    _check_scatter_source(call.input_meta(_tensor_input(call, 1, "src")), expected)
+    whole = _slice_is_whole(shape[dim], bounds)
     count = len(call.input_specs)
     strategies = [
         OneDimStrategy((Shard(d),), (Shard(d),) * count) for d in range(len(shape)) if d != dim or whole
@@ -391,37 +370,23 @@ def _check_scatter_source(source: TensorMeta, expected: Sequence[int]) -> None:
         )
 
 
-def _slice_scatter_output_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    meta = input_meta(args[0]) if args else None
-    source = input_meta(_arg(args, kwargs, 1, "src", None))
-    dim = _arg(args, kwargs, 2, "dim", 0)
-    if meta is None or source is None or not isinstance(dim, int) or not -len(meta.shape) <= dim < len(meta.shape):
-        return None
-    dim %= len(meta.shape)
-    bounds = slice_bounds(
-        meta.shape[dim],
-        _arg(args, kwargs, 3, "start", None),
-        _arg(args, kwargs, 4, "end", None),
-        _arg(args, kwargs, 5, "step", 1),
-    )
-    if bounds is None:
-        return None
-    expected = list(meta.shape)
-    expected[dim] = bounds.length
-    _check_scatter_source(source, expected)
-    return _like_self_meta(op, args, kwargs)
-
-
 SLICE_SCATTER_RULE = ShardingRule(
-    family="slice_scatter", one_dim_strategies=_slice_scatter_strategies, output_meta=_slice_scatter_output_meta
+    family="slice_scatter", one_dim_strategies=_slice_scatter_strategies, output_meta=_like_self_meta
 )
 
 
 def _select_scatter_strategies(call: OpCall) -> list[OneDimStrategy]:
     shape = call.input_shape(0)
     dim = _dim_of(call, 2, "dim", len(shape))
+    index = call.arg(3, "index")
+    assert isinstance(index, int)
+    if not -shape[dim] <= index < shape[dim]:
+        raise IndexError(
+            f"select_scatter(): index {index} out of range for tensor of size {list(shape)} at dimension {dim}"
+        )
+    _check_scatter_source(
+        call.input_meta(_tensor_input(call, 1, "src")), [size for d, size in enumerate(shape) if d != dim]
+    )
     count = len(call.input_specs)
     strategies = []
     for d in range(len(shape)):
@@ -437,28 +402,8 @@ def _select_scatter_strategies(call: OpCall) -> list[OneDimStrategy]:
     return strategies
 
 
-def _select_scatter_output_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    meta = input_meta(args[0]) if args else None
-    source = input_meta(_arg(args, kwargs, 1, "src", None))
-    dim = _arg(args, kwargs, 2, "dim", None)
-    index = _arg(args, kwargs, 3, "index", None)
-    if meta is None or source is None or not isinstance(dim, int) or not isinstance(index, int):
-        return None
-    if not -len(meta.shape) <= dim < len(meta.shape):
-        return None
-    dim %= len(meta.shape)
-    if not -meta.shape[dim] <= index < meta.shape[dim]:
-        raise IndexError(
-            f"select_scatter(): index {index} out of range for tensor of size {list(meta.shape)} at dimension {dim}"
-        )
-    _check_scatter_source(source, [size for d, size in enumerate(meta.shape) if d != dim])
-    return _like_self_meta(op, args, kwargs)
-
-
 SELECT_SCATTER_RULE = ShardingRule(
-    family="select_scatter", one_dim_strategies=_select_scatter_strategies, output_meta=_select_scatter_output_meta
+    family="select_scatter", one_dim_strategies=_select_scatter_strategies, output_meta=_like_self_meta
 )
 
 
@@ -470,6 +415,11 @@ def _index_select_strategies(call: OpCall) -> list[OneDimStrategy]:
     dim = _dim_of(call, 1, "dim", ndim)
     index = _tensor_input(call, 2, "index")
     assert index == 1
+    # Meta tensors do not check these; the local op would, but only after the inputs were redistributed.
+    if len(call.input_shape(1)) > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    if call.input_meta(1).dtype not in (torch.int64, torch.int32):
+        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
     strategies = [OneDimStrategy((Shard(d),), (Shard(d), Replicate())) for d in range(ndim) if d != dim]
     if len(call.input_shape(1)) == 1:
         strategies.append(OneDimStrategy((Shard(dim),), (Replicate(), Shard(0))))
@@ -486,11 +436,8 @@ def _index_select_output_meta(
     dim = _arg(args, kwargs, 1, "dim", None)
     if meta is None or index is None or not isinstance(dim, int) or not meta.shape:
         return None
-    # Meta tensors do not check these; the local op would, but only after the inputs were redistributed.
-    if len(index.shape) > 1:
-        raise IndexError("index_select(): Index is supposed to be a vector")
-    if index.dtype not in (torch.int64, torch.int32):
-        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
+    if len(index.shape) > 1 or index.dtype not in (torch.int64, torch.int32):
+        return None
     if not -len(meta.shape) <= dim < len(meta.shape):
         return None
     shape = list(meta.shape)
@@ -507,6 +454,10 @@ def _index_add_strategies(call: OpCall) -> list[OneDimStrategy]:
     ndim = len(call.input_shape(0))
     dim = _dim_of(call, 1, "dim", ndim)
     assert _tensor_input(call, 2, "index") == 1 and _tensor_input(call, 3, "source") == 2
+    index_dtype = call.input_meta(1).dtype
+    if index_dtype not in (torch.int64, torch.int32):
+        # Meta tensors do not check it; the local op would, after the inputs were redistributed.
+        raise RuntimeError(f"index_add_(): Expected dtype int32/int64 for index but got: {_dtype_name(index_dtype)}")
     source_ndim = len(call.input_shape(2))
     strategies: list[OneDimStrategy] = []
     if source_ndim == ndim:
@@ -523,19 +474,8 @@ def _index_add_strategies(call: OpCall) -> list[OneDimStrategy]:
     return strategies
 
 
-def _index_add_output_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    index = input_meta(_arg(args, kwargs, 2, "index", None))
-    if index is not None and index.dtype not in (torch.int64, torch.int32):
-        # Meta tensors do not check it; the local op would, after the inputs were redistributed.
-        raise RuntimeError(f"index_add_(): Expected dtype int32/int64 for index but got: {_dtype_name(index.dtype)}")
-    return None  # the meta run checks the sizes and gives torch's strides (a fresh contiguous result)
-
-
-INDEX_ADD_RULE = ShardingRule(
-    family="index_add", one_dim_strategies=_index_add_strategies, output_meta=_index_add_output_meta
-)
+# No output_meta: the meta run checks the sizes and gives torch's strides (a fresh contiguous result).
+INDEX_ADD_RULE = ShardingRule(family="index_add", one_dim_strategies=_index_add_strategies)
 
 
 # --------------------------------------------------------------------------- gather / scatter
@@ -805,6 +745,7 @@ def _index_put_strategies(call: OpCall) -> list[OneDimStrategy]:
     metas = _index_metas(call)
     values = _tensor_input(call, 2, "values")
     values_shape = call.input_shape(values)
+    _check_index_put(call, metas, call.input_meta(values))
     uses_mask = any(meta is not None and meta.dtype in _MASK_DTYPES for meta in metas)
     if uses_mask:
         if len(values_shape) != 0:
@@ -837,16 +778,9 @@ def _index_put_strategies(call: OpCall) -> list[OneDimStrategy]:
     return strategies
 
 
-def _index_put_output_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | None:
-    """Like self, after the checks meta tensors skip (the local op would make them after a redistribution)."""
-    meta = input_meta(args[0]) if args else None
-    values = input_meta(_arg(args, kwargs, 2, "values", None))
-    entries = _index_list(args, kwargs)
-    if meta is None or values is None or entries is None:
-        return None
-    index_metas = [input_meta(entry) if entry is not None else None for entry in entries]
+def _check_index_put(call: OpCall, index_metas: Sequence[TensorMeta | None], values: TensorMeta) -> None:
+    """What meta tensors do not check (the local op would, but only after a redistribution)."""
+    meta = call.input_meta(0)
     if any(index is not None and index.dtype not in (*_MASK_DTYPES, torch.int64, torch.int32) for index in index_metas):
         raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     indexed_dims = sum(
@@ -862,7 +796,8 @@ def _index_put_output_meta(
     if not any(index is not None and index.dtype in _MASK_DTYPES for index in index_metas):
         layout = advanced_index_layout(meta.shape, [None if index is None else index.shape for index in index_metas])
         if layout is None:
-            return None  # the meta run raises torch's error about the indices
+            shapes = ", ".join(str(list(index.shape)) for index in index_metas if index is not None)
+            raise IndexError(f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}")
         padded = (1,) * (len(layout.result_shape) - len(values.shape)) + tuple(values.shape)
         fits = len(values.shape) <= len(layout.result_shape) and all(
             have in (1, want) for have, want in zip(padded, layout.result_shape)
@@ -872,7 +807,6 @@ def _index_put_output_meta(
                 f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to indexing "
                 f"result of shape {list(layout.result_shape)}"
             )
-    return _like_self_meta(op, args, kwargs)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -881,9 +815,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     )
 
 
-INDEX_PUT_RULE = ShardingRule(
-    family="index_put", one_dim_strategies=_index_put_strategies, output_meta=_index_put_output_meta
-)
+INDEX_PUT_RULE = ShardingRule(family="index_put", one_dim_strategies=_index_put_strategies, output_meta=_like_self_meta)
 
 register_rule((aten.select.int,), SELECT_RULE)
 register_rule((aten.select_backward.default,), SELECT_BACKWARD_RULE)

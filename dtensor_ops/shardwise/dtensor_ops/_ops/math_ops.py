@@ -275,11 +275,21 @@ def _sort_strategies(call: OpCall) -> list[OneDimStrategy]:
     return _along_dims_strategies(len(call.input_shape(0)), whole, 1, 2)
 
 
+def _has_required_arguments(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
+    """Whether every schema argument without a default is given (sort.stable's keyword-only ``stable``)."""
+    for index, argument in enumerate(op._schema.arguments):
+        given = index < len(args) and not argument.kwarg_only
+        if not given and argument.name not in kwargs and not argument.has_default_value():
+            if argument.alias_info is None or not argument.alias_info.is_write:  # out= tensors are not passed here
+                return False
+    return True
+
+
 def _sort_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> tuple[TensorMeta | None, ...] | None:
     meta = input_meta(args[0]) if args else None
-    if meta is None or not is_contiguous(meta):
+    if meta is None or not is_contiguous(meta) or not _has_required_arguments(op, args, kwargs):
         return None
     ndim = len(meta.shape)
     dim = schema_argument(op, args, kwargs, "dim", -1)

@@ -70,7 +70,7 @@ aten = torch.ops.aten
 
 # at::Reduction
 _REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
-_REDUCTION_NAMES = {_REDUCTION_NONE: "none", _REDUCTION_MEAN: "mean", _REDUCTION_SUM: "sum"}
+_REDUCTIONS = frozenset({_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM})
 
 
 def _bound_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -322,7 +322,7 @@ def nll_loss_forward_output_meta(
     log_probs = input_meta(args[0]) if args else None
     target = input_meta(args[1]) if len(args) > 1 else None
     reduction = args[3] if len(args) > 3 else kwargs.get("reduction")
-    if log_probs is None or target is None or reduction not in _REDUCTION_NAMES:
+    if log_probs is None or target is None or reduction not in _REDUCTIONS:
         return None  # the meta run raises torch's own error for bad calls
     if not log_probs.dtype.is_floating_point or target.dtype != torch.int64:
         return None

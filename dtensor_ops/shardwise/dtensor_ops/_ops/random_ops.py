@@ -61,11 +61,20 @@ def _inplace_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
     ]
 
 
+def _inplace_fill_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    meta = same_as_input_meta(op, args, kwargs)
+    if meta is None or not meta.dtype.is_floating_point:
+        return None  # torch rejects some fills of integer tensors: let meta tensors give its error
+    return meta
+
+
 INPLACE_FILL_RULE = ShardingRule(
     family="random-fill_",
     one_dim_strategies=_inplace_fill_strategies,
     scalar_values_matter=False,
-    output_meta=same_as_input_meta,
+    output_meta=_inplace_fill_output_meta,
 )
 
 
@@ -81,8 +90,10 @@ def _functional_fill_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> TensorMeta | None:
     meta = input_meta(args[0]) if args else None
-    if meta is None or not is_contiguous(meta):
-        return None  # these ops keep a non-contiguous input's layout: let meta tensors say which
+    if meta is None or not is_contiguous(meta) or not meta.dtype.is_floating_point:
+        # A non-contiguous input's layout is kept as torch chooses, and some draws reject integer
+        # tensors: let meta tensors decide (and raise torch's error).
+        return None
     return meta
 
 
@@ -180,7 +191,7 @@ def _dropout_backward_output_meta(
 ) -> TensorMeta | None:
     grad = input_meta(args[0]) if args else None
     mask = input_meta(args[1]) if len(args) > 1 else None
-    if grad is None or mask is None or grad.shape != mask.shape:
+    if grad is None or mask is None or grad.shape != mask.shape or not grad.dtype.is_floating_point:
         return None
     if not is_contiguous(grad):
         return None

@@ -259,10 +259,9 @@ def _arg_reduction_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 # --------------------------------------------------------------------------- output metadata
 
-_COMPLEX_TO_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
-
-
-def _result_dtype(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], source: torch.dtype) -> torch.dtype | None:
+def _result_dtype(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], source: torch.dtype
+) -> torch.dtype | None:
     name = op._schema.name
     if name in _EXTREMUM_KINDS:
         return source

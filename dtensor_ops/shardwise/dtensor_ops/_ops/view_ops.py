@@ -47,7 +47,6 @@ from shardwise.placement import (
     Shard,
     TensorMeta,
     chunk_size_and_offset,
-    normalize_dim,
 )
 
 from ._shapes import contiguous_meta, input_meta, is_contiguous, resolve_view_size
@@ -484,9 +483,9 @@ def _squeeze_overrides(
 ) -> tuple[tuple[ArgPosition, object], ...]:
     if call.op is not aten.squeeze.dims:
         return ()
-    removed = list(_squeezed_dims(call))
+    removed = _squeezed_dims(call)
     given = call.arg(1, "dim")
-    if isinstance(given, (list, tuple)) and list(given) == removed:
+    if isinstance(given, (list, tuple)) and tuple(given) == removed:
         return ()
     return ((1 if len(call.args) > 1 else "dim", removed),)
 

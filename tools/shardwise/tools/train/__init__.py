@@ -42,10 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._worker import is_worker_process, run_worker
 
     config = parse_config(sys.argv[1:] if argv is None else argv)
-    if is_worker_process():
-        return run_worker(config)
     try:
-        return launch(config)
+        return run_worker(config) if is_worker_process() else launch(config)
     except ConfigError as error:
-        print(f"{build_parser().prog}: error: {error}", file=sys.stderr)
+        print(f"{build_parser().prog}: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -134,7 +134,9 @@ class TrainConfig:
         if self.rtol < 0 or self.atol < 0:
             raise ConfigError(f"--parity-rtol and --parity-atol must be >= 0, got {self.rtol} and {self.atol}")
         if self.dim % self.n_heads != 0:
-            raise ConfigError(f"--dim {self.dim} must be a multiple of --n-heads {self.n_heads} (each head gets dim / n_heads)")
+            raise ConfigError(
+                f"--dim {self.dim} must be a multiple of --n-heads {self.n_heads} (each head gets dim / n_heads)"
+            )
         if self.n_heads % self.tp != 0:
             raise ConfigError(
                 f"--n-heads {self.n_heads} must be a multiple of --tp {self.tp}: tensor parallelism gives each rank "

@@ -13,9 +13,8 @@ DEFAULT_CORPUS_NAME = "corpus.txt"
 
 
 def load_default_corpus(vocab_multiple: int = 1) -> CharCorpus:
-    text = importlib.resources.files(__package__ or "shardwise.tools.train").joinpath(DEFAULT_CORPUS_NAME).read_text(
-        encoding="utf-8"
-    )
+    package_files = importlib.resources.files(__package__ or "shardwise.tools.train")
+    text = package_files.joinpath(DEFAULT_CORPUS_NAME).read_text(encoding="utf-8")
     return CharCorpus(text, vocab_multiple=vocab_multiple)
 
 
@@ -31,7 +30,9 @@ class CharCorpus:
         if vocab_multiple < 1:
             raise ValueError(f"CharCorpus: vocab_multiple must be >= 1, got {vocab_multiple}")
         if len(text) < 2:
-            raise ValueError(f"CharCorpus: the text needs at least 2 characters to make one (input, target) pair, got {len(text)}")
+            raise ValueError(
+                f"CharCorpus: the text needs at least 2 characters to make one (input, target) pair, got {len(text)}"
+            )
         self.text = text
         self.characters: tuple[str, ...] = tuple(sorted(set(text)))
         self._index = {character: index for index, character in enumerate(self.characters)}
@@ -42,10 +43,15 @@ class CharCorpus:
         try:
             return torch.tensor([self._index[character] for character in text], dtype=torch.long)
         except KeyError as error:
-            raise ValueError(f"CharCorpus.encode: character {error.args[0]!r} is not in the corpus vocabulary") from None
+            raise ValueError(
+                f"CharCorpus.encode: character {error.args[0]!r} is not in the corpus vocabulary"
+            ) from None
 
     def decode(self, token_ids: torch.Tensor) -> str:
-        return "".join(self.characters[int(token_id)] if int(token_id) < len(self.characters) else "?" for token_id in token_ids)
+        # Padding ids (past the characters) never appear in the data; a model may still predict them.
+        return "".join(
+            self.characters[int(token_id)] if int(token_id) < len(self.characters) else "?" for token_id in token_ids
+        )
 
     def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-character targets, both ``(batch_size, seq_len)``, for training step ``step``.

@@ -24,7 +24,8 @@ def torchrun_argv(config: TrainConfig) -> list[str]:
     else:
         # Static rendezvous: machine --node-rank runs global ranks [node_rank * n, (node_rank + 1) * n),
         # so rank 0 (which writes the report) is on --node-rank 0, the machine at --rdzv-endpoint.
-        argv += ["--rdzv-backend", "static", "--rdzv-endpoint", config.rdzv_endpoint, "--node-rank", str(config.node_rank)]
+        argv += ["--rdzv-backend", "static", "--rdzv-endpoint", config.rdzv_endpoint]
+        argv += ["--node-rank", str(config.node_rank)]
     output_dir = str(config.resolved_output_dir())
     worker_config = TrainConfig(**{**config.as_dict(), "output_dir": output_dir})
     argv += ["--module", WORKER_MODULE, *worker_config.to_argv()]
@@ -72,13 +73,19 @@ def launch(config: TrainConfig) -> int:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as error:
         failures = error.failures
-        if (
-            set(failures) == {0}
-            and failures[0].exitcode == PARITY_FAILED_EXIT_CODE
-        ):
-            print("parity check FAILED: the tensor-parallel run does not match the single-process run (see above)", file=sys.stderr)
+        if set(failures) == {0} and failures[0].exitcode == PARITY_FAILED_EXIT_CODE:
+            print(
+                "parity check FAILED: the tensor-parallel run does not match the single-process run (see above)",
+                file=sys.stderr,
+            )
             return 1
         described = ", ".join(f"rank {rank} exit code {failure.exitcode}" for rank, failure in sorted(failures.items()))
         print(f"training failed: {described}; the workers' tracebacks are above", file=sys.stderr)
         return 1
+    if config.node_rank != 0:
+        print(
+            f"this machine's {config.nproc_per_node} rank(s) finished; rank 0, on the machine with --node-rank 0, "
+            "ran the parity check and wrote the report",
+            flush=True,
+        )
     return 0

@@ -59,7 +59,9 @@ def _init_small_weights(model: Transformer, n_layers: int) -> None:
                 module.bias.zero_()
 
 
-def parallelize_transformer(model: Transformer, mesh: DeviceMesh, *, seq_parallel: bool, loss_parallel: bool) -> Transformer:
+def parallelize_transformer(
+    model: Transformer, mesh: DeviceMesh, *, seq_parallel: bool, loss_parallel: bool
+) -> Transformer:
     """The model zoo's Megatron-style plan (``Transformer.parallelize``), in place.
 
     Attention is split by heads (``wq``/``wk``/``wv`` by output column, ``wo`` by input row), the

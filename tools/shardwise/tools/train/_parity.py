@@ -76,7 +76,9 @@ def compare_runs(
         actual = tp_parameters[name].detach().to("cpu", torch.float64)
         expected = reference_parameters[name].detach().to("cpu", torch.float64)
         if actual.shape != expected.shape:
-            problems.append(f"{name}: shape {tuple(actual.shape)} (tensor parallel) vs {tuple(expected.shape)} (single process)")
+            problems.append(
+                f"{name}: shape {tuple(actual.shape)} (tensor parallel) vs {tuple(expected.shape)} (single process)"
+            )
             continue
         diff = float((actual - expected).abs().max()) if actual.numel() else 0.0
         if not math.isfinite(diff):

@@ -96,7 +96,9 @@ def plot_losses(
         2, 1, figsize=(7.5, 6.0), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]}
     )
     try:
-        loss_axis.plot(steps, tp_losses, marker="o", markersize=3, linewidth=1.8, label="tensor parallel (shardwise DTensor)")
+        loss_axis.plot(
+            steps, tp_losses, marker="o", markersize=3, linewidth=1.8, label="tensor parallel (shardwise DTensor)"
+        )
         loss_axis.plot(
             list(range(1, len(reference_losses) + 1)), reference_losses, linestyle="--", linewidth=1.4, color="black",
             label="single process (plain torch)",
@@ -106,10 +108,13 @@ def plot_losses(
         loss_axis.grid(True, alpha=0.3)
         loss_axis.legend()
         count = min(len(tp_losses), len(reference_losses))
-        # A zero difference has no place on a log axis: draw it at a floor far below any float32 noise.
-        differences = [max(abs(tp_losses[i] - reference_losses[i]), 1e-12) for i in range(count)]
-        diff_axis.semilogy(steps[:count], differences, marker=".", color="tab:red")
-        diff_axis.set_ylabel("|difference|")
+        differences = [abs(tp_losses[i] - reference_losses[i]) for i in range(count)]
+        # A zero has no place on a log axis: zeros are drawn a decade below the smallest difference.
+        nonzero = [difference for difference in differences if difference > 0]
+        floor = min(nonzero) / 10 if nonzero else 1e-16
+        drawn = [max(difference, floor) for difference in differences]
+        diff_axis.semilogy(steps[:count], drawn, marker=".", color="tab:red")
+        diff_axis.set_ylabel("|loss difference|" if nonzero else "|loss difference| (all 0)")
         diff_axis.set_xlabel("step")
         diff_axis.grid(True, which="both", alpha=0.3)
         figure.tight_layout()

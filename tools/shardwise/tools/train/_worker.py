@@ -53,7 +53,9 @@ def _device_for_rank(config: TrainConfig, local_rank: int) -> torch.device:
     if config.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: CUDA is not available to this process (no GPU visible or a CPU-only PyTorch build)")
+        raise ConfigError(
+            "--device cuda: CUDA is not available to this process (no GPU visible or a CPU-only PyTorch build)"
+        )
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             f"--device cuda: local rank {local_rank} needs GPU {local_rank}, but this machine shows "
@@ -123,7 +125,10 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
     corpus = load_default_corpus(vocab_multiple=config.tp)
     args = model_args(config, corpus.vocab_size)
     model = parallelize_transformer(
-        build_model(args, config.seed, device, _dtype(config)), mesh, seq_parallel=config.seq_parallel, loss_parallel=config.loss_parallel
+        build_model(args, config.seed, device, _dtype(config)),
+        mesh,
+        seq_parallel=config.seq_parallel,
+        loss_parallel=config.loss_parallel,
     )
     optimizer = build_optimizer(config, list(model.parameters()))
     if is_reporter:
@@ -135,10 +140,14 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         _say(
             f"model: Transformer dim={config.dim} layers={config.n_layers} heads={config.n_heads} "
             f"vocab={corpus.vocab_size} ({len(corpus.characters)} characters); data: {len(corpus.text):,} characters, "
-            f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, {config.steps} steps"
+            f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, "
+            f"{config.steps} steps"
         )
         _say("collectives are counted with CommDebugMode on the first and the last step")
-    loss_context: Callable[[], ContextManager[object]] = loss_parallel if config.loss_parallel else contextlib.nullcontext
+    loss_context: Callable[[], ContextManager[object]] = (
+        loss_parallel if config.loss_parallel else contextlib.nullcontext
+    )
+    progress = _progress_printer("tp ", config.steps, config.tokens_per_step, config.log_every)
     tp_records = train_loop(
         model,
         optimizer,
@@ -151,7 +160,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         dtype=_dtype(config),
         loss_context=loss_context,
         count_collectives_at=frozenset({1, config.steps}),
-        on_step=_progress_printer("tp ", config.steps, config.tokens_per_step, config.log_every) if is_reporter else (lambda _: None),
+        on_step=progress if is_reporter else (lambda _: None),
     )
     tp_parameters = _full_parameters(model)
     if not is_reporter:
@@ -180,7 +189,9 @@ def _reference_and_report(
         seed=config.seed,
         device=device,
         dtype=_dtype(config),
-        on_step=_progress_printer("ref", config.steps, config.tokens_per_step, max(config.log_every, config.steps // 5 or 1)),
+        on_step=_progress_printer(
+            "ref", config.steps, config.tokens_per_step, max(config.log_every, config.steps // 5 or 1)
+        ),
     )
     reference_parameters = {name: p.detach().to("cpu").clone() for name, p in reference_model.named_parameters()}
     parity = compare_runs(
