@@ -57,3 +57,21 @@ def test_registration_conflicts_and_restores() -> None:
     finally:
         unregister_op_handler(aten.sub.Tensor)
     unregister_op_handler(aten.sub.Tensor)  # absent: no error
+
+
+@multi_rank(world_size=2)
+def test_float_arguments_of_value_blind_ops_share_one_cached_decision() -> None:
+    from shardwise.dtensor_ops._dispatch import dispatch_cache_size
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(8.0).reshape(4, 2)
+    a = distribute_tensor(full, mesh, [Shard(0)])
+    b = distribute_tensor(full, mesh, [Shard(0)])
+    (a * 0.5).add_(b, alpha=0.25)
+    before = dispatch_cache_size()
+    for step in range(1, 6):
+        scaled = a * (0.5 / step)
+        scaled.add_(b, alpha=0.25 / step)
+        torch.testing.assert_close(scaled.full_tensor(), full * (0.5 / step) + full * (0.25 / step))
+    # A learning-rate-like float that changes every step must not add cache entries.
+    assert dispatch_cache_size() == before

@@ -31,7 +31,7 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
 from ._dtensor import DTensor
 from ._random import RandomPlan, plan_random_op, run_random_op
-from ._ops._strategy import builtin_op_handlers
+from ._ops._strategy import builtin_op_handlers, rule_for
 from ._redistribute import redistribute_local_tensor
 from ._sharding_prop import OpDecision, propagate_op_sharding
 
@@ -425,7 +425,8 @@ def torch_dispatch(
         for position in scalar_positions:
             spec_args[position] = _replicated_spec_for_plain_tensor(func, args[position], mesh)
     if freeze_key:
-        key = (func, *[_frozen_key_part(value) for value in spec_args])
+        keep_floats = _float_values_matter(func)
+        key = (func, *[_frozen_key_part(value, keep_floats) for value in spec_args])
     else:
         key = (func, *spec_args)
     prepared = _decision_cache.get(key)
@@ -464,9 +465,28 @@ def torch_dispatch(
     return _finish(prepared, prepared.call(*local_args), args, {})
 
 
-def _frozen_key_part(value: Any) -> Any:
+_float_values_matter_by_op: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _float_values_matter(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func``'s decision depends on the values of its float arguments, not just their type.
+
+    Rules that say it does not (pointwise ops, foreach ops) share one cache entry across values: an
+    optimizer passes new learning-rate-dependent floats every step, which would otherwise add entries.
+    """
+    matters = _float_values_matter_by_op.get(func)
+    if matters is None:
+        rule = rule_for(func)
+        matters = rule is None or rule.scalar_values_matter
+        _float_values_matter_by_op[func] = matters
+    return matters
+
+
+def _frozen_key_part(value: Any, keep_float_values: bool) -> Any:
     """The key part of a fast-path argument (same form as the general path's)."""
     value_type = type(value)
+    if value_type is float or value_type is complex:
+        return (value_type, value) if keep_float_values else value_type
     if value_type in _TYPE_TAGGED_TYPES:
         return (value_type, value)
     if value_type is list:
@@ -482,11 +502,12 @@ _KWARGS_MARK = object()
 class _ArgConverter:
     """The general path's view of one call: DTensors and accepted plain tensors become specs."""
 
-    __slots__ = ("mesh", "op")
+    __slots__ = ("mesh", "op", "keep_float_values")
 
     def __init__(self, op: torch._ops.OpOverload, mesh: DeviceMesh) -> None:
         self.op = op
         self.mesh = mesh
+        self.keep_float_values = _float_values_matter(op)
 
     def convert(self, value: Any) -> tuple[Any, Any, Any]:
         """(value for the rules, value for the local op, key part)."""
@@ -508,6 +529,8 @@ class _ArgConverter:
                 key_items.append(key_item)
             # Locals are always a list so that redistribution can replace items in place.
             return (tuple(spec_items) if value_type is tuple else spec_items), local_items, tuple(key_items)
+        if value_type is float or value_type is complex:
+            return value, value, ((value_type, value) if self.keep_float_values else value_type)
         if value_type in _TYPE_TAGGED_TYPES:
             return value, value, (value_type, value)
         return value, value, value
