@@ -38,3 +38,29 @@ def test_gradient_layout_follows_the_parameter_on_every_rank() -> None:
     assert _strides_on_all_ranks(weight.grad) == [weight.stride()] * 4
     local = DTensor.from_local(torch.ones(2, 1), mesh, [Replicate()])
     assert _strides_on_all_ranks(local) == [(1, 1)] * 4
+
+
+class _GradientStoredDimOneMajor(torch.autograd.Function):
+    """Identity whose backward hands back its gradient stored dim-1-major, as sdpa's CPU kernel does."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@multi_rank(world_size=4)
+def test_local_gradient_is_laid_out_like_the_global_stride() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    source = distribute_tensor(torch.randn(4, 8, 6), mesh, [Shard(0)]).requires_grad_()
+    out = _GradientStoredDimOneMajor.apply(source.to_local())
+    (out * 3).sum().backward()
+    assert source.grad is not None
+    # The DTensor gradient reports the contiguous global stride, so its local piece must be contiguous
+    # too, or views of the gradient fail on the local tensor.
+    assert source.grad.to_local().is_contiguous()
+    merged = source.grad.view(4, 48)
+    torch.testing.assert_close(merged.full_tensor(), torch.full((4, 48), 3.0))

@@ -466,7 +466,25 @@ class _ToLocal(torch.autograd.Function):
                     f"{placements} of the global shape {tuple(meta.shape)} give local shape {tuple(expected)} on "
                     f"mesh coordinate {tuple(coordinate)}; pass grad_placements that describe the gradient"
                 )
-        return new_dtensor(grad_output, grad_spec), None
+        return new_dtensor(_laid_out_like(grad_output, meta.stride), grad_spec), None
+
+
+def _laid_out_like(local: torch.Tensor, global_stride: Sequence[int]) -> torch.Tensor:
+    """``local`` with its dims in memory in the order ``global_stride`` gives them (a copy only if they differ).
+
+    The gradient takes its tensor's global stride on every rank, and views of the DTensor are checked
+    against that stride, so its local piece must be laid out the same way.
+    """
+    if len(global_stride) <= 1:
+        return local
+    outer_to_inner = sorted(range(len(global_stride)), key=lambda dim: (-global_stride[dim], dim))
+    in_order = local.permute(outer_to_inner)
+    if in_order.is_contiguous():
+        return local
+    inverse = [0] * len(outer_to_inner)
+    for position, dim in enumerate(outer_to_inner):
+        inverse[dim] = position
+    return in_order.contiguous().permute(inverse)
 
 
 class _Redistribute(torch.autograd.Function):
