@@ -230,12 +230,21 @@ def _check_case(case: Case, mesh: Any) -> int:
     return checked
 
 
+def _with_masked_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows 0 and 3 entirely -inf (masked out): _safe_softmax gives them zeros instead of nan."""
+    x = x.clone()
+    x[0] = -math.inf
+    x[3] = -math.inf
+    return x
+
+
 def _softmax_cases() -> list[Case]:
     return [
         Case("softmax_last", lambda x: torch.softmax(x, -1), (randn(1, 5, 6),)),
         Case("softmax_first", lambda x: torch.softmax(x, 0), (randn(2, 5, 6),)),
         Case("log_softmax_3d_middle", lambda x: torch.log_softmax(x, 1), (randn(3, 3, 5, 4),)),
         Case("log_softmax_last", lambda x: F.log_softmax(x, dim=-1), (randn(4, 6, 5),)),
+        Case("safe_softmax_masked_rows", lambda x: aten._safe_softmax(x, 1), (_with_masked_rows(randn(5, 5, 6)),)),
     ]
 
 

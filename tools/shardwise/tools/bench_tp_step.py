@@ -294,7 +294,13 @@ class _Trainer:
         self.stack = stack
         self.config = config
         self.model = _parallelized_model(stack, config, mesh)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, foreach=config.foreach)
+        # DTensor and plain parameters (the norms without sequence parallelism) in separate groups:
+        # one foreach call cannot take both kinds (as in the trainer's build_optimizer).
+        parameters = list(self.model.parameters())
+        distributed = [p for p in parameters if isinstance(p, stack.tensor.DTensor)]
+        plain = [p for p in parameters if not isinstance(p, stack.tensor.DTensor)]
+        groups: list[dict[str, Any]] = [{"params": group} for group in (distributed, plain) if group]
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, foreach=config.foreach)
 
     def _loss_context(self) -> ContextManager[object]:
         if self.config.model == "transformer" and self.config.loss_parallel:

@@ -1,4 +1,4 @@
-"""Math ops along a dim: softmax/log_softmax (and backwards), var/std/var_mean/std_mean, logsumexp, norms,
+"""Math ops along a dim: softmax/log_softmax/_safe_softmax (and backwards), var/std/var_mean/std_mean, logsumexp, norms,
 topk/sort, cumsum/cumprod, flip, and ``allclose``.
 
 On one mesh dim:
@@ -366,8 +366,12 @@ ALLCLOSE_RULE = ShardingRule(family="allclose", one_dim_strategies=_allclose_str
 
 
 register_rule(
-    (aten._softmax.default, aten._softmax.out, aten._log_softmax.default, aten._log_softmax.out), SOFTMAX_RULE
-)
+    (
+        aten._softmax.default, aten._softmax.out, aten._log_softmax.default, aten._log_softmax.out,
+        aten._safe_softmax.default,  # sdpa's math path: rows of only -inf give zeros instead of nan
+    ),
+    SOFTMAX_RULE,
+)  # fmt: skip
 register_rule(
     aten_overloads(("_softmax_backward_data", "_log_softmax_backward_data"), with_inplace=False),
     SOFTMAX_BACKWARD_RULE,

@@ -51,6 +51,7 @@ class TrainConfig:
     loss_parallel: bool = True
     optimizer: str = "adamw"
     foreach: bool = True
+    clip_grad_norm: float = 1.0
     device: str = "cpu"
     dtype: str = "float64"
     nnodes: int = 1
@@ -129,6 +130,8 @@ class TrainConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.clip_grad_norm < 0:
+            raise ConfigError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.rtol < 0 or self.atol < 0:
@@ -191,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--foreach", action=argparse.BooleanOptionalAction, default=defaults.foreach,
         help="use the optimizer's multi-tensor (_foreach_*) implementation",
+    )
+    training.add_argument(
+        "--clip-grad-norm", type=float, default=defaults.clip_grad_norm,
+        help="clip the gradients' global 2-norm to this before each step (0: no clipping)",
     )
     training.add_argument("--log-every", type=int, default=defaults.log_every, help="print progress every N steps")
 

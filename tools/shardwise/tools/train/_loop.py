@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from shardwise.dtensor_ops.debug import CommDebugMode
 
 from ._data import CharCorpus
 
-__all__ = ["PHASES", "StepRecord", "train_loop", "comm_counts_by_name", "language_model_loss", "reduce_partial_gradients"]
+__all__ = ["PHASES", "StepRecord", "train_loop", "comm_counts_by_name", "language_model_loss", "reduce_partial_gradients", "clip_gradients"]
 
 # A step's collectives are counted separately in each of these phases.
 PHASES = ("forward", "backward", "optimizer")
@@ -74,6 +74,33 @@ def reduce_partial_gradients(model: nn.Module) -> None:
             parameter.grad = gradient.redistribute(parameter.device_mesh, parameter.placements)
 
 
+def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor and plain parameters; returns the norm.
+
+    One multi-tensor call cannot take both kinds (without sequence parallelism the norms keep
+    plain parameters), so each kind's norm is taken on its own, the global norm is combined
+    from them, and each kind is scaled on its own.
+    """
+    with_gradients = [parameter for parameter in parameters if parameter.grad is not None]
+    kinds: list[list[nn.Parameter]] = [
+        [parameter for parameter in with_gradients if isinstance(parameter.grad, DTensor)],
+        [parameter for parameter in with_gradients if not isinstance(parameter.grad, DTensor)],
+    ]
+    norms = []
+    for kind in kinds:
+        if kind:
+            norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, parameter.grad) for parameter in kind])
+            # A DTensor norm is replicated (every shard counted once): any rank's value is the whole.
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total_norm = torch.linalg.vector_norm(torch.stack(norms))
+    for kind in kinds:
+        if kind:
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total_norm)
+    return total_norm
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -90,6 +117,7 @@ def train_loop(
     seed: int,
     device: torch.device,
     dtype: torch.dtype,
+    clip_grad_norm: float = 0.0,
     loss_context: Callable[[], ContextManager[object]] = contextlib.nullcontext,
     count_collectives_at: frozenset[int] = frozenset(),
     on_step: Callable[[StepRecord], None] = lambda record: None,
@@ -116,6 +144,8 @@ def train_loop(
                 loss.backward()
         with _phase_counter("optimizer", collectives):
             reduce_partial_gradients(model)
+            if clip_grad_norm > 0:
+                clip_gradients(list(model.parameters()), clip_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         # .item() of a replicated DTensor reads the local value: no collective.

@@ -158,6 +158,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         seed=config.seed,
         device=device,
         dtype=_dtype(config),
+        clip_grad_norm=config.clip_grad_norm,
         loss_context=loss_context,
         count_collectives_at=frozenset({1, config.steps}),
         on_step=progress if is_reporter else (lambda _: None),
@@ -189,6 +190,7 @@ def _reference_and_report(
         seed=config.seed,
         device=device,
         dtype=_dtype(config),
+        clip_grad_norm=config.clip_grad_norm,
         on_step=_progress_printer(
             "ref", config.steps, config.tokens_per_step, max(config.log_every, config.steps // 5 or 1)
         ),
