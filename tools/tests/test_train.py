@@ -80,8 +80,9 @@ def test_default_run_with_sequence_and_loss_parallel(tmp_path: pathlib.Path) -> 
     assert collectives["per_phase"]["backward"] == {
         "all_gather_into_tensor": 3, "all_to_all_single": 1, "reduce_scatter_tensor": 3,
     }
-    # The 3 sequence-parallel LayerNorms' weights and biases have Partial gradients, reduced once each.
-    assert collectives["per_phase"]["optimizer"] == {"all_reduce": 6}
+    # The 3 sequence-parallel LayerNorms' weights and biases have Partial gradients, reduced once
+    # each; gradient clipping sums the squares of all sharded gradients in one more all-reduce.
+    assert collectives["per_phase"]["optimizer"] == {"all_reduce": 7}
 
 
 def test_plain_tensor_parallel_on_two_ranks(tmp_path: pathlib.Path) -> None:
@@ -94,7 +95,7 @@ def test_plain_tensor_parallel_on_two_ranks(tmp_path: pathlib.Path) -> None:
     # feed-forward output) all-reduces its output; the position embeddings (split by feature)
     # and the logits are all-gathered.
     assert collectives["per_phase"]["forward"] == {"all_gather_into_tensor": 2, "all_reduce": 3}
-    assert collectives["per_phase"]["optimizer"] == {}
+    assert collectives["per_phase"]["optimizer"] == {"all_reduce": 1}  # the gradient norm for clipping
 
 
 def test_data_parallel_is_refused_with_a_clear_error(tmp_path: pathlib.Path) -> None:

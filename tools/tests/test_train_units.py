@@ -213,3 +213,22 @@ def test_summary_json_round_trips(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "s" / "summary.json"
     _report.write_summary(path, {"steps": 3, "parity": {"verdict": "PASS"}})
     assert json.loads(path.read_text())["parity"]["verdict"] == "PASS"
+
+
+def test_clipping_plain_gradients_matches_torch() -> None:
+    from shardwise.tools.train._loop import clip_gradients
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(3)]
+    theirs = [torch.nn.Parameter(parameter.detach().clone()) for parameter in ours]
+    for mine, other in zip(ours, theirs):
+        mine.grad = torch.randn(4, dtype=torch.float64) * 3
+        other.grad = mine.grad.clone()
+    ours[1].grad = None  # parameters without a gradient are skipped, as torch does
+    theirs[1].grad = None
+    norm = clip_gradients(ours, max_norm=1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm=1.0)
+    assert float(norm) == pytest.approx(float(expected)) and float(norm) > 1.0
+    for mine, other in zip(ours, theirs):
+        if other.grad is not None:
+            assert mine.grad is not None and torch.allclose(mine.grad, other.grad)

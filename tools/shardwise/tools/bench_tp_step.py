@@ -26,8 +26,9 @@ same batches:
   ``torch``, so the ratio of the two is the cost of the two DTensor stacks;
 * ``shardwise``: shardwise with the default kernel (what a user gets).
 
-Step time (wall): a step is forward, loss, backward, one reduction of the ``Partial`` gradients of the
-sequence-parallel norms (as the trainer does), ``optimizer.step()`` and ``zero_grad``.  After
+Step time (wall): a step is what the demo trainer does: forward, loss, backward, one reduction of
+the ``Partial`` gradients of the sequence-parallel norms, clipping of the global gradient norm
+(``--clip-grad-norm``), ``optimizer.step()`` and ``zero_grad``.  After
 ``--warmup`` steps of each implementation, ``--steps`` rounds run one step of each
 implementation in turn (the order rotates every round); each step starts after a barrier and
 ends after a barrier, so rank 0's wall-clock time of it is the slowest rank's step.  The figure
@@ -77,6 +78,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardwise.tools.train._loop import clip_gradients, reduce_partial_gradients
+
 __all__ = ["BenchConfig", "ImplementationResult", "main", "run", "format_report", "transient_peak_bytes"]
 
 IMPLEMENTATIONS = ("torch", "shardwise-math", "shardwise")
@@ -99,6 +102,7 @@ class BenchConfig:
     loss_parallel: bool = True
     foreach: bool = True
     lr: float = 3e-3
+    clip_grad_norm: float = 1.0
     seed: int = 0
     implementations: tuple[str, ...] = IMPLEMENTATIONS
 
@@ -316,20 +320,15 @@ class _Trainer:
             else:
                 loss = F.cross_entropy(output.flatten(0, 1), targets.flatten())
             loss.backward()
-        self._reduce_partial_gradients()
+        # As the trainer does: the sequence-parallel norms' Partial gradients are reduced once (not
+        # once per optimizer op that reads them), then the global gradient norm is clipped.
+        dtensor_class = self.stack.tensor.DTensor
+        reduce_partial_gradients(self.model, dtensor_class)
+        if self.config.clip_grad_norm > 0:
+            clip_gradients(list(self.model.parameters()), self.config.clip_grad_norm, dtensor_class)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.item())
-
-    def _reduce_partial_gradients(self) -> None:
-        # As the trainer does (shardwise.tools.train._loop.reduce_partial_gradients): the norms'
-        # Partial gradients are reduced once, not once per optimizer op that reads them.
-        dtensor_class = self.stack.tensor.DTensor
-        for parameter in self.model.parameters():
-            gradient = parameter.grad
-            if isinstance(gradient, dtensor_class) and any(p.is_partial() for p in gradient.placements):
-                target: Any = parameter  # a DTensor parameter of the same stack (typed as a plain Parameter)
-                parameter.grad = gradient.redistribute(target.device_mesh, target.placements)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameter shards and optimizer states (each storage once)."""
@@ -570,6 +569,9 @@ def _parse(argv: list[str] | None) -> tuple[BenchConfig, str | None]:
     for name in ("dim", "n_layers", "n_heads", "seq_len", "batch_size", "vocab_size", "steps", "warmup", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument(
+        "--clip-grad-norm", type=float, default=defaults.clip_grad_norm, help="0: no gradient clipping"
+    )
     parser.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel)
     parser.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=defaults.loss_parallel)
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=defaults.foreach)

@@ -58,40 +58,44 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, dtype: torc
     return F.cross_entropy(logits.to(dtype).flatten(0, 1), targets.flatten())
 
 
-def reduce_partial_gradients(model: nn.Module) -> None:
+def reduce_partial_gradients(model: nn.Module, distributed_type: type[torch.Tensor] = DTensor) -> None:
     """Turns each gradient that is a ``Partial`` DTensor into its parameter's placements, once.
 
     Parameters replicated over sequence-parallel activations (the norms' weights and biases) get
     ``Partial`` gradients: each rank holds the contribution of its part of the sequence.  Left
     as they are, every optimizer op that reads such a gradient reduces it again (AdamW reads it
     three times, so three all-reduces per parameter per step, as with PyTorch's DTensor).
+    ``distributed_type``: the DTensor class (the benchmark passes PyTorch's to do the same there).
     """
     for parameter in model.parameters():
-        gradient = parameter.grad
-        if isinstance(gradient, DTensor) and isinstance(parameter, DTensor) and any(
-            placement.is_partial() for placement in gradient.placements
-        ):
-            parameter.grad = gradient.redistribute(parameter.device_mesh, parameter.placements)
+        if not (isinstance(parameter.grad, distributed_type) and isinstance(parameter, distributed_type)):
+            continue
+        # Typed as plain tensors here; both DTensor classes have these attributes.
+        gradient, target = cast(Any, parameter.grad), cast(Any, parameter)
+        if any(placement.is_partial() for placement in gradient.placements):
+            parameter.grad = gradient.redistribute(target.device_mesh, target.placements)
 
 
-def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_gradients(
+    parameters: list[nn.Parameter], max_norm: float, distributed_type: type[torch.Tensor] = DTensor
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor and plain parameters; returns the norm.
 
     One multi-tensor call cannot take both kinds (without sequence parallelism the norms keep
     plain parameters), so each kind's norm is taken on its own, the global norm is combined
-    from them, and each kind is scaled on its own.
+    from them, and each kind is scaled on its own.  ``distributed_type``: the DTensor class.
     """
     with_gradients = [parameter for parameter in parameters if parameter.grad is not None]
     kinds: list[list[nn.Parameter]] = [
-        [parameter for parameter in with_gradients if isinstance(parameter.grad, DTensor)],
-        [parameter for parameter in with_gradients if not isinstance(parameter.grad, DTensor)],
+        [parameter for parameter in with_gradients if isinstance(parameter.grad, distributed_type)],
+        [parameter for parameter in with_gradients if not isinstance(parameter.grad, distributed_type)],
     ]
     norms = []
     for kind in kinds:
         if kind:
             norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, parameter.grad) for parameter in kind])
             # A DTensor norm is replicated (every shard counted once): any rank's value is the whole.
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            norms.append(cast(Any, norm).full_tensor() if isinstance(norm, distributed_type) else norm)
     if not norms:
         return torch.zeros(())
     total_norm = torch.linalg.vector_norm(torch.stack(norms))
