@@ -158,21 +158,7 @@ VARIANTS = {
 }
 
 
-# Variants that reach an op without a sharding rule yet; strict, so they fail once the rule lands.
-NEEDS_RULE = {
-    "replicated-dropout-unmasked-checkpointed": "aten._safe_softmax.default (sdpa's math path, taken on CPU for dropout)",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"needs sharding rule for {NEEDS_RULE[name]}"))
-        if name in NEEDS_RULE
-        else name
-        for name in VARIANTS
-    ],
-)
+@pytest.mark.parametrize("name", list(VARIANTS))
 @multi_rank(world_size=4)
 def test_hand_distributed_training_matches_single_process(name: str) -> None:
     variant = VARIANTS[name]

@@ -67,6 +67,7 @@ __all__ = [
     "OUTCOMES",
     "TRIED_OUTCOMES",
     "CallOutcome",
+    "ConverterLike",
     "OpPlan",
     "OpResult",
     "Outcome",
@@ -104,15 +105,15 @@ class SweepConfig:
     """
 
     world_size: int = 4
-    samples_per_op: int = 3
-    shardings_per_sample: int = 4
+    samples_per_op: int = 4
+    shardings_per_sample: int = 6
     candidate_samples: int = 24
     op_patterns: tuple[str, ...] = ()
     # Also shard dims the mesh does not divide (see _placement_choices).
     uneven_shardings: bool = True
     # How long a rank waits at the per-call barrier for the others before the world is declared
     # diverged (some rank stuck in a collective the others skipped).
-    divergence_timeout_s: float = 10.0
+    divergence_timeout_s: float = 5.0
     # How long no rank may finish a call before the world is torn down (all ranks stuck).
     stall_timeout_s: float = 60.0
     world_timeout_s: float = 1800.0

@@ -39,7 +39,9 @@ _WIDTH = 110
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.tools.opinfo_sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m shardwise.tools.opinfo_sweep", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--torch", action="store_true", help="also run the sweep on PyTorch's DTensor (comparison)")
     parser.add_argument("--json", metavar="PATH", help="write the full per-op results as JSON")
     parser.add_argument("--ops", metavar="PATTERNS", default="", help="comma-separated fnmatch patterns on op keys")
@@ -75,7 +77,11 @@ def format_plan(plan: SweepPlan) -> str:
 
 
 def format_report(report: SweepReport) -> str:
-    lines = [f"== {report.backend} ==", report.summary_line(), f"ran in {report.running_s:.1f} s, {report.running_cpu_s:.1f} s CPU ({report.worlds} thread worlds)"]
+    lines = [
+        f"== {report.backend} ==",
+        report.summary_line(),
+        f"ran in {report.running_s:.1f} s, {report.running_cpu_s:.1f} s CPU ({report.worlds} thread worlds)",
+    ]
     for outcome in OUTCOMES:
         keys = report.ops_with(outcome)
         lines.append(f"{outcome} ({len(keys)}):")

@@ -114,7 +114,11 @@ def run_worker(config: TrainConfig) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=5))
     try:
-        return _train_and_check(config, rank, world_size, device)
+        status = _train_and_check(config, rank, world_size, device)
+        # The other ranks wait for rank 0's reference run, so that every rank tears the process
+        # group down together.
+        dist.barrier()
+        return status
     finally:
         dist.destroy_process_group()
 
