@@ -26,6 +26,7 @@ ranks skip exactly the same calls and the world-wide counter stays in step.
 
 from __future__ import annotations
 
+import atexit
 from typing import Sequence
 
 import torch.distributed as dist
@@ -92,6 +93,12 @@ class _GroupRegistry:
             raise MeshError(f"torch.distributed.new_group({list(ranks)}) returned {created!r} on member rank {my_rank}")
         return created
 
+    def forget(self) -> None:
+        """Drop every reference to the groups (the next use starts from the current default group)."""
+        self._world = None
+        self._backend = ""
+        self._groups = {}
+
     def lookup_by_name(self, group_name: str) -> dist.ProcessGroup | None:
         """A registered group (or the default group) by its c10d name, for unpickling meshes."""
         self._follow_world()
@@ -102,6 +109,9 @@ class _GroupRegistry:
 
 
 _registry = _GroupRegistry()
+# Groups kept alive into interpreter teardown are destroyed in arbitrary order there, which can abort
+# a gloo rank ("terminate called without an active exception") after an otherwise good run.
+atexit.register(_registry.forget)
 
 
 def group_for_dim(sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:

@@ -415,8 +415,15 @@ def _rank_main(rank: int, world_size: int, port: int, config: BenchConfig, out_p
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as handle:
                 json.dump([asdict(result) for result in results], handle)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # No interpreter teardown for a rank that succeeded: shardwise.mesh keeps its c10d groups
+    # referenced after destroy_process_group, so they would be destroyed during teardown, where a
+    # gloo group whose peers are still exiting can abort the process (SIGABRT) after a good run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_on_rank(rank: int, world_size: int, config: BenchConfig) -> list[ImplementationResult]:

@@ -115,8 +115,8 @@ def run_worker(config: TrainConfig) -> int:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=5))
     try:
         status = _train_and_check(config, rank, world_size, device)
-        # The other ranks wait for rank 0's reference run, so that every rank tears the process
-        # group down together.
+        # The other ranks wait for rank 0's reference run: no rank tears the group down while
+        # another may still use it (see also __main__.py on leaving without teardown).
         dist.barrier()
         return status
     finally:
