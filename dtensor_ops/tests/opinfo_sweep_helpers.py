@@ -15,6 +15,7 @@ dtensor_ops/tests are in every test's runfiles; data files would need a BUILD ch
 
 from __future__ import annotations
 
-PASSING_OPS_FLOOR = 0
-MIN_OPS_TRIED = 500
+# Measured 10:45 on the tree with the op-coverage families landed: 320 of 627 tried (0 wrong).
+PASSING_OPS_FLOOR = 320
+MIN_OPS_TRIED = 600
 KNOWN_WRONG_RESULTS: dict[str, str] = {}
