@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
 
 from ._ops import ArgPosition, OneDimStrategy, OpCall, ShardingRule, rule_for
 from ._redistribute import redistribute_cost_bytes
@@ -378,6 +378,8 @@ def _prepare_call(
 def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call: _Call) -> list[list[OneDimStrategy]]:
     """The rule's one-dim strategies for each mesh dim, less those that would move a written tensor."""
     rule_call = call.rule_call
+    input_ndims = tuple(len(spec.shape) for spec in rule_call.input_specs)
+    output_ndims = tuple(None if meta is None else len(meta.shape) for meta in rule_call.output_metas)
     # The rule is asked once per distinct set of Partial kinds found on a mesh dim (usually once).
     asked: dict[frozenset[str], Sequence[OneDimStrategy]] = {}
     per_mesh_dim = []
@@ -393,7 +395,12 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             strategies = rule.one_dim_strategies(dataclasses.replace(rule_call, partial_reduce_ops=partials_here))
             _check_strategy_shapes(op, rule, strategies, len(rule_call.input_specs), len(rule_call.output_metas))
             asked[partials_here] = strategies
-        fitting = [s for s in strategies if _fits_written_tensors(s, mesh_dim, call.kept_inputs, call.kept_outputs)]
+        fitting = [
+            s
+            for s in strategies
+            if _fits_written_tensors(s, mesh_dim, call.kept_inputs, call.kept_outputs)
+            and _shards_existing_dims(s, input_ndims, output_ndims)
+        ]
         if not fitting:
             written = ", ".join(
                 f"{'self' if index == 0 and call.inplace else 'out'}: {_describe_placements(spec)}"
@@ -406,6 +413,20 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             )
         per_mesh_dim.append(fitting)
     return per_mesh_dim
+
+
+def _shards_existing_dims(
+    strategy: OneDimStrategy, input_ndims: Sequence[int], output_ndims: Sequence[int | None]
+) -> bool:
+    """Whether every Shard of the strategy names a dim its tensor has (a rule written for n-D inputs may
+    offer Shard(0) to a 0-dim argument; such a strategy cannot be run, so it is not a candidate)."""
+    for placement, ndim in zip(strategy.inputs, input_ndims):
+        if isinstance(placement, Shard) and not -ndim <= placement.dim < ndim:
+            return False
+    for output_placement, output_ndim in zip(strategy.outputs, output_ndims):
+        if isinstance(output_placement, Shard) and output_ndim is not None and not -output_ndim <= output_placement.dim < output_ndim:
+            return False
+    return True
 
 
 def _cheapest_combination(
