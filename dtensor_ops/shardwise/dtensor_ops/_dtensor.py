@@ -61,21 +61,7 @@ class DTensor(torch.Tensor):
         if local_tensor.requires_grad and not requires_grad:
             # The wrapper is what autograd sees; a local tensor carrying its own graph would be ignored.
             local_tensor = local_tensor.detach()
-        result = _make_wrapper_subclass(
-            cls,
-            meta.shape,
-            meta.stride,
-            None,
-            None,
-            local_tensor.dtype,
-            local_tensor.layout,
-            local_tensor.device,
-            False,
-            requires_grad,
-        )
-        result._local_tensor = local_tensor
-        result._spec = spec
-        return result
+        return new_dtensor(local_tensor, spec, requires_grad, cls)
 
     # -- metadata --------------------------------------------------------------
 
@@ -267,11 +253,16 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
-def new_dtensor(local_tensor: torch.Tensor, spec: DTensorSpec[DeviceMesh], requires_grad: bool = False) -> DTensor:
+def new_dtensor(
+    local_tensor: torch.Tensor,
+    spec: DTensorSpec[DeviceMesh],
+    requires_grad: bool = False,
+    cls: type[DTensor] | None = None,
+) -> DTensor:
     """Wrap ``local_tensor`` without argument checks (spec.tensor_meta must be set)."""
     meta = cast(TensorMeta, spec.tensor_meta)
     result = _make_wrapper_subclass(
-        DTensor,
+        cls or DTensor,
         meta.shape,
         meta.stride,
         None,
