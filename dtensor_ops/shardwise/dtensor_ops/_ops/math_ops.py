@@ -36,7 +36,6 @@ from ._shapes import (
     broadcast_shapes,
     contiguous_meta,
     dtype_on_empty_tensors,
-    has_row_major_layout,
     input_meta,
     is_contiguous,
 )
@@ -53,7 +52,7 @@ from .reduction import (
     every_sharded_piece_nonempty,
     kept_dim_strategies,
     reduced_dims,
-    reduced_dims_of,
+    row_major_reduction,
     reduction_output_shape,
     schema_argument,
 )
@@ -171,13 +170,10 @@ def _statistic_strategies(call: OpCall) -> list[OneDimStrategy]:
 def _statistic_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
-    meta = input_meta(args[0]) if args else None
-    if meta is None or not has_row_major_layout(meta):
+    layout = row_major_reduction(op, args, kwargs)
+    if layout is None:
         return None
-    try:
-        reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
-    except (IndexError, TypeError):
-        return None  # a bad dim: the meta run raises torch's error
+    meta, reduced, keepdim = layout
     shape = reduction_output_shape(meta.shape, reduced, keepdim)
     name = op._schema.name
     if name == "aten::logsumexp":
@@ -242,13 +238,10 @@ def _vector_norm_is_exact(
 def _vector_norm_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> TensorMeta | None:
-    meta = input_meta(args[0]) if args else None
-    if meta is None or not has_row_major_layout(meta) or 0 in meta.shape:
+    layout = row_major_reduction(op, args, kwargs, allow_empty=False)
+    if layout is None:
         return None
-    try:
-        reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
-    except (IndexError, TypeError):
-        return None
+    meta, reduced, keepdim = layout
     requested = schema_argument(op, args, kwargs, "dtype", None)
     if requested is not None and not isinstance(requested, torch.dtype):
         return None

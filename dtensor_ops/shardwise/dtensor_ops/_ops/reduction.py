@@ -273,17 +273,32 @@ def _result_dtype(
     return dtype_on_empty_tensors(op, args, kwargs)
 
 
-def reduction_output_meta(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
-    """Reduced shape, contiguous, when the input has a row-major layout; one meta per output."""
+def row_major_reduction(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], *, allow_empty: bool = True
+) -> tuple[TensorMeta, frozenset[int], bool] | None:
+    """The input's metadata, reduced dims and keepdim flag, when a shape rule can give the output metadata.
+
+    None (the engine then runs the op on meta tensors, which raises torch's own errors) when the input is
+    not row-major, a dim is bad, or the input is empty and ``allow_empty`` is False.
+    """
     meta = input_meta(args[0]) if args else None
-    if meta is None or not has_row_major_layout(meta):
+    if meta is None or not has_row_major_layout(meta) or (not allow_empty and 0 in meta.shape):
         return None
     try:
         reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
     except (IndexError, TypeError):
-        return None  # a bad dim: the meta run raises torch's error
+        return None
+    return meta, reduced, keepdim
+
+
+def reduction_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
+    """Reduced shape, contiguous, when the input has a row-major layout; one meta per output."""
+    layout = row_major_reduction(op, args, kwargs)
+    if layout is None:
+        return None
+    meta, reduced, keepdim = layout
     if 0 in meta.shape and op._schema.name in _EXTREMUM_KINDS:
         return None  # torch refuses some empty reductions: the meta run raises its error
     dtype = _result_dtype(op, args, kwargs, meta.dtype)
@@ -297,13 +312,10 @@ def reduction_output_meta(
 def _arg_reduction_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> tuple[TensorMeta | None, ...] | None:
-    meta = input_meta(args[0]) if args else None
-    if meta is None or not has_row_major_layout(meta) or 0 in meta.shape:
+    layout = row_major_reduction(op, args, kwargs, allow_empty=False)
+    if layout is None:
         return None
-    try:
-        reduced, keepdim = reduced_dims_of(op, args, kwargs, len(meta.shape))
-    except (IndexError, TypeError):
-        return None
+    meta, reduced, keepdim = layout
     shape = reduction_output_shape(meta.shape, reduced, keepdim)
     return (contiguous_meta(shape, meta.dtype), contiguous_meta(shape, torch.int64))
 
