@@ -73,6 +73,13 @@ def test_2d_mesh_makes_one_group_per_dim_for_each_rank() -> None:
 
     dp_name, tp_name = mesh._dim_group_names
     assert (dp_name, tp_name) == (mesh.get_group("dp").group_name, mesh.get_group("tp").group_name)
+    # The public accessor the collectives use: by index (negative too) or by name.
+    assert (mesh.get_group_name(0), mesh.get_group_name("tp"), mesh.get_group_name(-1)) == (dp_name, tp_name, tp_name)
+    assert mesh["tp"].get_group_name() == tp_name
+    with pytest.raises(MeshError, match=r"get_group_name\(\) on a 2-D mesh needs mesh_dim"):
+        mesh.get_group_name()
+    with pytest.raises(MeshDimError):
+        mesh.get_group_name("cp")
     assert _gather_ranks_over(tp_name, 2) == tp_ranks
     assert _gather_ranks_over(dp_name, 2) == dp_ranks
 

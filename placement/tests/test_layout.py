@@ -8,7 +8,6 @@ from typing import Iterator, Sequence
 import pytest
 import torch
 
-from fake_mesh_helpers import all_coordinates
 from shardwise.placement import (
     Partial,
     Placement,
@@ -18,13 +17,20 @@ from shardwise.placement import (
     chunk_sizes,
     compute_local_shape,
     compute_local_shape_and_global_offset,
+    contiguous_strides,
+    even_global_shape,
     select_local_shard,
     shard_sizes_along_mesh_dim,
+    strides_in_local_dim_order,
 )
 
 MESH_SHAPES_1D: list[tuple[int, ...]] = [(1,), (2,), (3,), (4,), (5,)]
 MESH_SHAPES_2D: list[tuple[int, ...]] = [(1, 4), (2, 2), (2, 3), (3, 2)]
 MESH_SHAPES_3D: list[tuple[int, ...]] = [(2, 2, 2), (2, 1, 3)]
+
+
+def all_coordinates(mesh_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    return itertools.product(*(range(extent) for extent in mesh_shape))
 
 
 def chunks_padded_to(tensor: torch.Tensor, dim: int, num_chunks: int) -> list[torch.Tensor]:
@@ -288,3 +294,26 @@ def test_layout_errors_name_the_problem() -> None:
         compute_local_shape_and_global_offset((4, 4), (1, 2), (0, 0), (Replicate(), Shard(-3)))
     with pytest.raises(ValueError, match="a 0-dim tensor cannot be sharded"):
         compute_local_shape_and_global_offset((), (2,), (0,), (Shard(0),))
+
+
+# -- strides and even shapes (the layout helpers DTensor construction uses) -----------------------------
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3), (4, 0, 3), (1, 6, 1), (2, 3, 4, 5)])
+def test_contiguous_strides_are_torchs(shape: tuple[int, ...]) -> None:
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def test_strides_in_local_dim_order_keep_the_memory_order_of_the_shard_for_the_global_shape() -> None:
+    assert strides_in_local_dim_order(torch.empty(2, 3), (8, 3)) == (3, 1)
+    transposed = torch.empty(3, 2).t()  # shape (2, 3), dim 0 innermost
+    assert strides_in_local_dim_order(transposed, (8, 3)) == torch.empty(3, 8).t().stride()
+    # A contiguous shard with a size-1 dim (strides there are arbitrary) still gives the contiguous stride.
+    assert strides_in_local_dim_order(torch.empty(1, 4).as_strided((1, 4), (99, 1)), (4, 4)) == (4, 1)
+
+
+def test_even_global_shape_multiplies_each_sharded_dim_by_its_mesh_dims() -> None:
+    assert even_global_shape((2, 3), (4,), (Shard(0),)) == (8, 3)
+    assert even_global_shape((2, 3), (2, 2), (Shard(0), Shard(0))) == (8, 3)
+    assert even_global_shape((2, 3), (2, 3), (Shard(1), Replicate())) == (2, 6)
+    assert even_global_shape((2, 3), (2, 2), (Shard(-1), Partial())) == (2, 6)

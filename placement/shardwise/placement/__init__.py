@@ -9,11 +9,14 @@ from ._layout import (
     chunk_sizes,
     compute_local_shape,
     compute_local_shape_and_global_offset,
+    contiguous_strides,
+    even_global_shape,
     normalize_dim,
     pad_dim,
     select_local_shard,
     shard_sizes_along_mesh_dim,
     split_tensor,
+    strides_in_local_dim_order,
     unpad_dim,
 )
 from ._mesh_protocol import MeshLike
@@ -42,4 +45,7 @@ __all__ = [
     "pad_dim",
     "unpad_dim",
     "normalize_dim",
+    "contiguous_strides",
+    "strides_in_local_dim_order",
+    "even_global_shape",
 ]

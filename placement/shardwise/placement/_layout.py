@@ -32,6 +32,9 @@ __all__ = [
     "pad_dim",
     "unpad_dim",
     "normalize_dim",
+    "contiguous_strides",
+    "strides_in_local_dim_order",
+    "even_global_shape",
 ]
 
 
@@ -150,6 +153,51 @@ def compute_local_shape_and_global_offset(
             if size == 0:
                 global_offset[tensor_dim] = global_shape[tensor_dim]
     return tuple(local_shape), tuple(global_offset)
+
+
+def even_global_shape(
+    local_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """The global shape whose shards all have ``local_shape``: each sharded dim times its mesh dims' sizes.
+
+    What ``DTensor.from_local`` assumes when it is given neither the global shape nor ``run_check``.
+    """
+    shape = list(local_shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            shape[_shard_tensor_dim(placement, mesh_dim, local_shape)] *= mesh_shape[mesh_dim]
+    return tuple(shape)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (size-0 dims count as size 1, as torch does)."""
+    strides = [1] * len(shape)
+    running = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        strides[dim] = running
+        running *= max(int(shape[dim]), 1)
+    return tuple(strides)
+
+
+def strides_in_local_dim_order(local_tensor: torch.Tensor, global_shape: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for ``global_shape`` that keep the local tensor's dim order in memory.
+
+    A contiguous shard gives a contiguous global stride, a transposed one a transposed global
+    stride; ties (size-1 dims) keep the logical order.  Every rank must report the same global
+    stride, so a contiguous local tensor never looks at its own strides (those of size-0/1 dims
+    are arbitrary and shard sizes differ between ranks).
+    """
+    ndim = len(global_shape)
+    if local_tensor.is_contiguous():
+        return contiguous_strides(global_shape)
+    local_stride = local_tensor.stride()
+    outer_to_inner = sorted(range(ndim), key=lambda dim: (-local_stride[dim], dim))
+    strides = [0] * ndim
+    running = 1
+    for dim in reversed(outer_to_inner):
+        strides[dim] = running
+        running *= max(int(global_shape[dim]), 1)
+    return tuple(strides)
 
 
 def compute_local_shape(
