@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fake_mesh_helpers import FakeMesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.testing import FakeMesh
 
 MESH = FakeMesh((2,), coordinate=(1,))
 

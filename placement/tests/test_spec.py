@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 import torch
 
-from fake_mesh_helpers import FakeMesh
 from shardwise.placement import DTensorSpec, MeshLike, Partial, Replicate, Shard, TensorMeta
+from shardwise.testing import FakeMesh
 
 
 def meta(*shape: int, dtype: torch.dtype = torch.float32) -> TensorMeta:
@@ -103,7 +103,7 @@ def test_equal_by_value_and_hash_agrees() -> None:
     second = DTensorSpec(FakeMesh((2, 3)), (Shard(1), Partial("sum")), meta(4, 6))
     assert first == second and hash(first) == hash(second)
     different = [
-        DTensorSpec(FakeMesh((2, 3), name="other"), [Shard(1), Partial()], meta(4, 6)),
+        DTensorSpec(FakeMesh((2, 3), dim_names=("dp", "tp")), [Shard(1), Partial()], meta(4, 6)),
         DTensorSpec(FakeMesh((3, 2)), [Shard(1), Partial()], meta(4, 6)),
         DTensorSpec(FakeMesh((2, 3)), [Shard(0), Partial()], meta(4, 6)),
         DTensorSpec(FakeMesh((2, 3)), [Shard(1), Partial("max")], meta(4, 6)),
@@ -164,7 +164,7 @@ def test_pickle_round_trip() -> None:
 def test_repr_and_str_are_readable() -> None:
     spec = DTensorSpec(FakeMesh((2,)), [Shard(0)], meta(4, 6))
     assert repr(spec) == (
-        "DTensorSpec(mesh=FakeMesh(shape=(2,), coordinate=None, name='fake'), placements=(Shard(dim=0),), "
+        "DTensorSpec(mesh=FakeMesh(shape=(2,), coordinate=(0,)), placements=(Shard(dim=0),), "
         "tensor_meta=TensorMeta(shape=torch.Size([4, 6]), stride=(6, 1), dtype=torch.float32))"
     )
     assert str(spec) == "Spec(S(0) on (4, 6))"

@@ -3,7 +3,8 @@
 ``multi_rank`` / ``run_on_ranks`` run a module-level function on every rank of a pooled set of
 processes, each test with a fresh default process group (gloo on CPU, or NCCL with one GPU per
 rank). ``DTensorTestBase`` / ``DTensorOpTestBase`` / ``DTensorConverter`` and the model zoo follow
-PyTorch's ``common_dtensor`` API.
+PyTorch's ``common_dtensor`` API. ``FakeMesh`` is a process-free stand-in for ``DeviceMesh`` for pure
+tests of layouts, the planner and the sharding rules.
 """
 
 from shardwise.testing._multi_rank import (
@@ -16,6 +17,7 @@ from shardwise.testing._multi_rank import (
 from shardwise.testing._protocol import RemoteError
 from shardwise.testing._rank_pool import MultiRankError, MultiRankTimeout, shutdown_pools
 from shardwise.testing._converter import DTensorConverter
+from shardwise.testing._fake_mesh import FakeMesh
 from shardwise.testing._dtensor_test_base import (
     DEVICE_TYPE,
     NUM_DEVICES,
@@ -52,6 +54,7 @@ __all__ = [
     "DTensorConverter",
     "DTensorOpTestBase",
     "DTensorTestBase",
+    "FakeMesh",
     "run_subtests",
     "run_on_threads",
     "skip_unless_torch_gpu",
