@@ -1,4 +1,4 @@
-"""Helpers shared by the redistribute tests: fake meshes, Partial inputs, logical values.
+"""Helpers shared by the redistribute tests: coordinates, Partial inputs, logical values.
 
 The value checks never trust the code under test to say what a Partial means: source
 contributions are built here so that their reduction (last mesh dim first) is the full
@@ -8,7 +8,6 @@ tensor, and results are reduced here before being compared with the full tensor.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,35 +26,6 @@ PLACEMENTS_1D: tuple[Placement, ...] = (
     Partial("max"),
     Partial("min"),
 )
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    """Just what redistribution needs from a mesh: shape, this rank's coordinate, group names."""
-
-    shape: tuple[int, ...]
-    coordinate: Coordinate | None = (0,)
-    # Like DeviceMesh, equality ignores the process groups.
-    _dim_group_names: tuple[str, ...] = field(default=(), compare=False)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def size(self, mesh_dim: int | None = None) -> int:
-        if mesh_dim is None:
-            total = 1
-            for extent in self.shape:
-                total *= extent
-            return total
-        return self.shape[mesh_dim]
-
-    def get_coordinate(self) -> list[int] | None:
-        return None if self.coordinate is None else list(self.coordinate)
-
-
-def fake_mesh(shape: Sequence[int], coordinate: Coordinate | None) -> FakeMesh:
-    return FakeMesh(tuple(shape), coordinate, tuple(f"fake-group-{d}" for d in range(len(shape))))
 
 
 def all_coordinates(mesh_shape: Sequence[int]) -> list[Coordinate]:

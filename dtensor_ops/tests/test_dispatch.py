@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import shardwise.dtensor_ops._dispatch as dispatch
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardwise.dtensor_ops._caches import clear_all_caches
+from shardwise.dtensor_ops._decision_cache import decision_cache_size
 from shardwise.dtensor_ops._sharding_prop import OpDecision
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
@@ -45,13 +47,13 @@ def scripted_rules(rules: dict[Any, Rule], calls: list[Any]) -> Iterator[None]:
             return rules[op](args, kwargs)
         return real(op, args, kwargs)
 
-    dispatch.clear_dispatch_cache()
+    clear_all_caches()
     dispatch.propagate_op_sharding = scripted  # type: ignore[assignment]
     try:
         yield
     finally:
         dispatch.propagate_op_sharding = real
-        dispatch.clear_dispatch_cache()
+        clear_all_caches()
 
 
 def spec_of(mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> DTensorSpec[DeviceMesh]:
@@ -108,7 +110,7 @@ def test_scripted_redistribution_cache_and_overrides() -> None:
         viewed = as_dtensor(a.view(4, 8))
         assert viewed.shape == (4, 8) and viewed.to_local().shape == (1, 8)
         assert torch.equal(viewed.to_local(), a.to_local().reshape(1, 8))
-    assert dispatch.dispatch_cache_size() == 0
+    assert decision_cache_size() == 0
 
 
 @multi_rank

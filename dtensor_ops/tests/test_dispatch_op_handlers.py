@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
-from shardwise.dtensor_ops._dispatch import custom_op_handlers, register_op_handler, unregister_op_handler
+from shardwise.dtensor_ops._op_handlers import custom_op_handlers, handlers_for, register_op_handler, unregister_op_handler
 from shardwise.testing import multi_rank
 
 aten = torch.ops.aten
@@ -44,24 +44,27 @@ def test_handler_returning_not_implemented_falls_through() -> None:
         assert torch.equal((a + a).full_tensor(), torch.full((2, 2), 2.0))
 
 
-def test_registration_conflicts_and_restores() -> None:
+def test_registrations_stack_and_restore() -> None:
     register_op_handler(aten.sub.Tensor, _decline)
     try:
-        with pytest.raises(ValueError, match="already has a custom DTensor op handler"):
-            register_op_handler(aten.sub.Tensor, _add_then_ten)
         with custom_op_handlers({aten.sub.Tensor: _add_then_ten}):
-            from shardwise.dtensor_ops._dispatch import _op_handlers
-
-            assert _op_handlers[aten.sub.Tensor] is _add_then_ten
-        assert _op_handlers[aten.sub.Tensor] is _decline
+            # The most recent handler is asked first; the earlier one stays behind it.
+            assert handlers_for(aten.sub.Tensor) == (_add_then_ten, _decline)
+            with custom_op_handlers({aten.sub.Tensor: _add_then_ten}):  # nested: registered twice, removed once
+                assert handlers_for(aten.sub.Tensor) == (_add_then_ten, _add_then_ten, _decline)
+            assert handlers_for(aten.sub.Tensor) == (_add_then_ten, _decline)
+        assert handlers_for(aten.sub.Tensor) == (_decline,)
+        with pytest.raises(TypeError, match="OpOverload"):
+            register_op_handler(aten.sub, _decline)  # type: ignore[arg-type]
     finally:
-        unregister_op_handler(aten.sub.Tensor)
+        unregister_op_handler(aten.sub.Tensor, _decline)
+    assert handlers_for(aten.sub.Tensor) == ()
     unregister_op_handler(aten.sub.Tensor)  # absent: no error
 
 
 @multi_rank(world_size=2)
 def test_float_arguments_of_value_blind_ops_share_one_cached_decision() -> None:
-    from shardwise.dtensor_ops._dispatch import dispatch_cache_size
+    from shardwise.dtensor_ops._decision_cache import decision_cache_size as dispatch_cache_size
 
     mesh = init_device_mesh("cpu", (2,))
     full = torch.arange(8.0).reshape(4, 2)

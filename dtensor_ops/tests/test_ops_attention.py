@@ -26,7 +26,7 @@ from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
-from shardwise.testing import Attention, DTensorOpTestBase, ModelArgs, multi_rank
+from shardwise.testing import Attention, DTensorOpTestBase, FakeMesh, ModelArgs, multi_rank
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, check_layout, sweep
 
 aten = torch.ops.aten
@@ -104,18 +104,8 @@ def check_against_plain(inputs: list[torch.Tensor], out: DTensor, dtensors: list
             torch.testing.assert_close(dtensor.grad.full_tensor(), reference.grad, msg=lambda m: f"input {index}: {m}")
 
 
-class _OneRankMesh:
-    """Enough of a mesh for specs that only carry global metadata."""
-
-    shape = (1,)
-    ndim = 1
-
-    def get_coordinate(self) -> list[int]:
-        return [0]
-
-
 def _spec(tensor: torch.Tensor) -> DTensorSpec[Any]:
-    return DTensorSpec(_OneRankMesh(), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+    return DTensorSpec(FakeMesh((1,)), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
 
 
 def test_output_metadata_rules_agree_with_meta_tensors() -> None:

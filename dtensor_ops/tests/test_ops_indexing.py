@@ -21,7 +21,7 @@ from shardwise.dtensor_ops._ops.indexing import advanced_index_layout, slice_bou
 from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError, _run_on_meta, decide_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
-from shardwise.testing import DTensorOpTestBase
+from shardwise.testing import DTensorOpTestBase, FakeMesh
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, check_layout, sweep
 
 aten = torch.ops.aten
@@ -351,15 +351,7 @@ def test_advanced_index_layout_matches_torch(self_shape: tuple[int, ...], index_
 # -- output metadata equals torch's, for every input layout ---------------------------------------
 
 
-class _Mesh:
-    shape = (4,)
-    ndim = 1
-
-    def get_coordinate(self) -> list[int]:
-        return [0]
-
-
-_MESH = _Mesh()
+_MESH = FakeMesh((4,))
 
 
 def _as_spec(value: object) -> object:

@@ -33,7 +33,7 @@ from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard,
 from shardwise.dtensor_ops._sharding_prop import propagate_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, select_local_shard
-from shardwise.testing import DTensorConverter, DTensorTestBase, multi_rank, run_on_threads, with_comms
+from shardwise.testing import DTensorConverter, DTensorTestBase, FakeMesh, multi_rank, run_on_threads, with_comms
 
 aten = torch.ops.aten
 c10d = torch.ops.c10d_functional
@@ -597,24 +597,8 @@ def test_bad_arguments_fail_before_any_collective() -> None:
     run_on_threads(_bad_arguments_fail_before_any_collective, world_size=4)
 
 
-class FakeMesh:
-    """Enough of a mesh for sharding propagation alone (no process group)."""
-
-    shape = (4,)
-    ndim = 1
-
-    def get_coordinate(self) -> list[int]:
-        return [0]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FakeMesh)
-
-    def __hash__(self) -> int:
-        return 7
-
-
 def test_decisions_are_cached_plain_data() -> None:
-    spec = DTensorSpec(FakeMesh(), (Shard(0),), TensorMeta(torch.Size([8, 6]), (6, 1), torch.float32))
+    spec = DTensorSpec(FakeMesh((4,)), (Shard(0),), TensorMeta(torch.Size([8, 6]), (6, 1), torch.float32))
     first = propagate_op_sharding(aten.amax.default, (spec, [0]), {})
     again = propagate_op_sharding(aten.amax.default, (spec, [0]), {})
     assert first is again

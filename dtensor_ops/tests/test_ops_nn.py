@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
-from shardwise.dtensor_ops._ops.nn_ops import BatchShardedMeanNllLoss, RowShardedEmbeddingLookup
+from shardwise.dtensor_ops._ops.nn_ops import RowShardedEmbeddingLookup
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta, propagate_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, split_tensor
-from shardwise.testing import DTensorOpTestBase, multi_rank
+from shardwise.testing import DTensorOpTestBase, FakeMesh, multi_rank
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, as_dtensor, check_layout, sweep
 
 aten = torch.ops.aten
@@ -54,33 +54,12 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, **kwargs: Any) -> torch.T
     return F.embedding(ids, weight, **kwargs)
 
 
-class _OneRankMesh:
-    """Enough of a mesh for specs that only carry global metadata."""
-
-    shape = (1,)
-    ndim = 1
-
-    def get_coordinate(self) -> list[int]:
-        return [0]
-
-
 def _spec(tensor: torch.Tensor) -> DTensorSpec[Any]:
-    return DTensorSpec(_OneRankMesh(), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
-
-
-class _RankTwoOfFour:
-    """A 1-D mesh of 4 seen from coordinate 2, for decisions without a process group."""
-
-    shape = (4,)
-    ndim = 1
-    _dim_group_names = ("group-of-mesh-dim-0",)
-
-    def get_coordinate(self) -> list[int]:
-        return [2]
+    return DTensorSpec(FakeMesh((1,)), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
 
 
 def test_decisions_name_their_local_kernels_as_plain_data() -> None:
-    mesh = _RankTwoOfFour()
+    mesh = FakeMesh((4,), (2,), ("group-of-mesh-dim-0",))  # a 1-D mesh of 4 seen from coordinate 2
 
     def spec(tensor: torch.Tensor, placement: Placement) -> DTensorSpec[Any]:
         return DTensorSpec(mesh, (placement,), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
@@ -94,11 +73,13 @@ def test_decisions_name_their_local_kernels_as_plain_data() -> None:
     assert columns.local_kernel is None and not columns.local_arg_overrides
 
     logits, target = torch.empty(8, 5), torch.empty(8, dtype=torch.long)
-    for reduction, kernel in ((1, BatchShardedMeanNllLoss(aten.nll_loss_forward.default, ("group-of-mesh-dim-0",))),
-                              (2, None), (0, None)):  # fmt: skip
+    for reduction in (0, 1, 2):
         args = (spec(logits, Shard(0)), spec(target, Shard(0)), None, reduction, -100)
         decision = propagate_op_sharding(aten.nll_loss_forward.default, args, {})
-        assert decision.local_kernel == kernel, reduction
+        assert decision.local_kernel is None, reduction
+        # A mean over shards is no placement of local means: the rule alone replicates (the nll_loss op
+        # handler takes batch-sharded means before the rule is asked); sum and none stay sharded.
+        assert decision.needs_redistribute == (reduction == 1), reduction
     replicated = (spec(logits, Replicate()), spec(target, Replicate()), None, 1, -100)
     assert propagate_op_sharding(aten.nll_loss_forward.default, replicated, {}).local_kernel is None
 

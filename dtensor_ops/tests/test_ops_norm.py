@@ -23,7 +23,7 @@ from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard,
 from shardwise.dtensor_ops._sharding_prop import propagate_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, select_local_shard
-from shardwise.testing import RMSNormPython, multi_rank
+from shardwise.testing import FakeMesh, RMSNormPython, multi_rank
 
 aten = torch.ops.aten
 
@@ -201,24 +201,6 @@ def test_f_rms_norm_with_its_normalized_dim_sharded() -> None:
 # --------------------------------------------------------------------------------- fused RMSNorm backward
 
 
-class _FakeMesh:
-    """A mesh for sharding propagation alone: shape and this rank's coordinate."""
-
-    def __init__(self, shape: tuple[int, ...], coordinate: tuple[int, ...]) -> None:
-        self.shape = shape
-        self.ndim = len(shape)
-        self._coordinate = coordinate
-
-    def get_coordinate(self) -> list[int]:
-        return list(self._coordinate)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _FakeMesh) and other.shape == self.shape and other._coordinate == self._coordinate
-
-    def __hash__(self) -> int:
-        return hash((self.shape, self._coordinate))
-
-
 def _meta(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)
 
@@ -251,7 +233,7 @@ def test_fused_rms_norm_backward_rule_is_exact(mesh_shape: tuple[int, ...]) -> N
     grad_input = torch.zeros_like(x)
     grad_weight = torch.zeros_like(weight)
     for coordinate in coordinates:
-        mesh = _FakeMesh(mesh_shape, coordinate)
+        mesh = FakeMesh(mesh_shape, coordinate)
         specs = [DTensorSpec(mesh, rows, _meta(t)) for t in (grad, x, rstd)]
         weight_spec = DTensorSpec(mesh, replicated, _meta(weight))
         decision = propagate_op_sharding(
@@ -277,7 +259,7 @@ def test_fused_rms_norm_backward_rule_is_exact(mesh_shape: tuple[int, ...]) -> N
 def test_fused_rms_norm_backward_gathers_sharded_rows_of_the_normalized_dim() -> None:
     grad, x, weight = _randn(23, 4, 8), _randn(24, 4, 8), _randn(25, 8)
     rstd = torch.ones(4, 1, dtype=torch.float64)
-    mesh = _FakeMesh((4,), (1,))
+    mesh = FakeMesh((4,), (1,))
     specs = [DTensorSpec(mesh, (Shard(1),), _meta(t)) for t in (grad, x)]
     decision = propagate_op_sharding(
         aten._fused_rms_norm_backward.default,

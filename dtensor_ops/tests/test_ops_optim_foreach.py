@@ -18,9 +18,10 @@ import torch
 
 from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard, init_device_mesh
 from shardwise.dtensor_ops._ops import rule_for
-from shardwise.dtensor_ops._ops import _strategy
-from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError, clear_sharding_cache
-from shardwise.dtensor_ops._dispatch import clear_dispatch_cache
+from shardwise.dtensor_ops import _rules
+from shardwise.dtensor_ops._op_handlers import handlers_for
+from shardwise.dtensor_ops._caches import clear_all_caches
+from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import select_local_shard
 from shardwise.testing import run_on_threads
@@ -228,7 +229,7 @@ def test_every_foreach_overload_is_covered() -> None:
             op = getattr(packet, overload)
             if any(argument.is_out for argument in op._schema.arguments):
                 continue
-            if rule_for(op) is None and op not in _strategy.builtin_op_handlers():
+            if rule_for(op) is None and not handlers_for(op):
                 uncovered.append(str(op))
     assert uncovered == []
 
@@ -338,16 +339,14 @@ def _check_missing_element_rule() -> None:
 
 
 def test_foreach_op_whose_element_op_has_no_rule_names_both() -> None:
-    rules = _strategy._RULES
+    rules = _rules._RULES
     removed = rules.pop(aten.lgamma.default)
-    clear_sharding_cache()
-    clear_dispatch_cache()
+    clear_all_caches()
     try:
         run_on_threads(_check_missing_element_rule, world_size=4)
     finally:
         rules[aten.lgamma.default] = removed
-        clear_sharding_cache()
-        clear_dispatch_cache()
+        clear_all_caches()
 
 
 # ------------------------------------------------------------------------------ _foreach_norm / powsum

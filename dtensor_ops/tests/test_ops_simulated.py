@@ -34,21 +34,9 @@ from shardwise.placement import (
     compute_local_shape_and_global_offset,
     select_local_shard,
 )
+from shardwise.testing import FakeMesh
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-    coordinate: tuple[int, ...] | None = None
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get_coordinate(self) -> list[int] | None:
-        return None if self.coordinate is None else list(self.coordinate)
 
 
 class D:

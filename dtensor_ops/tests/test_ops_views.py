@@ -20,7 +20,7 @@ from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
-from shardwise.testing import Attention, DTensorOpTestBase, DTensorTestBase, ModelArgs, with_comms
+from shardwise.testing import Attention, DTensorOpTestBase, DTensorTestBase, FakeMesh, ModelArgs, with_comms
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, as_dtensor, check_layout, sweep
 
 aten = torch.ops.aten
@@ -320,16 +320,8 @@ class ViewOpsTest(DTensorOpTestBase):
 # -- output metadata by shape rules equals torch's -----------------------------------------------
 
 
-class _Mesh:
-    shape = (4,)
-    ndim = 1
-
-    def get_coordinate(self) -> list[int]:
-        return [0]
-
-
 def _spec_of(tensor: torch.Tensor) -> DTensorSpec:
-    return DTensorSpec(_Mesh(), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+    return DTensorSpec(FakeMesh((4,)), (Replicate(),), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
 
 
 LAYOUTS = {

@@ -10,7 +10,6 @@ the same on a 2-rank NCCL mesh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -19,24 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.placement import DTensorSpec, Placement, Replicate, Shard, TensorMeta
-from shardwise.testing import multi_rank
+from shardwise.testing import FakeMesh, multi_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    """Enough of a mesh for planning: shape and this rank's coordinate."""
-
-    shape: tuple[int, ...]
-    coordinate: tuple[int, ...] | None
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get_coordinate(self) -> tuple[int, ...] | None:
-        return self.coordinate
 
 
 def spec_on(mesh: FakeMesh, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> DTensorSpec[Any]:

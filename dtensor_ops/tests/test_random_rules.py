@@ -8,7 +8,6 @@ test_random.py).  The stream derivation is checked without ranks.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import pytest
@@ -26,35 +25,12 @@ from shardwise.dtensor_ops._random import (
 )
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
-from shardwise.testing import DTensorOpTestBase
+from shardwise.testing import DTensorOpTestBase, FakeMesh
 
 aten = torch.ops.aten
 
 
 # ------------------------------------------------------------------------------------ pure: streams
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    """Enough of a mesh for planning: shape and this rank's coordinate."""
-
-    shape: tuple[int, ...]
-    coordinate: tuple[int, ...] | None
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get_coordinate(self) -> tuple[int, ...] | None:
-        return self.coordinate
-
-    def size(self, mesh_dim: int | None = None) -> int:
-        if mesh_dim is None:
-            total = 1
-            for extent in self.shape:
-                total *= extent
-            return total
-        return self.shape[mesh_dim]
 
 
 def spec_on(mesh: FakeMesh, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> DTensorSpec[Any]:

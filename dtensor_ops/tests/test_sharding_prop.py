@@ -8,42 +8,30 @@ errors.  Op-by-op correctness of the values is in test_ops_simulated.py.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import pytest
 import torch
 
 from shardwise.dtensor_ops._ops import OneDimStrategy, OpCall, rule_for
+from shardwise.dtensor_ops._caches import clear_all_caches
+from shardwise.dtensor_ops._decision_cache import KWARGS_MARK
 from shardwise.dtensor_ops._sharding_prop import (
     OpDecision,
     ShardingPropagationError,
-    clear_sharding_cache,
     decide_op_sharding,
     propagate_op_sharding,
     sharding_cache_key,
     sharding_cache_size,
 )
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.testing import FakeMesh
 
 aten = torch.ops.aten
 R = Replicate()
 P = Partial()
 P_AVG = Partial("avg")
 P_MAX = Partial("max")
-
-
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...]
-    coordinate: tuple[int, ...] | None = None
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get_coordinate(self) -> list[int] | None:
-        return None if self.coordinate is None else list(self.coordinate)
 
 
 MESH_4 = FakeMesh((4,), (0,))
@@ -67,7 +55,7 @@ def placements_out(decision: OpDecision) -> tuple[Placement, ...]:
 
 @pytest.fixture(autouse=True)
 def fresh_cache() -> None:
-    clear_sharding_cache()
+    clear_all_caches()
 
 
 # -- one mesh dim: strategy enumeration ---------------------------------------------------------
@@ -251,7 +239,7 @@ def test_values_that_matter_stay_in_the_key() -> None:
 def test_the_cache_key_is_cheap_plain_data() -> None:
     x = spec(MESH_4, [Shard(0)], 8, 6)
     key = sharding_cache_key(aten.sum.dim_IntList, (x, [0], True), {"dtype": torch.float64})
-    assert key == (aten.sum.dim_IntList, (x, (0,), (bool, True)), (("dtype", torch.float64),))
+    assert key == (aten.sum.dim_IntList, x, (list, 0), (bool, True), KWARGS_MARK, "dtype", torch.float64)
     hash(key)
 
 

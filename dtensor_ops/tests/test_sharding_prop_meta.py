@@ -20,23 +20,12 @@ import torch
 from shardwise.dtensor_ops._ops import registered_ops, rule_for
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta
+from shardwise.testing import FakeMesh
 
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class FakeMesh:
-    shape: tuple[int, ...] = (4,)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def get_coordinate(self) -> list[int] | None:
-        return [0]
-
-
-MESH = FakeMesh()
+MESH = FakeMesh((4,))
 
 
 def t(*shape: int, dtype: torch.dtype = torch.float32, stride: Sequence[int] | None = None) -> DTensorSpec[Any]:

@@ -304,4 +304,11 @@ def test_isolated_rank_state_gives_each_thread_its_own_caches_and_restores_them(
         thread.start()
         thread.join()
         assert seen_in_thread == [False] and per_thread["key"] == "main"
+        # The one decision cache is read under its own name by the modules that imported it: all are swapped.
+        import shardwise.dtensor_ops._decision_cache as decision_cache
+        import shardwise.dtensor_ops._dispatch as dispatch
+
+        assert "shardwise.dtensor_ops._decision_cache.DECISIONS" in swapped
+        assert dispatch.DECISIONS is decision_cache.DECISIONS and type(dispatch.DECISIONS) is not dict
     assert redistribute._programs is original and "key" not in original
+    assert type(dispatch.DECISIONS) is dict and dispatch.DECISIONS is decision_cache.DECISIONS

@@ -68,3 +68,63 @@ def test_tests_and_benchmarks_may_use_pytorch_dtensor_as_oracle() -> None:
 def test_tests_may_not_reach_above_their_layer() -> None:
     found = _violations("mesh", "mesh/tests/test_x.py", "from shardwise.dtensor_ops import DTensor\n")
     assert len(found) == 1
+
+
+# -- inside dtensor_ops: one direction, no cycles -------------------------------------------------------------
+
+
+def _write_tree(root: pathlib.Path, files: dict[str, str]) -> None:
+    for relative, source in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source, encoding="utf-8")
+
+
+def _graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
+    return layers.product_import_graph(root)
+
+
+def test_the_product_code_has_no_import_cycle_and_every_dtensor_ops_module_has_a_layer() -> None:
+    graph = _graph(REPO_ROOT)
+    assert "shardwise.dtensor_ops._dispatch" in graph
+    assert layers.import_cycles(graph) == []
+    assert layers.check_dtensor_ops_layers(graph) == []
+
+
+def test_an_upward_import_inside_dtensor_ops_is_reported(tmp_path: pathlib.Path) -> None:
+    base = "dtensor_ops/shardwise/dtensor_ops/"
+    _write_tree(
+        tmp_path,
+        {
+            base + "__init__.py": "",
+            base + "_dtensor.py": "",
+            base + "_rules.py": "def f() -> None:\n    from ._dtensor import DTensor\n",  # lazy, still counted
+        },
+    )
+    found = layers.check_dtensor_ops_layers(_graph(tmp_path))
+    assert len(found) == 1
+    assert "shardwise.dtensor_ops._rules (leaf types) imports shardwise.dtensor_ops._dtensor (DTensor class)" in str(found[0])
+
+
+def test_a_module_in_no_layer_is_reported(tmp_path: pathlib.Path) -> None:
+    _write_tree(tmp_path, {"dtensor_ops/shardwise/dtensor_ops/__init__.py": "", "dtensor_ops/shardwise/dtensor_ops/_new.py": ""})
+    found = layers.check_dtensor_ops_layers(_graph(tmp_path))
+    assert [violation.message for violation in found] == ["shardwise.dtensor_ops._new is in no layer of DTENSOR_OPS_LAYERS"]
+
+
+def test_cycles_through_lazy_and_importlib_imports_are_found(tmp_path: pathlib.Path) -> None:
+    base = "dtensor_ops/shardwise/dtensor_ops/"
+    _write_tree(
+        tmp_path,
+        {
+            base + "__init__.py": "",
+            base + "_dispatch.py": "from . import _api\n",
+            base + "_api.py": "def g() -> None:\n    from ._dtensor import DTensor\n",
+            base + "_dtensor.py": "import importlib\nmodule = importlib.import_module('shardwise.dtensor_ops._dispatch')\n",
+            base + "_caches.py": "",
+        },
+    )
+    cycles = layers.import_cycles(_graph(tmp_path))
+    assert cycles == [["shardwise.dtensor_ops._api", "shardwise.dtensor_ops._dispatch", "shardwise.dtensor_ops._dtensor"]]
+    violations = layers.check_tree(tmp_path)
+    assert any("import cycle among" in violation.message for violation in violations)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from style_helpers import comm_counts, expect_counts, rank_and_world
 
 from shardwise.dtensor_ops import DTensor, distribute_tensor, init_device_mesh
-from shardwise.dtensor_ops._dispatch import _op_handlers
+from shardwise.dtensor_ops._op_handlers import handlers_for
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import Replicate, Shard
 from shardwise.testing import multi_rank
@@ -199,10 +199,10 @@ def test_class_dim_one_of_three_and_four_dim_inputs() -> None:
 
 
 def test_handlers_are_registered_only_inside_the_context() -> None:
-    assert not any(op in _op_handlers for op in LOSS_PARALLEL_OPS)
+    assert not any(handler in handlers_for(op) for op, handler in LOSS_PARALLEL_OPS.items())
     with loss_parallel():
-        assert all(_op_handlers[op] is handler for op, handler in LOSS_PARALLEL_OPS.items())
+        assert all(handlers_for(op)[0] is handler for op, handler in LOSS_PARALLEL_OPS.items())
         with loss_parallel():
-            assert all(op in _op_handlers for op in LOSS_PARALLEL_OPS)
-        assert all(op in _op_handlers for op in LOSS_PARALLEL_OPS)
-    assert not any(op in _op_handlers for op in LOSS_PARALLEL_OPS)
+            assert all(handlers_for(op)[0] is handler for op, handler in LOSS_PARALLEL_OPS.items())
+        assert all(handlers_for(op)[0] is handler for op, handler in LOSS_PARALLEL_OPS.items())
+    assert not any(handler in handlers_for(op) for op, handler in LOSS_PARALLEL_OPS.items())

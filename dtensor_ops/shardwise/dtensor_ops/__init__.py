@@ -10,13 +10,40 @@ on it run shard by shard with the communication their sharding rules require.
 (from ``shardwise.placement``) are re-exported, as PyTorch does.
 """
 
+import torch.optim.optimizer as optimizer
+import torch.utils._foreach_utils as foreach_utils
 from shardwise.mesh import DeviceMesh as DeviceMesh
 from shardwise.mesh import init_device_mesh as init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
 
-from ._dtensor import DTensor
 from ._api import distribute_module, distribute_tensor
+from ._dispatch import torch_dispatch
+from ._dtensor import DTensor
 from ._factories import empty, full, ones, rand, randn, zeros
+from ._handlers import BUILTIN_OP_HANDLERS
+from ._op_handlers import register_op_handler
+
+
+def _wire() -> None:
+    """Connect the layers: dispatch into the class, the built-in op handlers, torch's foreach paths.
+
+    The class sits below dispatch (dispatch wraps results in it), so dispatch is installed here,
+    once, after both are imported.  Binding the entry point as the classmethod itself saves a Python
+    frame on every op.
+    """
+    DTensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment]
+    for op, handler in BUILTIN_OP_HANDLERS.items():
+        # Each declines (hands the call to the rule) by the op's arguments and specs alone: dispatch asks
+        # it on a decision-cache miss only, so no other op pays for it.
+        register_op_handler(op, handler, declines_by_key=True)
+    # torch's optimizers and clip_grad_norm_ pick their foreach paths by checking type(t) against these
+    # lists (PyTorch's own DTensor appends itself too).
+    for supported in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
+        if DTensor not in supported:
+            supported.append(DTensor)  # type: ignore[arg-type]
+
+
+_wire()
 
 # DeviceMesh and init_device_mesh are importable from here but, as in torch.distributed.tensor,
 # not part of __all__.

@@ -14,11 +14,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh
-from shardwise.placement import DTensorSpec, Placement, Replicate, TensorMeta
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import DTensorSpec, Placement, Replicate, TensorMeta, strides_in_local_dim_order
 
-from ._dispatch import implicit_replication
-from ._dtensor import DTensor, global_stride_like, new_dtensor, normalize_placements
+from ._dtensor import DTensor, new_dtensor
+from ._implicit_replication import implicit_replication
+from ._placement_args import normalize_placements, resolve_device_mesh
 from ._src_data import distribute_local_data
 
 __all__ = [
@@ -27,21 +28,6 @@ __all__ = [
     "implicit_replication",
     "resolve_device_mesh",
 ]
-
-
-def resolve_device_mesh(device_mesh: DeviceMesh | None, where: str) -> DeviceMesh:
-    """``device_mesh`` itself, else the mesh entered with ``with mesh:``; raises when there is none."""
-    if device_mesh is not None:
-        if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(f"{where}: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
-        return device_mesh
-    try:
-        return get_current_mesh()
-    except MeshError:
-        raise RuntimeError(
-            f"{where}: no device_mesh was given and no mesh is active; pass device_mesh=... or call it "
-            "inside `with mesh:`"
-        ) from None
 
 
 def distribute_tensor(
@@ -100,7 +86,7 @@ def distribute_tensor(
     local = distribute_local_data(data, mesh, target, src_data_rank)
     # The global stride follows the layout of the tensor being distributed, which every rank holds with the
     # same layout; a shard's own strides can differ per rank where it has a size-1 or empty dim.
-    meta = TensorMeta(data.shape, global_stride_like(data, data.shape), data.dtype)
+    meta = TensorMeta(data.shape, strides_in_local_dim_order(data, data.shape), data.dtype)
     spec = DTensorSpec(mesh, target, meta)
     return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 

@@ -1,4 +1,8 @@
-"""The collectives redistribution runs, and the tensor an asynchronous redistribution returns.
+"""The one module that issues and waits on collectives, and the tensor an asynchronous redistribution returns.
+
+Redistribution, ``distribute_tensor``'s scatter and broadcast, ``from_local(run_check=True)``'s
+metadata exchange, seeds and the op handlers all communicate through the functions here, which
+take a mesh dim's group name from :func:`group_name` (the mesh's public ``get_group_name``).
 
 Every collective goes through ``torch.ops._c10d_functional`` so that it is traceable by
 ``torch.compile`` and counted by ``CommDebugMode`` under the op keys PyTorch uses.  The
@@ -7,19 +11,30 @@ through ``torch.ops._c10d_functional.wait_tensor`` before anything reads it.  Th
 launch helpers below therefore return *unwaited* tensors, and callers either wait right
 away (:func:`wait`) or hand the tensor to an :class:`AsyncCollectiveTensor`.
 
-All helpers here work on dim 0 with equal, already padded pieces; the planner's
-executor moves the interesting dim to the front and pads/trims around them.
+The ``launch_*`` helpers work on dim 0 with equal, already padded pieces; the planner's
+executor moves the interesting dim to the front and pads/trims around them.  The
+``*_along_mesh_dim`` helpers wait themselves and move any dtype (gloo has no bool or
+complex: those travel as bytes / real pairs).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_map_only
 
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import chunk_sizes
+
 __all__ = [
     "AsyncCollectiveTensor",
+    "all_gather_rows_over_mesh",
+    "all_reduce_along_mesh_dim",
+    "broadcast_along_mesh_dim",
+    "mesh_dim_group_name",
+    "mesh_group_names",
+    "scatter_along_mesh_dim",
     "launch_all_gather",
     "launch_reduce_scatter",
     "launch_all_reduce",
@@ -44,6 +59,23 @@ def c10d_reduce_op(reduce_op: str) -> str:
         raise ValueError(
             f"cannot reduce Partial(reduce_op={reduce_op!r}); expected one of {sorted(_C10D_REDUCE_OP)}"
         ) from None
+
+
+def mesh_dim_group_name(mesh: Any, mesh_dim: int) -> str:
+    """The c10d group name of ``mesh_dim`` (what the functional collectives take)."""
+    get_group_name = getattr(mesh, "get_group_name", None)
+    if get_group_name is None:
+        raise TypeError(
+            f"collectives need the process group name of mesh dim {mesh_dim}: {mesh!r} has no get_group_name(); "
+            "expected a shardwise.mesh.DeviceMesh"
+        )
+    name: str = get_group_name(mesh_dim)
+    return name
+
+
+def mesh_group_names(mesh: Any) -> tuple[str, ...]:
+    """The group name of every mesh dim, in dim order."""
+    return tuple(mesh_dim_group_name(mesh, mesh_dim) for mesh_dim in range(len(mesh.shape)))
 
 
 def launch_all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -74,6 +106,87 @@ def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) ->
 def wait(tensor: torch.Tensor) -> torch.Tensor:
     """Wait for the collective that produces ``tensor``."""
     return _functional.wait_tensor(tensor)
+
+
+def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A view the backends can move (gloo has no bool or complex)."""
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    if tensor.is_complex():
+        return torch.view_as_real(tensor)
+    return tensor
+
+
+def _from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return tensor.view(torch.bool)
+    if dtype.is_complex:
+        return torch.view_as_complex(tensor)
+    return tensor
+
+
+def broadcast_along_mesh_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, src: int) -> torch.Tensor:
+    """``tensor`` of the rank at index ``src`` along ``mesh_dim``, on every rank of that group."""
+    wire = _to_wire(tensor.contiguous())
+    received = wait(_functional.broadcast.default(wire, src, mesh_dim_group_name(mesh, mesh_dim)))
+    return _from_wire(received, tensor.dtype)
+
+
+def scatter_along_mesh_dim(
+    tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, tensor_dim: int, src: int, my_index: int
+) -> torch.Tensor:
+    """This rank's torch.chunk piece (along ``tensor_dim``) of the tensor held at index ``src`` of ``mesh_dim``."""
+    group_size = mesh.shape[mesh_dim]
+    dim_size = tensor.size(tensor_dim)
+    sizes = chunk_sizes(dim_size, group_size)
+    # Move the split dim to the front so every piece is one contiguous run of elements.
+    front = tensor.movedim(tensor_dim, 0)
+    rest_shape = tuple(front.shape[1:])
+    row_numel = 1
+    for extent in rest_shape:
+        row_numel *= extent
+    if my_index == src:
+        send = _to_wire(front.contiguous()).reshape(-1)
+        input_splits = [size * row_numel * _wire_factor(tensor.dtype) for size in sizes]
+    else:
+        send = _to_wire(torch.empty((0,), dtype=tensor.dtype, device=tensor.device)).reshape(-1)
+        input_splits = [0] * group_size
+    output_splits = [0] * group_size
+    output_splits[src] = sizes[my_index] * row_numel * _wire_factor(tensor.dtype)
+    received = wait(
+        _functional.all_to_all_single.default(send, output_splits, input_splits, mesh_dim_group_name(mesh, mesh_dim))
+    )
+    if tensor.is_complex():
+        received = received.reshape(-1, 2)
+    piece = _from_wire(received, tensor.dtype).reshape((sizes[my_index], *rest_shape))
+    return piece.movedim(0, tensor_dim).contiguous()
+
+
+def _wire_factor(dtype: torch.dtype) -> int:
+    # view_as_real doubles the element count of complex tensors.
+    return 2 if dtype.is_complex else 1
+
+
+def all_gather_rows_over_mesh(mesh: DeviceMesh, row: Sequence[int]) -> torch.Tensor:
+    """Every rank's ``row`` of ints, as a tensor of shape ``(*mesh.shape, len(row))`` (on every rank)."""
+    table = torch.tensor([list(row)], dtype=torch.int64, device=mesh.device_type)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        group_size = mesh.shape[mesh_dim]
+        if group_size > 1:
+            table = wait(
+                _functional.all_gather_into_tensor.default(
+                    table.contiguous(), group_size, mesh_dim_group_name(mesh, mesh_dim)
+                )
+            )
+    return table.reshape(*mesh.shape, len(row)).cpu()
+
+
+def all_reduce_along_mesh_dim(tensor: torch.Tensor, reduce_op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """``tensor`` reduced over ``mesh_dim``'s group (waited); Partial reduce ops, avg divided afterwards."""
+    reduced = wait(launch_all_reduce(tensor, reduce_op, mesh_dim_group_name(mesh, mesh_dim)))
+    if reduce_op == "avg":
+        reduced = reduced / mesh.shape[mesh_dim]
+    return reduced
 
 
 class AsyncCollectiveTensor(torch.Tensor):

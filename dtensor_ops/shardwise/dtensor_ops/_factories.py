@@ -23,11 +23,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, TensorMeta, compute_local_shape
+from shardwise.placement import (
+    DTensorSpec,
+    Partial,
+    Placement,
+    Replicate,
+    TensorMeta,
+    compute_local_shape,
+    contiguous_strides,
+)
 
-from ._api import resolve_device_mesh
-from ._dtensor import DTensor, new_dtensor, normalize_placements
-from ._random import RandomPlan, plan_for_spec, run_in_shard_stream
+from ._decision import RandomPlan
+from ._dtensor import DTensor, new_dtensor
+from ._placement_args import normalize_placements, resolve_device_mesh
+from ._random import plan_for_spec, run_in_shard_stream
+from ._redistribute import redistribute_local_tensor
 from ._src_data import agree_on_int
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
@@ -60,13 +70,6 @@ def _parse_size(size: tuple[Any, ...], where: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        stride[dim] = stride[dim + 1] * max(shape[dim + 1], 1)
-    return tuple(stride)
-
-
 _SEED_MODULUS = 1 << 63
 
 
@@ -90,7 +93,7 @@ def _create(
     coordinate = mesh.get_coordinate()
     local_shape = compute_local_shape(global_shape, mesh.shape, coordinate, target)
     device = torch.device(mesh.device_type)
-    meta = TensorMeta(torch.Size(global_shape), _contiguous_stride(global_shape), dtype)
+    meta = TensorMeta(torch.Size(global_shape), contiguous_strides(global_shape), dtype)
     spec = DTensorSpec(mesh, target, meta)
     source: _RandomSource | None = None
     if random and coordinate is not None:
@@ -100,8 +103,6 @@ def _create(
         source = (generator, plan_for_spec(spec))
     local = build(tuple(local_shape), dtype, layout, device, source)
     if partial_needs_conversion and coordinate is not None and any(isinstance(p, Partial) for p in target):
-        from ._redistribute import redistribute_local_tensor
-
         as_replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
         local = redistribute_local_tensor(local, DTensorSpec(mesh, as_replicated, meta), spec)
     return new_dtensor(local, spec, requires_grad=requires_grad)

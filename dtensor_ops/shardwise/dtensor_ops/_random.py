@@ -25,33 +25,37 @@ on the generator as it is, so they equal plain torch's values for the same seed)
   only advance, equal on every rank), the generator is seeded with a bijective
   mix of (that value, shard index) for the op and then restored.
 
-Only the ops in the random-op set take this path (one set membership test when
-dispatch builds its cached ``PreparedOp``); everything else pays nothing.
+Only ops whose sharding rule is marked as drawing random values (``ShardingRule.random``)
+take this path; propagation plans it once per cached decision, so everything else pays
+nothing.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
 
-if TYPE_CHECKING:
-    from ._sharding_prop import OpDecision
+from ._caches import register_cache
+from ._decision import OpDecision, OutputSpecs, RandomPlan
+from ._rules import RandomDraw, registered_ops, rule_for
+from ._schema import schema_facts
 
 __all__ = [
     "RandomPlan",
     "default_generator_for",
+    "plan_random_draw",
+    "random_draw_of",
     "is_random_op",
     "is_rng_supported_mesh",
     "manual_seed",
     "plan_for_spec",
     "plan_random_op",
     "random_ops",
-    "register_random_ops",
     "run_in_shard_stream",
     "run_random_op",
 ]
@@ -62,98 +66,22 @@ _T = TypeVar("_T")
 _U32 = 1 << 32
 
 
-def _overloads(*packets: Any) -> list[torch._ops.OpOverload]:
-    found = []
-    for packet in packets:
-        for name in packet.overloads():
-            if name.endswith("out"):
-                continue  # out= forms are not supported with DTensors here
-            found.append(getattr(packet, name))
-    return found
-
-
-# Ops whose values come from a generator. Dispatch consults this set once per cached decision.
-_RANDOM_OPS: set[torch._ops.OpOverload] = set(
-    _overloads(
-        aten.native_dropout,
-        aten.bernoulli,
-        aten.bernoulli_,
-        aten.uniform,
-        aten.uniform_,
-        aten.normal_,
-        aten.exponential,
-        aten.exponential_,
-        aten.log_normal,
-        aten.log_normal_,
-        aten.geometric,
-        aten.geometric_,
-        aten.cauchy,
-        aten.cauchy_,
-        aten.random_,
-        aten.rand_like,
-        aten.randn_like,
-        aten.randint_like,
-    )
-)
-# out= forms the like-factory rule supports (the output takes the input's shards).
-_RANDOM_OPS.update((aten.rand_like.out, aten.randn_like.out))
-
-# In-place fills whose result ignores the old values of self: on a Partial(sum) self, the parts must add up to
-# one draw, so the first rank along each such mesh dim keeps the values and the others hold zeros.
-_SELF_IGNORING_FILLS: frozenset[torch._ops.OpOverload] = frozenset(
-    _overloads(
-        aten.bernoulli_,
-        aten.uniform_,
-        aten.normal_,
-        aten.exponential_,
-        aten.log_normal_,
-        aten.geometric_,
-        aten.cauchy_,
-        aten.random_,
-    )
-)
-
-
-def register_random_ops(ops: Iterable[torch._ops.OpOverload]) -> None:
-    """Make ``ops`` draw their values per shard (of their first output) on DTensors.
-
-    For op families whose kernels consume the generator (e.g. attention with
-    dropout).  Call it at import time: decisions dispatch cached earlier keep the
-    plain path.
-    """
-    for op in ops:
-        if not isinstance(op, torch._ops.OpOverload):
-            raise TypeError(f"register_random_ops expects aten OpOverloads, got {type(op).__name__} {op!r}")
-        _RANDOM_OPS.add(op)
+def random_draw_of(op: torch._ops.OpOverload) -> RandomDraw:
+    """How ``op`` draws random values, as its sharding rule says (``NONE`` for ops without a rule)."""
+    rule = rule_for(op)
+    return RandomDraw.NONE if rule is None else rule.random
 
 
 def is_random_op(op: torch._ops.OpOverload) -> bool:
-    return op in _RANDOM_OPS
+    return random_draw_of(op) is not RandomDraw.NONE
 
 
 def random_ops() -> frozenset[torch._ops.OpOverload]:
-    return frozenset(_RANDOM_OPS)
+    """Every registered op whose rule says it draws random values."""
+    return frozenset(op for op in registered_ops() if is_random_op(op))
 
 
 # --------------------------------------------------------------------------- plans
-
-
-@dataclass(frozen=True, slots=True)
-class RandomPlan:
-    """How this rank draws the values of one random op (plain data, cached with the dispatch decision).
-
-    ``shard_index`` is None when the values are the same on every rank of the mesh
-    (no Shard mesh dim of size > 1): the op then runs on the generator as it is.
-    ``cuda_offset_stride`` is the Philox offset range reserved per shard.
-    ``holds_zeros``: this rank's part of a Partial(sum) fill is zero.
-    ``generator_arg``: where the op takes an explicit generator (position or keyword), if anywhere.
-    """
-
-    shard_index: int | None
-    num_shards: int
-    cuda_offset_stride: int
-    holds_zeros: bool
-    generator_arg: int | str | None
 
 
 def _round_up_to_4(value: int) -> int:
@@ -222,28 +150,33 @@ def _first_spec(value: Any) -> DTensorSpec[Any] | None:
     return None
 
 
-def _generator_argument(op: torch._ops.OpOverload) -> int | str | None:
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.name == "generator":
-            return argument.name if argument.kwarg_only else position
-    return None
-
-
 def plan_random_op(op: torch._ops.OpOverload, decision: OpDecision) -> RandomPlan | None:
-    """The plan for ``op`` under ``decision``; None if ``op`` draws no random values.
+    """The plan for ``op`` under ``decision``; None if ``op`` draws no random values."""
+    return plan_random_draw(op, random_draw_of(op), decision.output_specs, decision.input_specs)
+
+
+def plan_random_draw(
+    op: torch._ops.OpOverload,
+    draw: RandomDraw,
+    output_specs: OutputSpecs,
+    input_specs: Sequence[DTensorSpec[Any]],
+) -> RandomPlan | None:
+    """The plan for ``op`` drawing as ``draw`` says; None for ``RandomDraw.NONE``.
 
     The values are laid out like the op's first tensor output (for in-place ops:
     the written tensor).
     """
-    if op not in _RANDOM_OPS:
+    if draw is RandomDraw.NONE:
         return None
-    spec = _first_spec(decision.output_specs)
+    spec = _first_spec(output_specs)
     if spec is None:
-        spec = _first_spec(decision.input_specs)
+        spec = _first_spec(tuple(input_specs))
     if spec is None:
         return None
     return plan_for_spec(
-        spec, zeros_off_root_of_partial_sum=op in _SELF_IGNORING_FILLS, generator_arg=_generator_argument(op)
+        spec,
+        zeros_off_root_of_partial_sum=draw is RandomDraw.FILL_IGNORING_SELF,
+        generator_arg=schema_facts(op).generator_argument,
     )
 
 
@@ -281,7 +214,9 @@ def shard_seed(base: int, shard_index: int) -> int:
 
 
 # One reusable 0-dim tensor per device receives the draw: allocating it per op costs more than the draw.
-_draw_carriers: dict[torch.device, torch.Tensor] = {}
+_draw_carriers: dict[torch.device, torch.Tensor] = register_cache(
+    {}, module=__name__, attribute="_draw_carriers", rank_local=False
+)
 
 
 def _draw_u32(generator: torch.Generator) -> int:

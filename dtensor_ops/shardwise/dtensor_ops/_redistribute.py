@@ -2,8 +2,8 @@
 
 Three layers, kept apart so that a C++ fast path can take over the first two:
 
-1. :func:`plan_redistribute` — the cheapest plan (see ``_redistribute_plan``), plain data,
-   cached by ``(source spec, target spec)`` and by the underlying problem
+1. ``_redistribute_plan.plan_redistribute`` — the cheapest plan, plain data, cached by
+   ``(source spec, target spec)`` and by the underlying problem
    ``(mesh shape, global shape, item size, placements)``.
 2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
    and trims worked out once, cached by ``(source spec, target spec)``.  Plain data too.
@@ -21,8 +21,8 @@ flight and the function returns an :class:`~shardwise.dtensor_ops._collectives.A
 with the final local shape.  Its first use waits, trims and runs any local steps that
 follow.  A plan with no collective returns a plain tensor either way.
 
-Autograd: :func:`grad_target_spec` says where the gradient of a redistribution goes
-back to — see its docstring.  The executor itself is not differentiable (the
+Autograd: :func:`gradient_placements` is the one rule for where a gradient goes back to
+(:func:`grad_target_spec` applies it to a redistribution) — see its docstring.  The executor itself is not differentiable (the
 functional collectives have no autograd formulas); the DTensor's ``redistribute``
 autograd.Function calls it in forward and again, mirrored, in backward.
 """
@@ -48,128 +48,56 @@ from shardwise.placement import (
     shard_sizes_along_mesh_dim,
 )
 
+from ._caches import register_cache
 from ._collectives import (
     AsyncCollectiveTensor,
     launch_all_gather,
     launch_all_reduce,
     launch_all_to_all,
     launch_reduce_scatter,
+    mesh_group_names,
     wait,
 )
 from ._redistribute_plan import (
     Placements,
     RedistributeStep,
     StepKind,
-    find_cheapest_plan,
-    lower_bound_bytes_per_rank,
+    check_redistribute_specs,
     plan_bytes_per_rank,
+    plan_redistribute,
     plan_states,
+    redistribute_cost_bytes,
+    redistribute_lower_bound_bytes,
 )
 
 __all__ = [
     "RedistributeStep",
     "StepKind",
-    "plan_redistribute",
-    "redistribute_local_tensor",
+    "gradient_placements",
     "grad_target_spec",
-    "grad_placements_for_backward",
     "plan_bytes_per_rank",
-    "bytes_moved_per_rank",
+    "plan_redistribute",
     "redistribute_cost_bytes",
+    "redistribute_local_tensor",
     "redistribute_lower_bound_bytes",
-    "clear_redistribute_caches",
 ]
 
-# Caches are dicts cleared when full: a hit must stay a plain dict lookup, and a
-# training loop uses a handful of layouts, so eviction order does not matter.
-_MAX_CACHE_ENTRIES = 8192
-
-_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements]
-_plans_by_problem: dict[_ProblemKey, tuple[RedistributeStep, ...]] = {}
-_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], tuple[RedistributeStep, ...]] = {}
-
-
-def clear_redistribute_caches() -> None:
-    """Forget every cached plan and program (tests; meshes being torn down)."""
-    _plans_by_problem.clear()
-    _plans_by_specs.clear()
-    _programs.clear()
-
-
-def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(cache) >= _MAX_CACHE_ENTRIES:
-        cache.clear()
-    cache[key] = value
-
-
-# -- planning ------------------------------------------------------------------------------
-
-
-def _global_shape(spec: DTensorSpec[Any], role: str) -> tuple[int, ...]:
-    if spec.tensor_meta is None:
-        raise ValueError(
-            f"redistribute needs the global shape: the {role} spec {spec} has no tensor_meta; "
-            "expected a DTensorSpec built with a TensorMeta"
-        )
-    return tuple(spec.tensor_meta.shape)
-
-
-def _check_specs(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[int, ...]:
-    if src.mesh != dst.mesh:
-        raise ValueError(
-            f"cannot redistribute between meshes: source {src} is on {src.mesh!r}, target {dst} is on "
-            f"{dst.mesh!r}; redistribute changes placements on one mesh"
-        )
-    src_shape = _global_shape(src, "source")
-    dst_shape = _global_shape(dst, "target")
-    if src_shape != dst_shape:
-        raise ValueError(
-            f"cannot redistribute a tensor of global shape {src_shape} ({src}) to global shape {dst_shape} "
-            f"({dst}); redistribute keeps the global shape"
-        )
-    return src_shape
-
-
-def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
-    """The cheapest plan (by bytes moved per rank) from ``src`` to ``dst``; ``()`` when they match.
-
-    Both specs need ``tensor_meta`` and the same mesh and global shape.  Cached.
-    """
-    key = (src, dst)
-    plan = _plans_by_specs.get(key)
-    if plan is not None:
-        return plan
-    global_shape = _check_specs(src, dst)
-    assert src.tensor_meta is not None
-    mesh_shape = tuple(src.mesh.shape)
-    itemsize = src.tensor_meta.dtype.itemsize
-    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements)
-    plan = _plans_by_problem.get(problem)
-    if plan is None:
-        plan = find_cheapest_plan(global_shape, mesh_shape, src.placements, dst.placements, itemsize)
-        _remember(_plans_by_problem, problem, plan)
-    _remember(_plans_by_specs, key, plan)
-    return plan
-
-
-bytes_moved_per_rank = plan_bytes_per_rank
-
-
-def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
-    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match)."""
-    return plan_bytes_per_rank(plan_redistribute(src, dst))
-
-
-def redistribute_lower_bound_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
-    """A floor on the bytes per rank any algorithm must move (see ``lower_bound_bytes_per_rank``)."""
-    global_shape = _check_specs(src, dst)
-    assert src.tensor_meta is not None
-    return lower_bound_bytes_per_rank(
-        global_shape, tuple(src.mesh.shape), src.placements, dst.placements, src.tensor_meta.dtype.itemsize
-    )
-
+# Programs hold this rank's offsets and sizes: rank-local.  Cleared when full (see _redistribute_plan).
+_MAX_PROGRAMS = 8192
 
 # -- autograd ------------------------------------------------------------------------------
+
+
+def gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Where the gradient of a tensor laid out with ``placements`` goes back to: the one rule.
+
+    The adjoint of summing partial values is handing every rank the whole gradient, so
+    ``Partial`` (any reduce op) becomes ``Replicate``; Shard and Replicate are kept, so an
+    input's gradient is laid out like the input.
+    """
+    if not any(isinstance(placement, Partial) for placement in placements):
+        return placements
+    return tuple(Replicate() if isinstance(placement, Partial) else placement for placement in placements)
 
 
 def grad_target_spec(
@@ -199,18 +127,11 @@ def grad_target_spec(
     ``grad_spec`` (the gradient's actual spec) supplies the tensor_meta (stride, dtype)
     of the result; without it ``src``'s is used.
     """
-    placements: tuple[Placement, ...] = tuple(
-        Replicate() if isinstance(placement, Partial) else placement for placement in src.placements
-    )
+    placements = gradient_placements(src.placements)
     tensor_meta = grad_spec.tensor_meta if grad_spec is not None else src.tensor_meta
     if placements == src.placements and tensor_meta == src.tensor_meta:
         return src
     return DTensorSpec(src.mesh, placements, tensor_meta)
-
-
-def grad_placements_for_backward(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> DTensorSpec[Any]:
-    """Alias of :func:`grad_target_spec` under the name used in the team contracts."""
-    return grad_target_spec(src, dst)
 
 
 # -- per-rank programs -----------------------------------------------------------------------
@@ -260,24 +181,15 @@ class _Program:
     group_names: tuple[str, ...]
 
 
-_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], _Program] = {}
-
-
-def _group_names(mesh: Any) -> Sequence[str]:
-    names = getattr(mesh, "_dim_group_names", None)
-    if names is None or len(names) != len(mesh.shape):
-        raise TypeError(
-            f"redistribute needs the process group name of every mesh dim: {mesh!r} has "
-            f"_dim_group_names={names!r}; expected a tuple of {len(mesh.shape)} group names "
-            "(shardwise.mesh.DeviceMesh provides it)"
-        )
-    return tuple(names)
+_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], _Program] = register_cache(
+    {}, module=__name__, attribute="_programs", rank_local=True
+)
 
 
 def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[RedistributeStep, ...]) -> _Program:
     mesh = src.mesh
     mesh_shape = tuple(mesh.shape)
-    global_shape = _global_shape(src, "source")
+    global_shape = check_redistribute_specs(src, dst)
     coordinate_or_none = mesh.get_coordinate()
     if coordinate_or_none is None:
         return _Program(
@@ -290,7 +202,7 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
             group_names=(),
         )
     coordinate = tuple(coordinate_or_none)
-    group_names = _group_names(mesh) if any(step.kind.is_collective for step in plan) else ()
+    group_names = mesh_group_names(mesh) if any(step.kind.is_collective for step in plan) else ()
 
     def local_shape(state: Placements) -> tuple[int, ...]:
         return compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, state)[0]
@@ -497,12 +409,14 @@ def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
         _programs[key] = program
     if program is None or program.mesh is not src.mesh:
         program = _compile_program(src, dst, plan_redistribute(src, dst))
-        _remember(_programs, key, program)
+        if len(_programs) >= _MAX_PROGRAMS:
+            _programs.clear()
+        _programs[key] = program
     return program
 
 
 def _same_groups(program: _Program, mesh: Any) -> bool:
-    return not program.group_names or program.group_names == tuple(getattr(mesh, "_dim_group_names", ()))
+    return not program.group_names or program.group_names == mesh_group_names(mesh)
 
 
 def redistribute_local_tensor(
@@ -535,7 +449,7 @@ def redistribute_local_tensor(
             f"redistribute {src} -> {dst}: the local tensor has shape {tuple(local.shape)} but the rank at mesh "
             f"coordinate {tuple(coordinate) if coordinate is not None else None} holds a shard of shape "
             f"{program.src_local_shape} for placements {src.placements} of global shape "
-            f"{_global_shape(src, 'source')}"
+            f"{check_redistribute_specs(src, dst)}"
         )
     steps = program.steps
     if not async_op or program.last_collective < 0:

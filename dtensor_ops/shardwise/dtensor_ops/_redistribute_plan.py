@@ -62,15 +62,18 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from shardwise.placement import (
+    DTensorSpec,
     Partial,
     Placement,
     Replicate,
     Shard,
     compute_local_shape_and_global_offset,
 )
+
+from ._caches import register_cache
 
 __all__ = [
     "StepKind",
@@ -84,6 +87,10 @@ __all__ = [
     "plan_states",
     "lower_bound_bytes_per_rank",
     "reduce_ops_commute",
+    "plan_redistribute",
+    "redistribute_cost_bytes",
+    "redistribute_lower_bound_bytes",
+    "check_redistribute_specs",
 ]
 
 Placements = tuple[Placement, ...]
@@ -557,3 +564,88 @@ def lower_bound_bytes_per_rank(
                         missing_per_rank[rank] += elements
     average = -(-total_transfers // len(coordinates))
     return max(average, max(missing_per_rank, default=0)) * itemsize
+
+
+# -- plans for specs (cached) ---------------------------------------------------------------------
+
+# Caches are dicts cleared when full: a hit must stay a plain dict lookup, and a
+# training loop uses a handful of layouts, so eviction order does not matter.
+_MAX_CACHE_ENTRIES = 8192
+
+_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements]
+_plans_by_problem: dict[_ProblemKey, tuple[RedistributeStep, ...]] = register_cache(
+    {}, module=__name__, attribute="_plans_by_problem", rank_local=False
+)
+_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], tuple[RedistributeStep, ...]] = register_cache(
+    {}, module=__name__, attribute="_plans_by_specs", rank_local=False
+)
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _MAX_CACHE_ENTRIES:
+        cache.clear()
+    cache[key] = value
+
+
+# -- planning ------------------------------------------------------------------------------
+
+
+def _global_shape(spec: DTensorSpec[Any], role: str) -> tuple[int, ...]:
+    if spec.tensor_meta is None:
+        raise ValueError(
+            f"redistribute needs the global shape: the {role} spec {spec} has no tensor_meta; "
+            "expected a DTensorSpec built with a TensorMeta"
+        )
+    return tuple(spec.tensor_meta.shape)
+
+
+def check_redistribute_specs(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[int, ...]:
+    if src.mesh != dst.mesh:
+        raise ValueError(
+            f"cannot redistribute between meshes: source {src} is on {src.mesh!r}, target {dst} is on "
+            f"{dst.mesh!r}; redistribute changes placements on one mesh"
+        )
+    src_shape = _global_shape(src, "source")
+    dst_shape = _global_shape(dst, "target")
+    if src_shape != dst_shape:
+        raise ValueError(
+            f"cannot redistribute a tensor of global shape {src_shape} ({src}) to global shape {dst_shape} "
+            f"({dst}); redistribute keeps the global shape"
+        )
+    return src_shape
+
+
+def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
+    """The cheapest plan (by bytes moved per rank) from ``src`` to ``dst``; ``()`` when they match.
+
+    Both specs need ``tensor_meta`` and the same mesh and global shape.  Cached.
+    """
+    key = (src, dst)
+    plan = _plans_by_specs.get(key)
+    if plan is not None:
+        return plan
+    global_shape = check_redistribute_specs(src, dst)
+    assert src.tensor_meta is not None
+    mesh_shape = tuple(src.mesh.shape)
+    itemsize = src.tensor_meta.dtype.itemsize
+    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements)
+    plan = _plans_by_problem.get(problem)
+    if plan is None:
+        plan = find_cheapest_plan(global_shape, mesh_shape, src.placements, dst.placements, itemsize)
+        _remember(_plans_by_problem, problem, plan)
+    _remember(_plans_by_specs, key, plan)
+    return plan
+
+
+def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match)."""
+    return plan_bytes_per_rank(plan_redistribute(src, dst))
+
+
+def redistribute_lower_bound_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """A floor on the bytes per rank any algorithm must move (see ``lower_bound_bytes_per_rank``)."""
+    global_shape = check_redistribute_specs(src, dst)
+    assert src.tensor_meta is not None
+    return lower_bound_bytes_per_rank(
+        global_shape, tuple(src.mesh.shape), src.placements, dst.placements, src.tensor_meta.dtype.itemsize
+    )

@@ -2,11 +2,9 @@
 
 Three stages, kept apart so that a compiled fast path can take over the first two:
 
-1. :func:`sharding_cache_key` - a hashable key from the op, the input specs (which
-   cache their hash) and the non-tensor arguments.  Python numbers enter the key
-   by type only for rule families where their value cannot change the decision
-   (``x * 2.0`` and ``x * 3.0`` share one entry, ``x * 2`` does not: its result
-   dtype may differ).
+1. the key: ``_decision_cache.call_key`` - the one key builder, shared with dispatch
+   (floats enter it by type only for rule families where their value cannot change the
+   decision: ``x * 2.0`` and ``x * 3.0`` share one entry).
 2. :func:`decide_op_sharding` on a cache miss - the op family's rule lists its
    valid strategies for ONE mesh dim; the n-D strategies are their product over
    the mesh dims, filtered by the rule's exactness check; the chosen one needs the
@@ -19,74 +17,39 @@ Three stages, kept apart so that a compiled fast path can take over the first tw
    ``OpDecision.input_specs``, applies ``local_arg_overrides`` and runs the op on
    the local tensors.
 
-A decision is plain data (specs, tuples, bools): no closures are created per call.
+A decision is plain data (specs, tuples, bools): no closures are created per call.  Decisions
+live in the one decision cache (``_decision_cache``), which dispatch reads directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
 
-from ._ops import ArgPosition, OneDimStrategy, OpCall, ShardingRule, rule_for
-from ._redistribute import redistribute_cost_bytes
+from ._decision import ArgPosition, OpDecision, OutputSpecs
+from ._decision_cache import DECISIONS, call_key, decision_cache_size, remember_decision
+from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
+from ._random import plan_random_draw
+from ._redistribute_plan import redistribute_cost_bytes
+from ._rules import ShardingPropagationError
+from ._schema import schema_facts
 
 __all__ = [
     "OpDecision",
     "ShardingPropagationError",
-    "clear_sharding_cache",
     "decide_op_sharding",
     "propagate_op_sharding",
     "sharding_cache_key",
     "sharding_cache_size",
 ]
 
-OutputSpecs = DTensorSpec[Any] | tuple[DTensorSpec[Any] | None, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class OpDecision:
-    """What the dispatcher does for one (op, input specs, non-tensor args) combination.
-
-    ``output_specs`` follows the op's output structure: one spec for a single
-    tensor, a tuple for several (``None`` for a non-tensor entry), ``None`` when
-    the op returns no tensor.  ``input_specs`` has the target spec of every DTensor
-    argument in flattened argument order (positional arguments left to right,
-    descending into lists, then keyword arguments in their order); it is the given
-    spec object itself where nothing changes.  ``local_arg_overrides`` maps a
-    positional index or keyword name to the value the local op takes instead of
-    the global one (a view's local size).
-    """
-
-    output_specs: OutputSpecs
-    input_specs: tuple[DTensorSpec[Any], ...]
-    needs_redistribute: bool
-    local_arg_overrides: tuple[tuple[ArgPosition, object], ...] = ()
-    # Runs on the local tensors instead of the op (same arguments), when the shard-local computation is
-    # not the op itself (e.g. a lookup in a row-sharded table); plain data, see ShardingRule.local_kernel.
-    local_kernel: Callable[..., Any] | None = None
-
-
-class ShardingPropagationError(RuntimeError):
-    """An op has a rule, but none of its strategies fits the call (e.g. in place on a layout it cannot keep)."""
-
-
-# Bounded so that a program feeding ever-new shapes cannot grow it without limit.
-MAX_CACHED_DECISIONS = 1 << 16
-_DECISIONS: dict[Hashable, OpDecision] = {}
-
-
-def clear_sharding_cache() -> None:
-    _DECISIONS.clear()
-
-
 def sharding_cache_size() -> int:
-    return len(_DECISIONS)
+    return decision_cache_size()
 
 
 def propagate_op_sharding(
@@ -98,98 +61,25 @@ def propagate_op_sharding(
     ``NotImplementedError`` naming the op and the input placements when the op has
     no rule, and :class:`ShardingPropagationError` when no strategy fits.
     """
-    rule = rule_for(op)
-    key = _cache_key(op, args, kwargs, rule is None or rule.scalar_values_matter)
+    key = call_key(op, args, kwargs)
     try:
-        decision = _DECISIONS.get(key)
+        decision = DECISIONS.get(key)
     except TypeError:
         raise TypeError(
             f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
         ) from None
     if decision is None:
         decision = decide_op_sharding(op, args, kwargs)
-        if len(_DECISIONS) >= MAX_CACHED_DECISIONS:
-            _DECISIONS.clear()
-        _DECISIONS[key] = decision
+        remember_decision(key, decision)
     return decision
 
 
-# --------------------------------------------------------------------------- cache key
-
-
-class _PlainTensor(NamedTuple):
-    """Key stand-in for a plain (non-DTensor) scalar tensor: only its dtype and shape matter."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def _freeze(value: object, keep_number_values: bool) -> Hashable:
-    kind = type(value)
-    if kind is DTensorSpec:
-        return value
-    if kind is int:
-        return value if keep_number_values else int
-    if kind is float or kind is bool or kind is complex:
-        # Tagged with the type: 2 == 2.0 == True would otherwise share a key but not a result dtype.
-        return (kind, value) if keep_number_values else kind
-    if kind is list or kind is tuple or kind is torch.Size:
-        # Floats in a list (a foreach op's per-tensor scalars, new every optimizer step) follow the rule's
-        # choice; ints and bools (sizes, dims, output masks) always key by value.
-        return tuple(
-            [_freeze(item, keep_number_values if type(item) is float else True) for item in value]  # type: ignore[attr-defined]
-        )
-    if isinstance(value, torch.Tensor):
-        return _PlainTensor(value.dtype, tuple(value.shape))
-    return value
-
-
-def _cache_key(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object], keep_number_values: bool
-) -> Hashable:
-    frozen_args = tuple([_freeze(arg, keep_number_values) for arg in args])
-    if not kwargs:
-        return (op, frozen_args)
-    return (op, frozen_args, tuple([(name, _freeze(value, keep_number_values)) for name, value in kwargs.items()]))
-
-
 def sharding_cache_key(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Hashable:
-    """The key :func:`propagate_op_sharding` caches the decision for this call under."""
-    rule = rule_for(op)
-    return _cache_key(op, args, kwargs, rule is None or rule.scalar_values_matter)
+    """The key :func:`propagate_op_sharding` (and dispatch) caches the decision for this call under."""
+    return call_key(op, args, kwargs)
 
 
 # --------------------------------------------------------------------------- decision
-
-
-class _SchemaFacts(NamedTuple):
-    inplace: bool  # argument 0 is written and returned
-    out_names: tuple[str, ...]  # keyword-only written arguments (out=), in output order
-
-
-_SCHEMA_FACTS: dict[torch._ops.OpOverload, _SchemaFacts] = {}
-
-
-def _schema_facts(op: torch._ops.OpOverload) -> _SchemaFacts:
-    facts = _SCHEMA_FACTS.get(op)
-    if facts is None:
-        arguments = op._schema.arguments
-        out_names = tuple(
-            argument.name
-            for argument in arguments
-            if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
-        )
-        first = arguments[0] if arguments else None
-        inplace = (
-            not out_names
-            and first is not None
-            and not first.kwarg_only
-            and first.alias_info is not None
-            and first.alias_info.is_write
-        )
-        facts = _SchemaFacts(bool(inplace), out_names)
-        _SCHEMA_FACTS[op] = facts
-    return facts
 
 
 def _describe_placements(spec: DTensorSpec[Any]) -> str:
@@ -316,18 +206,6 @@ def _placements_of_output(combo: Sequence[OneDimStrategy], index: int) -> tuple[
     return tuple(placements)
 
 
-class _Call(NamedTuple):
-    """One call, sorted out: its DTensor arguments, which of them the op writes, its output metadata."""
-
-    specs: tuple[DTensorSpec[Any], ...]  # every DTensor argument, flattened order
-    is_out_arg: tuple[bool, ...]  # per spec: an out= argument (not a rule input)
-    structure: str  # _SINGLE, _SEQUENCE or _NOT_A_TENSOR
-    rule_call: OpCall
-    kept_inputs: dict[int, DTensorSpec[Any]]  # rule input index -> spec it must keep (self of in-place ops)
-    kept_outputs: dict[int, DTensorSpec[Any]]  # output index -> spec it must be (self, out=)
-    inplace: bool
-
-
 def _prepare_call(
     op: torch._ops.OpOverload,
     rule: ShardingRule,
@@ -335,13 +213,18 @@ def _prepare_call(
     kwargs: Mapping[str, object],
     specs: tuple[DTensorSpec[Any], ...],
     positions: tuple[ArgPosition, ...],
-) -> _Call:
-    facts = _schema_facts(op)
+) -> OpCall:
+    """The call sorted out: its rule inputs, which DTensors the op writes, its output metadata."""
+    facts = schema_facts(op)
     is_out_arg = tuple(position in facts.out_names for position in positions)
     rule_specs = tuple(spec for spec, is_out in zip(specs, is_out_arg) if not is_out)
     rule_positions = tuple(position for position, is_out in zip(positions, is_out_arg) if not is_out)
     output_metas: tuple[TensorMeta | None, ...]
-    if rule.tensor_outputs:
+    if not rule.tensor_outputs:
+        structure, output_metas = _NOT_A_TENSOR, ()
+    elif rule.output_meta is None and rule.combined_decision is not None:
+        structure, output_metas = _SEQUENCE, ()  # the combined decision gives them (see ShardingRule)
+    else:
         computed = None if rule.output_meta is None else rule.output_meta(op, args, kwargs)
         if isinstance(computed, TensorMeta):
             structure, output_metas = _SINGLE, (computed,)
@@ -349,20 +232,9 @@ def _prepare_call(
             structure, output_metas = _SEQUENCE, computed
         else:
             structure, output_metas = _run_on_meta(op, args, kwargs)
-    else:
-        structure, output_metas = _NOT_A_TENSOR, ()
-    rule_call = OpCall(
-        op=op,
-        args=tuple(args),
-        kwargs=dict(kwargs),
-        input_specs=rule_specs,
-        input_positions=rule_positions,
-        output_metas=output_metas,
-        partial_reduce_ops=frozenset(),
-    )
     kept_inputs: dict[int, DTensorSpec[Any]] = {}
     kept_outputs: dict[int, DTensorSpec[Any]] = {}
-    if facts.inplace:
+    if facts.writes_first_argument:
         # Every tensor of the written argument stays put: one for add_, a whole list for _foreach_add_.
         for index, position in enumerate(rule_positions):
             if position == 0:
@@ -372,28 +244,42 @@ def _prepare_call(
     for spec, position in zip(specs, positions):
         if position in facts.out_names:
             kept_outputs[facts.out_names.index(str(position))] = spec
-    return _Call(specs, is_out_arg, structure, rule_call, kept_inputs, kept_outputs, facts.inplace)
+    return OpCall(
+        op=op,
+        args=tuple(args),
+        kwargs=dict(kwargs),
+        input_specs=rule_specs,
+        input_positions=rule_positions,
+        output_metas=output_metas,
+        partial_reduce_ops=frozenset(),
+        decide=propagate_op_sharding,
+        all_specs=specs,
+        is_out_arg=is_out_arg,
+        structure=structure,
+        kept_inputs=kept_inputs,
+        kept_outputs=kept_outputs,
+        inplace=facts.writes_first_argument,
+    )
 
 
-def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call: _Call) -> list[list[OneDimStrategy]]:
+def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall) -> list[list[OneDimStrategy]]:
     """The rule's one-dim strategies for each mesh dim, less those that would move a written tensor."""
-    rule_call = call.rule_call
-    input_ndims = tuple(len(spec.shape) for spec in rule_call.input_specs)
-    output_ndims = tuple(None if meta is None else len(meta.shape) for meta in rule_call.output_metas)
+    input_ndims = tuple(len(spec.shape) for spec in call.input_specs)
+    output_ndims = tuple(None if meta is None else len(meta.shape) for meta in call.output_metas)
     # The rule is asked once per distinct set of Partial kinds found on a mesh dim (usually once).
     asked: dict[frozenset[str], Sequence[OneDimStrategy]] = {}
     per_mesh_dim = []
-    for mesh_dim in range(len(call.specs[0].placements)):
+    for mesh_dim in range(len(call.all_specs[0].placements)):
         partials_here = frozenset(
             placement.reduce_op
-            for spec in call.specs
+            for spec in call.all_specs
             if isinstance(placement := spec.placements[mesh_dim], Partial)
         )
         strategies = asked.get(partials_here)
         if strategies is None:
             assert rule.one_dim_strategies is not None, "rules without one_dim_strategies decide combined"
-            strategies = rule.one_dim_strategies(dataclasses.replace(rule_call, partial_reduce_ops=partials_here))
-            _check_strategy_shapes(op, rule, strategies, len(rule_call.input_specs), len(rule_call.output_metas))
+            strategies = rule.one_dim_strategies(dataclasses.replace(call, partial_reduce_ops=partials_here))
+            _check_strategy_shapes(op, rule, strategies, len(call.input_specs), len(call.output_metas))
             asked[partials_here] = strategies
         fitting = [
             s
@@ -409,7 +295,7 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             raise ShardingPropagationError(
                 f"{op} cannot write its result into a DTensor with placements ({written}) on mesh dim {mesh_dim}: "
                 f"every sharding strategy of the {rule.family!r} rule would need it redistributed "
-                f"(inputs: {_describe_inputs(call.specs)}). Redistribute it first or use the out-of-place op."
+                f"(inputs: {_describe_inputs(call.all_specs)}). Redistribute it first or use the out-of-place op."
             )
         per_mesh_dim.append(fitting)
     return per_mesh_dim
@@ -430,7 +316,7 @@ def _shards_existing_dims(
 
 
 def _cheapest_combination(
-    op: torch._ops.OpOverload, rule: ShardingRule, call: _Call, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
+    op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
 ) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
     """Input and output placements of the exact n-D combination with the cheapest input redistribution.
 
@@ -438,15 +324,14 @@ def _cheapest_combination(
     local steps still lose to no step at all, and equal candidates resolve the same
     way on every rank.
     """
-    rule_call = call.rule_call
-    rule_specs = rule_call.input_specs
+    rule_specs = call.input_specs
     best_rank: tuple[float, int, int] | None = None
     best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
     costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
     for order, combo in enumerate(itertools.product(*per_mesh_dim)):
         inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
-        outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(rule_call.output_metas)))
-        if rule.is_valid is not None and not rule.is_valid(rule_call, inputs_nd, outputs_nd):
+        outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
+        if rule.is_valid is not None and not rule.is_valid(call, inputs_nd, outputs_nd):
             continue
         moved = 0.0
         changed = 0
@@ -465,7 +350,7 @@ def _cheapest_combination(
             best_rank, best = rank, (inputs_nd, outputs_nd)
     if best_rank is None:
         raise ShardingPropagationError(
-            f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({_describe_inputs(call.specs)})"
+            f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({_describe_inputs(call.all_specs)})"
         )
     return best
 
@@ -473,30 +358,29 @@ def _cheapest_combination(
 def _check_combined_decision(
     op: torch._ops.OpOverload,
     rule: ShardingRule,
-    call: _Call,
+    call: OpCall,
     inputs: Sequence[tuple[Placement, ...]],
     outputs: Sequence[tuple[Placement, ...] | None],
 ) -> None:
     """A combined decision covers every input and output, and leaves written tensors where they are."""
-    rule_call = call.rule_call
-    if len(inputs) != len(rule_call.input_specs) or len(outputs) != len(rule_call.output_metas):
+    if len(inputs) != len(call.input_specs) or len(outputs) != len(call.output_metas):
         raise AssertionError(
             f"the {rule.family!r} rule decided {len(inputs)} inputs and {len(outputs)} outputs for {op}; "
-            f"the call has {len(rule_call.input_specs)} DTensor inputs and {len(rule_call.output_metas)} outputs"
+            f"the call has {len(call.input_specs)} DTensor inputs and {len(call.output_metas)} outputs"
         )
     for index, spec in call.kept_inputs.items():
         if inputs[index] != spec.placements:
             raise ShardingPropagationError(
                 f"{op} cannot keep the DTensor it writes (input {index}) at placements "
                 f"{_describe_placements(spec)}: the {rule.family!r} rule needs {inputs[index]} "
-                f"(inputs: {_describe_inputs(call.specs)}). Redistribute it first or use the out-of-place op."
+                f"(inputs: {_describe_inputs(call.all_specs)}). Redistribute it first or use the out-of-place op."
             )
     for index, spec in call.kept_outputs.items():
         if outputs[index] != spec.placements:
             raise ShardingPropagationError(
                 f"{op} cannot write its output {index} into a DTensor with placements "
                 f"{_describe_placements(spec)}: the {rule.family!r} rule produces {outputs[index]} "
-                f"(inputs: {_describe_inputs(call.specs)})"
+                f"(inputs: {_describe_inputs(call.all_specs)})"
             )
 
 
@@ -521,19 +405,26 @@ def decide_op_sharding(
 
     call = _prepare_call(op, rule, args, kwargs, specs, tuple(position_list))
     if rule.combined_decision is not None:
-        best_inputs, best_outputs = rule.combined_decision(call.rule_call)
+        best_inputs, best_outputs, given_metas = rule.combined_decision(call)
+        if rule.tensor_outputs and rule.output_meta is None:
+            if given_metas is None:
+                raise AssertionError(
+                    f"the {rule.family!r} rule has no output_meta, so its combined decision for {op} must give the "
+                    "outputs' metadata"
+                )
+            call = dataclasses.replace(call, output_metas=tuple(given_metas))
         _check_combined_decision(op, rule, call, best_inputs, best_outputs)
     else:
         best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
 
     rule_targets = iter(
         spec if spec.placements == target else spec.with_placements(target)
-        for spec, target in zip(call.rule_call.input_specs, best_inputs)
+        for spec, target in zip(call.input_specs, best_inputs)
     )
     input_targets = tuple(spec if is_out else next(rule_targets) for spec, is_out in zip(specs, call.is_out_arg))
 
     flat_outputs: list[DTensorSpec[Any] | None] = []
-    for index, (meta, placements) in enumerate(zip(call.rule_call.output_metas, best_outputs)):
+    for index, (meta, placements) in enumerate(zip(call.output_metas, best_outputs)):
         if meta is None or placements is None:
             flat_outputs.append(None)
         elif index in call.kept_outputs:
@@ -556,16 +447,18 @@ def decide_op_sharding(
 
     overrides: tuple[tuple[ArgPosition, object], ...] = ()
     if rule.local_arg_overrides is not None:
-        overrides = rule.local_arg_overrides(call.rule_call, tuple(flat_outputs))
+        overrides = rule.local_arg_overrides(call, tuple(flat_outputs))
     local_kernel = None
     if rule.local_kernel is not None:
-        local_kernel = rule.local_kernel(call.rule_call, best_inputs, tuple(flat_outputs))
+        local_kernel = rule.local_kernel(call, best_inputs, tuple(flat_outputs))
     return OpDecision(
         output_specs=output_specs,
         input_specs=input_targets,
         needs_redistribute=any(target is not spec for target, spec in zip(input_targets, specs)),
         local_arg_overrides=overrides,
         local_kernel=local_kernel,
+        random_plan=plan_random_draw(op, rule.random, output_specs, input_targets),
+        op=op,
     )
 
 

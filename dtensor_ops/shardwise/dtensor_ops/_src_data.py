@@ -9,8 +9,8 @@
   together (no rank is left waiting) or agree on the global shape.
 * :func:`agree_on_int`: one integer from the first rank of the mesh (random seeds).
 
-Collectives go through ``torch.ops._c10d_functional`` over the mesh's per-dim
-groups; ``src`` indices are positions along a mesh dim (group ranks).
+The collectives themselves are issued by ``_collectives`` (over the mesh's per-dim
+groups); ``src`` indices are positions along a mesh dim (group ranks).
 """
 
 from __future__ import annotations
@@ -28,74 +28,13 @@ from shardwise.placement import (
     TensorMeta,
     chunk_sizes,
     compute_local_shape,
+    even_global_shape,
 )
 
+from ._collectives import all_gather_rows_over_mesh, broadcast_along_mesh_dim, scatter_along_mesh_dim
+from ._redistribute import redistribute_local_tensor
+
 __all__ = ["distribute_local_data", "check_and_sync_from_local", "agree_on_int"]
-
-_functional = torch.ops._c10d_functional
-
-
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
-    return _functional.wait_tensor.default(tensor)
-
-
-def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
-    """A view the backends can move (gloo has no bool or complex)."""
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8)
-    if tensor.is_complex():
-        return torch.view_as_real(tensor)
-    return tensor
-
-
-def _from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bool:
-        return tensor.view(torch.bool)
-    if dtype.is_complex:
-        return torch.view_as_complex(tensor)
-    return tensor
-
-
-def broadcast_along_mesh_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, src: int) -> torch.Tensor:
-    """``tensor`` of the rank at index ``src`` along ``mesh_dim``, on every rank of that group."""
-    wire = _to_wire(tensor.contiguous())
-    received = _wait(_functional.broadcast.default(wire, src, mesh._dim_group_names[mesh_dim]))
-    return _from_wire(received, tensor.dtype)
-
-
-def scatter_along_mesh_dim(
-    tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, tensor_dim: int, src: int, my_index: int
-) -> torch.Tensor:
-    """This rank's torch.chunk piece (along ``tensor_dim``) of the tensor held at index ``src`` of ``mesh_dim``."""
-    group_size = mesh.shape[mesh_dim]
-    dim_size = tensor.size(tensor_dim)
-    sizes = chunk_sizes(dim_size, group_size)
-    # Move the split dim to the front so every piece is one contiguous run of elements.
-    front = tensor.movedim(tensor_dim, 0)
-    rest_shape = tuple(front.shape[1:])
-    row_numel = 1
-    for extent in rest_shape:
-        row_numel *= extent
-    if my_index == src:
-        send = _to_wire(front.contiguous()).reshape(-1)
-        input_splits = [size * row_numel * _wire_factor(tensor.dtype) for size in sizes]
-    else:
-        send = _to_wire(torch.empty((0,), dtype=tensor.dtype, device=tensor.device)).reshape(-1)
-        input_splits = [0] * group_size
-    output_splits = [0] * group_size
-    output_splits[src] = sizes[my_index] * row_numel * _wire_factor(tensor.dtype)
-    received = _wait(
-        _functional.all_to_all_single.default(send, output_splits, input_splits, mesh._dim_group_names[mesh_dim])
-    )
-    if tensor.is_complex():
-        received = received.reshape(-1, 2)
-    piece = _from_wire(received, tensor.dtype).reshape((sizes[my_index], *rest_shape))
-    return piece.movedim(0, tensor_dim).contiguous()
-
-
-def _wire_factor(dtype: torch.dtype) -> int:
-    # view_as_real doubles the element count of complex tensors.
-    return 2 if dtype.is_complex else 1
 
 
 def _local_chunk(tensor: torch.Tensor, tensor_dim: int, num_chunks: int, index: int) -> torch.Tensor:
@@ -146,8 +85,6 @@ def distribute_local_data(
 def _replicated_to_partial(
     local: torch.Tensor, global_tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> torch.Tensor:
-    from ._redistribute import redistribute_local_tensor
-
     meta = TensorMeta(global_tensor.shape, tuple(global_tensor.stride()), global_tensor.dtype)
     as_replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
     return redistribute_local_tensor(
@@ -161,20 +98,6 @@ _DTYPES: tuple[torch.dtype, ...] = tuple(
     sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
 )
 _DTYPE_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_DTYPES)}
-
-
-def gather_over_mesh(mesh: DeviceMesh, row: Sequence[int]) -> torch.Tensor:
-    """Every rank's ``row`` of ints, as a tensor of shape ``(*mesh.shape, len(row))`` (on every rank)."""
-    table = torch.tensor([list(row)], dtype=torch.int64, device=mesh.device_type)
-    for mesh_dim in reversed(range(mesh.ndim)):
-        group_size = mesh.shape[mesh_dim]
-        if group_size > 1:
-            table = _wait(
-                _functional.all_gather_into_tensor.default(
-                    table.contiguous(), group_size, mesh._dim_group_names[mesh_dim]
-                )
-            )
-    return table.reshape(*mesh.shape, len(row)).cpu()
 
 
 def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -199,10 +122,10 @@ def check_and_sync_from_local(
     coordinate = mesh.get_coordinate()
     if coordinate is None or local.is_meta:
         if global_shape is None:
-            global_shape = _even_shape(tuple(local.shape), mesh, placements)
+            global_shape = even_global_shape(tuple(local.shape), mesh.shape, placements)
         return local, global_shape
     where = "DTensor.from_local(run_check=True)"
-    header = gather_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype]])
+    header = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype]])
     coordinates = _coordinates(mesh.shape)
     ndims = {coord: int(header[coord][0]) for coord in coordinates}
     dtypes = {coord: _DTYPES[int(header[coord][1])] for coord in coordinates}
@@ -213,7 +136,7 @@ def check_and_sync_from_local(
     if local.ndim == 0:
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {coord: () for coord in coordinates}
     else:
-        table = gather_over_mesh(mesh, list(local.shape))
+        table = all_gather_rows_over_mesh(mesh, list(local.shape))
         shapes = {coord: tuple(int(v) for v in table[coord].tolist()) for coord in coordinates}
     if global_shape is None:
         global_shape = _infer_global_shape(shapes, mesh, placements, where)
@@ -229,14 +152,6 @@ def check_and_sync_from_local(
         if isinstance(placement, Replicate) and mesh.shape[mesh_dim] > 1:
             local = broadcast_along_mesh_dim(local, mesh, mesh_dim, 0)
     return local, global_shape
-
-
-def _even_shape(local_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:
-    shape = list(local_shape)
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            shape[placement.dim] *= mesh.shape[mesh_dim]
-    return tuple(shape)
 
 
 def _infer_global_shape(

@@ -7,9 +7,10 @@ groups are registered per thread so that ``torch.ops._c10d_functional`` collecti
 rank's own group by name.
 
 Sharing a process has a cost: state that a real rank keeps for itself in module globals would
-be shared by every rank thread. ``_RANK_LOCAL_STATE`` lists the globals of the shardwise stack
-that hold per-rank data; while a thread world runs, each of them is swapped for a per-thread
-copy (see ``isolated_rank_state``). Torch's random generator is process-wide too: ranks drawing
+be shared by every rank thread. The globals of the shardwise stack that hold per-rank data are
+the mesh's process-group registry and every cache dtensor_ops registers as rank-local (its cache
+registry, ``shardwise.dtensor_ops._caches``); while a thread world runs, each of them is swapped
+for a per-thread copy (see ``isolated_rank_state``). Torch's random generator is process-wide too: ranks drawing
 random numbers at the same time get interleaved draws, unlike separate processes.
 """
 
@@ -45,19 +46,15 @@ _THREADED_BACKEND = "threaded"
 # What torch's threaded process group raises in the ranks it wakes up after another rank failed.
 _TERMINATION_MESSAGE = "Test termination event occurs."
 
-# Module globals of the shardwise stack that hold data computed for this process's rank. In a
-# thread world every rank thread gets its own copy; the owners keying them by rank (or making
-# them thread-local) makes the entry unnecessary. Entries whose module or attribute does not
-# exist (any more) are skipped.
-_RANK_LOCAL_STATE: tuple[tuple[str, str], ...] = (
-    # Process groups of mesh dims, per default process group: each rank thread has its own.
-    ("shardwise.mesh._process_groups", "_registry"),
-    # Redistribute programs: this rank's shard offsets and sizes, keyed by (source, target) spec.
-    ("shardwise.dtensor_ops._redistribute", "_programs"),
-    # Sharding decisions may carry this rank's local sizes (views of uneven shards).
-    ("shardwise.dtensor_ops._sharding_prop", "_DECISIONS"),
-    ("shardwise.dtensor_ops._dispatch", "_decision_cache"),
-)
+# Process groups of mesh dims, per default process group: each rank thread has its own.
+_MESH_RANK_LOCAL_STATE: tuple[tuple[str, str], ...] = (("shardwise.mesh._process_groups", "_registry"),)
+
+
+def _rank_local_state() -> tuple[tuple[str, str], ...]:
+    """(module, attribute) of every module global holding data computed for this process's rank."""
+    from shardwise.dtensor_ops._caches import rank_local_caches
+
+    return _MESH_RANK_LOCAL_STATE + rank_local_caches()
 
 
 class _PerThreadMapping(MutableMapping[Any, Any]):
@@ -135,7 +132,7 @@ def isolated_rank_state() -> Iterator[list[str]]:
     """
     swapped: list[tuple[types.ModuleType, str, object]] = []
     try:
-        for module_name, attribute in _RANK_LOCAL_STATE:
+        for module_name, attribute in _rank_local_state():
             try:
                 module = importlib.import_module(module_name)
             except ImportError:
@@ -143,12 +140,27 @@ def isolated_rank_state() -> Iterator[list[str]]:
             if not hasattr(module, attribute):
                 continue
             original = getattr(module, attribute)
-            setattr(module, attribute, _per_thread_replacement(original))
-            swapped.append((module, attribute, original))
+            replacement = _per_thread_replacement(original)
+            # Modules that imported the object by name (`from ._decision_cache import DECISIONS`) read their
+            # own global: every shardwise module global bound to it is swapped.
+            for holder, name in _globals_bound_to(original):
+                setattr(holder, name, replacement)
+                swapped.append((holder, name, original))
         yield [f"{module.__name__}.{attribute}" for module, attribute, _ in swapped]
     finally:
         for module, attribute, original in reversed(swapped):
             setattr(module, attribute, original)
+
+
+def _globals_bound_to(value: object) -> list[tuple[types.ModuleType, str]]:
+    found: list[tuple[types.ModuleType, str]] = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("shardwise."):
+            continue
+        for name, bound in list(vars(module).items()):
+            if bound is value:
+                found.append((module, name))
+    return found
 
 
 # ---------------------------------------------------------------------------------- the world

@@ -1,6 +1,10 @@
-"""The package layers of DESIGN.md, and a checker that finds imports crossing them.
+"""The package layers of DESIGN.md, the layers inside dtensor_ops, and a checker for both.
 
     tools -> testing -> tp_styles / fsdp_ext / compile_support -> dtensor_ops -> placement -> mesh
+
+Inside dtensor_ops, imports go one direction only (``DTENSOR_OPS_LAYERS``, bottom first), and no
+product module takes part in an import cycle, counting imports inside functions and
+``importlib.import_module("literal")`` too.
 
 `python -m shardwise.tools.layers [ROOT]` prints every violation and exits non-zero if there is one.
 """
@@ -26,6 +30,37 @@ ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
         {"testing", "tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}
     ),
 }
+
+# The layers inside shardwise.dtensor_ops, bottom first: a module may import modules of its own layer
+# and of the layers below (module names relative to shardwise.dtensor_ops; a package stands for all
+# of its modules).  See dtensor_ops/README.md, "Inside the package".
+DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "leaf types",
+        (
+            "_caches",
+            "_schema",
+            "_decision",
+            "_rules",
+            "_decision_cache",
+            "_random",
+            "_op_handlers",
+            "_implicit_replication",
+            "_placement_args",
+            "_wrapper",
+        ),
+    ),
+    ("planner", ("_redistribute_plan",)),
+    ("rules", ("_ops",)),
+    ("propagation", ("_sharding_prop",)),
+    ("collectives", ("_collectives",)),
+    ("redistribution", ("_redistribute", "_src_data")),
+    ("DTensor class", ("_conversions", "_dtensor")),
+    ("op handlers", ("_handlers",)),
+    ("dispatch", ("_dispatch",)),
+    ("API and factories", ("_api", "_factories", "experimental", "random", "debug")),
+    ("wiring", ("",)),  # the package __init__
+)
 
 # PyTorch's own DTensor stack: product code must be written without it (tests: oracle only).
 FORBIDDEN_TORCH_MODULES = (
@@ -103,6 +138,156 @@ def _first_violation(
     return None
 
 
+def module_name(relative_path: pathlib.PurePath) -> str | None:
+    """``shardwise.<pkg>.<...>`` for a product source file (``<pkg>/shardwise/<pkg>/...``), else None."""
+    parts = relative_path.parts
+    if len(parts) < 3 or parts[1] != "shardwise" or relative_path.suffix != ".py":
+        return None
+    dotted = [*parts[1:-1], relative_path.stem]
+    if dotted[-1] == "__init__":
+        dotted.pop()
+    return ".".join(dotted)
+
+
+def _is_package(relative_path: pathlib.PurePath) -> bool:
+    return relative_path.name == "__init__.py"
+
+
+def imported_shardwise_modules(
+    module: str, is_package: bool, tree: ast.AST, known_modules: frozenset[str]
+) -> Iterator[tuple[int, str]]:
+    """(line, module) for every shardwise module this module imports, wherever the import statement is.
+
+    Relative imports are resolved; ``from package import name`` counts as importing the submodule
+    ``package.name`` when that is a module, else the package; ``importlib.import_module("...")`` with a
+    literal name counts too.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("shardwise."):
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if not base.startswith("shardwise"):
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                yield node.lineno, candidate if candidate in known_modules else base
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.startswith("shardwise.")
+        ):
+            yield node.lineno, node.args[0].value
+
+
+def _dtensor_ops_layer(module: str) -> int | None:
+    prefix = "shardwise.dtensor_ops"
+    if module != prefix and not module.startswith(prefix + "."):
+        return None
+    relative = module[len(prefix) + 1 :]
+    top = relative.split(".")[0]
+    for index, (_, members) in enumerate(DTENSOR_OPS_LAYERS):
+        if top in members:
+            return index
+    return -1
+
+
+def product_import_graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
+    """module -> [(line, imported module, path)] over every product source file of the shardwise packages."""
+    sources: dict[str, tuple[pathlib.PurePath, bool, ast.AST]] = {}
+    packages = [name for name in ALLOWED_IMPORTS if (root / name).is_dir()]
+    for _, path in python_files(root, packages):
+        relative = path.relative_to(root)
+        name = module_name(relative)
+        if name is None or not is_product_source(relative):
+            continue
+        sources[name] = (relative, _is_package(relative), ast.parse(path.read_text(encoding="utf-8"), str(relative)))
+    known = frozenset(sources)
+    graph: dict[str, list[tuple[int, str, str]]] = {}
+    for name, (source_path, is_package, tree) in sources.items():
+        edges = []
+        for line, target in imported_shardwise_modules(name, is_package, tree, known):
+            if target in known and target != name:
+                edges.append((line, target, str(source_path)))
+        graph[name] = edges
+    return graph
+
+
+def check_dtensor_ops_layers(graph: dict[str, list[tuple[int, str, str]]]) -> list[Violation]:
+    """Imports inside dtensor_ops that go up a layer, and modules no layer names."""
+    violations = []
+    names = [layer for layer, _ in DTENSOR_OPS_LAYERS]
+    for module, edges in sorted(graph.items()):
+        layer = _dtensor_ops_layer(module)
+        if layer is None:
+            continue
+        if layer < 0:
+            path = edges[0][2] if edges else module
+            violations.append(Violation(path, 0, f"{module} is in no layer of DTENSOR_OPS_LAYERS"))
+            continue
+        for line, target, path in edges:
+            target_layer = _dtensor_ops_layer(target)
+            if target_layer is not None and target_layer > layer:
+                violations.append(
+                    Violation(
+                        path,
+                        line,
+                        f"{module} ({names[layer]}) imports {target} ({names[target_layer]}), a layer above it",
+                    )
+                )
+    return violations
+
+
+def import_cycles(graph: dict[str, list[tuple[int, str, str]]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted; sorted."""
+    index_of: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index_of[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for _, target, _ in graph.get(node, ()):
+            if target not in index_of:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index_of[target])
+        if low[node] == index_of[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index_of:
+            visit(node)
+    return sorted(cycles)
+
+
 def python_files(root: pathlib.Path, packages: Iterable[str]) -> Iterator[tuple[str, pathlib.Path]]:
     for package in packages:
         folder = root / package
@@ -118,6 +303,10 @@ def check_tree(root: pathlib.Path) -> list[Violation]:
     for package, path in python_files(root, packages):
         relative = path.relative_to(root)
         violations += check_source(package, relative, path.read_text(encoding="utf-8"))
+    graph = product_import_graph(root)
+    violations += check_dtensor_ops_layers(graph)
+    for cycle in import_cycles(graph):
+        violations.append(Violation(cycle[0], 0, f"import cycle among {', '.join(cycle)}"))
     return violations
 
 

@@ -32,8 +32,17 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from shardwise.dtensor_ops import DTensor
-from shardwise.dtensor_ops._dispatch import OpHandler, custom_op_handlers
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, normalize_dim
+from shardwise.dtensor_ops._op_handlers import OpHandler, custom_op_handlers
+from shardwise.placement import (
+    DTensorSpec,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    TensorMeta,
+    contiguous_strides,
+    normalize_dim,
+)
 
 __all__ = ["loss_parallel", "LOSS_PARALLEL_OPS"]
 
@@ -75,18 +84,11 @@ def _all_reduce_over(local: torch.Tensor, like: DTensor, mesh_dims: tuple[int, .
 def _wrap(local: torch.Tensor, like: DTensor, placements: tuple[Placement, ...], shape: Sequence[int]) -> DTensor:
     # Same global stride as ``like`` when the shape is its shape: autograd then accumulates a gradient
     # as it is instead of copying it into a tensor of the parameter's layout.
-    stride = tuple(like.stride()) if tuple(shape) == tuple(like.shape) else _contiguous_stride(shape)
+    stride = tuple(like.stride()) if tuple(shape) == tuple(like.shape) else contiguous_strides(shape)
     return DTensor(
         local, DTensorSpec(like.device_mesh, placements, TensorMeta(torch.Size(shape), stride, local.dtype)),
         requires_grad=False,
     )
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        stride[dim] = stride[dim + 1] * max(int(shape[dim + 1]), 1)
-    return tuple(stride)
 
 
 def _replicated_local(value: Any, what: str) -> torch.Tensor | None:

@@ -1,10 +1,24 @@
-"""Sharding rules per op family.  Importing this package registers all of them.
+"""Sharding rules per op family (the rules layer of dtensor_ops).  Importing this package registers all of them.
 
 Each family module states, for one mesh dim, the placements its ops can run
-under (see :mod:`._strategy`); :mod:`shardwise.dtensor_ops._sharding_prop`
-extends them to n-D meshes and picks the cheapest.
+under (the rule types are in :mod:`shardwise.dtensor_ops._rules`);
+:mod:`shardwise.dtensor_ops._sharding_prop` extends them to n-D meshes and picks
+the cheapest.  Rules are pure: they import neither the DTensor class nor the
+collectives, and never communicate (a reduction is a Partial output).
 """
 
+from .._rules import (
+    LINEAR_REDUCE_OPS,
+    ArgPosition,
+    OneDimStrategy,
+    OpCall,
+    PlacementsPerTensor,
+    RandomDraw,
+    ShardingRule,
+    register_rule,
+    registered_ops,
+    rule_for,
+)
 from . import (
     attention,
     concat_split,
@@ -20,17 +34,6 @@ from . import (
     tensor_basics,
     view_ops,
 )
-from ._strategy import (
-    LINEAR_REDUCE_OPS,
-    ArgPosition,
-    OneDimStrategy,
-    OpCall,
-    PlacementsPerTensor,
-    ShardingRule,
-    register_rule,
-    registered_ops,
-    rule_for,
-)
 
 __all__ = [
     "ArgPosition",
@@ -38,10 +41,18 @@ __all__ = [
     "OneDimStrategy",
     "OpCall",
     "PlacementsPerTensor",
+    "RandomDraw",
     "ShardingRule",
+    "attention",
     "concat_split",
+    "foreach_ops",
+    "indexing",
+    "math_ops",
     "matrix",
+    "nn_ops",
+    "norm_ops",
     "pointwise",
+    "random_ops",
     "reduction",
     "register_rule",
     "registered_ops",

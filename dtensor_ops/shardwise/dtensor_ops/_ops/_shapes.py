@@ -25,10 +25,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, TensorMeta
+from shardwise.placement import DTensorSpec, TensorMeta, contiguous_strides
 
 __all__ = [
-    "OutputMetaFn",
     "broadcast_shapes",
     "all_row_major",
     "contiguous_meta",
@@ -39,25 +38,10 @@ __all__ = [
     "is_contiguous",
     "resolve_view_size",
     "same_as_input_meta",
-    "writes_first_argument",
-    "written_keyword_arguments",
 ]
 
 # (op, args, kwargs without out=) -> metadata of the single output, or of each output (a tuple, None for a
 # non-tensor one) for ops returning several; None to fall back to meta tensors.
-OutputMetaFn = Callable[
-    [torch._ops.OpOverload, Sequence[object], Mapping[str, object]],
-    TensorMeta | tuple[TensorMeta | None, ...] | None,
-]
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    running = 1
-    for dim in range(len(shape) - 1, -1, -1):
-        strides[dim] = running
-        running *= max(shape[dim], 1)
-    return tuple(strides)
 
 
 def is_contiguous(meta: TensorMeta) -> bool:
@@ -146,24 +130,6 @@ def resolve_view_size(size: Sequence[int], numel: int) -> tuple[int, ...] | None
     elif known != numel:
         return None
     return tuple(sizes)
-
-
-def writes_first_argument(op: torch._ops.OpOverload) -> bool:
-    """In-place ops: argument 0 is written (and returned)."""
-    arguments = op._schema.arguments
-    if not arguments or arguments[0].kwarg_only:
-        return False
-    alias = arguments[0].alias_info
-    return alias is not None and alias.is_write
-
-
-def written_keyword_arguments(op: torch._ops.OpOverload) -> frozenset[str]:
-    """Names of the out= arguments: keyword-only arguments the op writes."""
-    return frozenset(
-        argument.name
-        for argument in op._schema.arguments
-        if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
-    )
 
 
 def broadcast_shapes(*shapes: Sequence[int]) -> torch.Size | None:

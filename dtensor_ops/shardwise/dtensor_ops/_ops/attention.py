@@ -45,7 +45,7 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._shapes import broadcast_shapes, contiguous_strides, input_meta
-from ._strategy import (
+from .._rules import (
     OneDimStrategy,
     OpCall,
     PlacementsPerTensor,

@@ -18,7 +18,7 @@ import torch
 from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, normalize_dim
 
 from ._shapes import contiguous_meta, dtype_on_empty_tensors, has_row_major_layout, input_meta
-from ._strategy import OneDimStrategy, OpCall, ShardingRule, register_rule
+from .._rules import OneDimStrategy, OpCall, ShardingRule, register_rule
 
 __all__ = ["CAT_RULE", "SPLIT_RULE", "STACK_RULE"]
 

@@ -12,13 +12,10 @@ lists may mix placements (some parameters sharded, others replicated).  A tensor
 argument shared by all elements (``_foreach_mul_(grads, clip_coef)``) must be
 placed alike for all of them.
 
-``_foreach_norm`` is an algorithm rather than a placement rule: a 2-norm of a
-sharded tensor is not any reduction of the shards' 2-norms.  Each rank computes
-``sum |x|^p`` of its shards, the values of all elements sharded on the same mesh
-dims are reduced in ONE all_reduce per mesh dim, and the p-th root is taken; mesh
-dims where an element is replicated take no part (nothing is counted twice).
-``_foreach_powsum`` (that inner sum) is linear in the shards and gets a rule:
-``Shard -> Partial(sum)``, no communication.
+``_foreach_norm`` is an algorithm rather than a placement rule (a 2-norm of a
+sharded tensor is not any reduction of the shards' 2-norms): it is an op handler,
+``_handlers/foreach_norm.py``.  ``_foreach_powsum`` (its inner sum) is linear in the
+shards and gets a rule here: ``Shard -> Partial(sum)``, no communication.
 """
 
 from __future__ import annotations
@@ -31,9 +28,15 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
-from .._collectives import launch_all_reduce, wait
-from .._redistribute import redistribute_local_tensor
-from ._strategy import OpCall, PlacementsPerTensor, ShardingRule, register_builtin_op_handler, register_rule
+from .._schema import schema_facts
+from .._rules import (
+    CombinedDecision,
+    DecideFn,
+    OpCall,
+    ShardingPropagationError,
+    ShardingRule,
+    register_rule,
+)
 
 __all__ = [
     "ELEMENT_OPS",
@@ -41,7 +44,7 @@ __all__ = [
     "FOREACH_RULE",
     "INPLACE_FOREACH_RULE",
     "POWSUM_RULE",
-    "norms_across_shards",
+    "named_arguments",
 ]
 
 aten = torch.ops.aten
@@ -158,11 +161,15 @@ ELEMENT_OPS[aten._foreach_max.default] = ElementOp(aten.max.default)
 # ----------------------------------------------------------------------------------- element decisions
 
 
+def _returns_nothing(op: OpOverload) -> bool:
+    return schema_facts(op).returns_nothing
+
+
 def _is_list(argument: Any) -> bool:
     return isinstance(argument.type, torch.ListType)
 
 
-def _named_arguments(op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, object]:
+def named_arguments(op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, object]:
     """The call's arguments by schema name (those given; defaults are left to the element op)."""
     arguments = op._schema.arguments
     named: dict[str, object] = {}
@@ -285,13 +292,16 @@ def _element_call(
 
 
 def _decide_element(
-    op: OpOverload, element: ElementOp, template: _CallTemplate, named: Mapping[str, object], index: int
+    op: OpOverload,
+    element: ElementOp,
+    template: _CallTemplate,
+    named: Mapping[str, object],
+    index: int,
+    decide: DecideFn,
 ) -> _ElementDecision:
-    from .._sharding_prop import ShardingPropagationError, propagate_op_sharding  # this package loads first
-
     args, kwargs, spec_names = _element_call(template, named, index)
     try:
-        decision = propagate_op_sharding(element.op, args, kwargs)
+        decision = decide(element.op, args, kwargs)
     except NotImplementedError as error:
         raise NotImplementedError(
             f"shardwise has no sharding rule for {op}: each list element is decided as {element.op}, and "
@@ -308,13 +318,17 @@ def _decide_element(
     return _ElementDecision(targets, output)
 
 
-def _element_decisions(
-    op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> list[_ElementDecision]:
+def _element_decisions(call: OpCall) -> list[_ElementDecision]:
+    """Each list element decided by the engine (through its one cache) as the element op on that element."""
+    if call.decide is None:
+        raise AssertionError(f"{call.op}: a foreach decision needs the engine's decide function on the call")
+    op = call.op
     element = ELEMENT_OPS[op]
-    named = _named_arguments(op, args, kwargs)
+    named = named_arguments(op, call.args, call.kwargs)
     template = _call_template(op, element, frozenset(named))
-    return [_decide_element(op, element, template, named, index) for index in range(_list_length(op, named))]
+    return [
+        _decide_element(op, element, template, named, index, call.decide) for index in range(_list_length(op, named))
+    ]
 
 
 def _rule_input_slots(call: OpCall) -> list[tuple[str, int | None]]:
@@ -339,11 +353,9 @@ def _rule_input_slots(call: OpCall) -> list[tuple[str, int | None]]:
     return slots
 
 
-def _foreach_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]:
-    from .._sharding_prop import ShardingPropagationError
-
+def _foreach_combined_decision(call: OpCall) -> CombinedDecision:
     element = ELEMENT_OPS[call.op]
-    decisions = _element_decisions(call.op, call.args, call.kwargs)
+    decisions = _element_decisions(call)
     mesh_ndim = len(call.input_specs[0].placements)
     inputs: list[tuple[Placement, ...]] = []
     for (name, index), spec in zip(_rule_input_slots(call), call.input_specs):
@@ -360,22 +372,17 @@ def _foreach_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple
                     "by placement or redistribute that argument first"
                 )
             inputs.append(wanted.pop())
-    outputs: tuple[tuple[Placement, ...] | None, ...] = ()
-    if call.output_metas:
-        outputs = tuple(None if decision.output is None else decision.output.placements for decision in decisions)
-    return tuple(inputs), outputs
-
-
-def _foreach_output_metas(
-    op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> tuple[TensorMeta | None, ...] | None:
-    """Each output's metadata is its element decision's (no meta-tensor run of the whole list)."""
+    if _returns_nothing(call.op):
+        return CombinedDecision(tuple(inputs), ())
+    # Each output is its element's output (its metadata too: no meta-tensor run of the whole list).
+    outputs: list[tuple[Placement, ...] | None] = []
     metas: list[TensorMeta | None] = []
-    for decision in _element_decisions(op, args, kwargs):
+    for index, decision in enumerate(decisions):
         if decision.output is None or decision.output.tensor_meta is None:
-            return None
+            raise AssertionError(f"{call.op}: list element {index} (decided as {element.op}) gave no tensor output")
+        outputs.append(decision.output.placements)
         metas.append(decision.output.tensor_meta)
-    return tuple(metas)
+    return CombinedDecision(tuple(inputs), tuple(outputs), tuple(metas))
 
 
 # Out-of-place overloads return one tensor per element; in-place ones return nothing (no output metadata).
@@ -384,7 +391,6 @@ def _foreach_output_metas(
 FOREACH_RULE = ShardingRule(
     family="foreach",
     combined_decision=_foreach_combined_decision,
-    output_meta=_foreach_output_metas,
     scalar_values_matter=False,
 )
 INPLACE_FOREACH_RULE = ShardingRule(
@@ -393,10 +399,6 @@ INPLACE_FOREACH_RULE = ShardingRule(
     tensor_outputs=False,
     scalar_values_matter=False,
 )
-
-
-def _returns_nothing(op: OpOverload) -> bool:
-    return not op._schema.returns
 
 
 register_rule([op for op in ELEMENT_OPS if not _returns_nothing(op)], FOREACH_RULE)
@@ -410,7 +412,7 @@ def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-def _powsum_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]:
+def _powsum_combined_decision(call: OpCall) -> CombinedDecision:
     """sum |x|^p adds up over shards (Shard -> Partial(sum)); it is not linear in a Partial's parts (-> reduce)."""
     inputs: list[tuple[Placement, ...]] = []
     outputs: list[tuple[Placement, ...] | None] = []
@@ -426,13 +428,13 @@ def _powsum_combined_decision(call: OpCall) -> tuple[PlacementsPerTensor, tuple[
                 result.append(Replicate())
         inputs.append(tuple(target))
         outputs.append(tuple(result))
-    return tuple(inputs), tuple(outputs)
+    return CombinedDecision(tuple(inputs), tuple(outputs))
 
 
 def _powsum_output_metas(
     op: OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> tuple[TensorMeta | None, ...] | None:
-    named = _named_arguments(op, args, kwargs)
+    named = named_arguments(op, args, kwargs)
     tensors = named.get("self")
     dtype = named.get("dtype")
     if not isinstance(tensors, (list, tuple)) or not all(isinstance(item, DTensorSpec) for item in tensors):
@@ -449,150 +451,3 @@ POWSUM_RULE = ShardingRule(
     family="foreach powsum", combined_decision=_powsum_combined_decision, output_meta=_powsum_output_metas
 )
 register_rule((aten._foreach_powsum.Scalar,), POWSUM_RULE)
-
-
-# ----------------------------------------------------------------------------------- _foreach_norm
-
-
-def _accumulation_dtype(dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
-    if requested is not None:
-        return requested
-    real = _real_dtype(dtype)
-    # Half-precision partial sums lose digits at every step of the cross-rank sum: accumulate in float32.
-    return torch.float32 if real in (torch.float16, torch.bfloat16) else real
-
-
-_EMPTY_NORM_MESSAGE = "cannot compute the {} norm of an empty tensor (global shape {}): the operation has no identity"
-
-
-def norms_across_shards(
-    tensors: Sequence[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None
-) -> list[torch.Tensor]:
-    """The vector ``ord``-norm of each (whole, global) tensor, as a 0-dim replicated DTensor.
-
-    ``tensors`` are DTensors on one mesh (0-dim plain tensors, and any plain tensor inside
-    ``implicit_replication()``, count as replicated).  Partial inputs are reduced first (the norm
-    is not linear).  Each rank sums ``|x|^ord`` over its shards (max/min of ``|x|`` for
-    ``ord = ±inf``, the count of non-zeros for ``ord = 0``); the values of all tensors sharded on
-    the same mesh dims are reduced together, one all_reduce per such mesh dim; replicated mesh
-    dims are not reduced (no tensor is counted twice).  Errors are raised before any collective.
-    """
-    from .._dispatch import is_implicit_replication_enabled
-    from .._dtensor import DTensor, new_dtensor
-
-    if not tensors:
-        raise ValueError("norms_across_shards: expected at least one tensor, got an empty list")
-    mesh = next((tensor._spec.mesh for tensor in tensors if isinstance(tensor, DTensor)), None)
-    if mesh is None:
-        raise TypeError("norms_across_shards: expected DTensors, got only plain tensors")
-    order = float(ord)
-    reduce_op = "max" if order == math.inf else "min" if order == -math.inf else "sum"
-
-    specs: list[DTensorSpec[Any]] = []
-    locals_: list[torch.Tensor] = []
-    for index, tensor in enumerate(tensors):
-        if isinstance(tensor, DTensor):
-            if tensor._spec.mesh != mesh:
-                raise ValueError(
-                    f"norms_across_shards: tensor {index} lives on {tensor._spec.mesh!r}, tensor 0 on {mesh!r}; "
-                    "expected every DTensor on the same device mesh"
-                )
-            specs.append(tensor._spec)
-            locals_.append(tensor._local_tensor)
-        elif isinstance(tensor, torch.Tensor) and (tensor.dim() == 0 or is_implicit_replication_enabled()):
-            replicated = (Replicate(),) * mesh.ndim
-            specs.append(DTensorSpec(mesh, replicated, TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)))
-            locals_.append(tensor)
-        else:
-            raise RuntimeError(
-                f"norms_across_shards: tensor {index} is a plain torch.Tensor of shape {tuple(tensor.shape)} mixed "
-                "with DTensors; convert it with distribute_tensor / DTensor.from_local or use implicit_replication()"
-            )
-        if reduce_op != "sum" and math.prod(specs[-1].shape) == 0:
-            raise RuntimeError(_EMPTY_NORM_MESSAGE.format(order, tuple(specs[-1].shape)))
-
-    # Partial parts must be summed (or maxed) before a norm can be taken.
-    for index, spec in enumerate(specs):
-        if spec.has_partial():
-            reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-            target = spec.with_placements(reduced)
-            locals_[index] = redistribute_local_tensor(locals_[index], spec, target)
-            specs[index] = target
-
-    output_dtypes = [dtype if dtype is not None else _real_dtype(spec.dtype) for spec in specs]
-    values = [
-        _local_norm_part(local, order, _accumulation_dtype(spec.dtype, dtype)) for local, spec in zip(locals_, specs)
-    ]
-
-    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
-    for index, spec in enumerate(specs):
-        sharded_mesh_dims = tuple(dim for dim, p in enumerate(spec.placements) if isinstance(p, Shard))
-        if sharded_mesh_dims:
-            groups.setdefault((sharded_mesh_dims, values[index].dtype), []).append(index)
-    group_names = mesh._dim_group_names
-    for (mesh_dims, _), members in groups.items():
-        stacked = torch.stack([values[index] for index in members])
-        for mesh_dim in mesh_dims:
-            stacked = wait(launch_all_reduce(stacked, reduce_op, group_names[mesh_dim]))
-        for position, index in enumerate(members):
-            values[index] = stacked[position]
-
-    results: list[torch.Tensor] = []
-    for value, output_dtype in zip(values, output_dtypes):
-        if reduce_op == "sum" and order not in (0.0, 1.0):
-            value = value.pow(1.0 / order)
-        local = value.to(output_dtype)
-        results.append(new_dtensor(local, _replicated_scalar_spec(mesh, output_dtype)))
-    return results
-
-
-def _local_norm_part(local: torch.Tensor, order: float, accumulate_in: torch.dtype) -> torch.Tensor:
-    """This rank's contribution: sum |x|^p, the count of non-zeros (p = 0), or max/min |x| (p = ±inf)."""
-    if order in (math.inf, -math.inf):
-        if local.numel() == 0:  # an empty shard: the reduction's identity (norms are never negative)
-            return torch.tensor(0.0 if order > 0 else math.inf, dtype=accumulate_in, device=local.device)
-        return torch.linalg.vector_norm(local, order, dtype=accumulate_in)
-    if order == 0.0:
-        return torch.linalg.vector_norm(local, 0.0, dtype=accumulate_in)
-    (part,) = torch._foreach_powsum([local], order, dtype=accumulate_in)
-    return part
-
-
-def _replicated_scalar_spec(mesh: Any, dtype: torch.dtype) -> DTensorSpec[Any]:
-    return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta(torch.Size(()), (), dtype))
-
-
-def _foreach_norm_handler(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    named = _named_arguments(op, args, kwargs)
-    tensors = named["self"]
-    order = named.get("ord", 2)
-    dtype = named.get("dtype")
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{op}: expected a list of tensors, got {type(tensors).__name__}")
-    if not isinstance(order, (int, float)) or isinstance(order, bool):
-        raise TypeError(f"{op}: ord must be a real number, got {order!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r}")
-    return norms_across_shards(list(tensors), float(order), dtype)
-
-
-register_builtin_op_handler((aten._foreach_norm.Scalar,), _foreach_norm_handler)
-
-
-def _register_dtensor_for_foreach() -> None:
-    """Let torch's optimizers and clip_grad_norm_ pick their foreach paths for DTensors, as for plain tensors.
-
-    They check ``type(t)`` against these lists (PyTorch's own DTensor appends itself too).
-    """
-    import torch.optim.optimizer as optimizer
-    import torch.utils._foreach_utils as foreach_utils
-
-    from .._dtensor import DTensor
-
-    for supported in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
-        supported_types = cast(list[type], supported)
-        if DTensor not in supported_types:
-            supported_types.append(DTensor)
-
-
-_register_dtensor_for_foreach()

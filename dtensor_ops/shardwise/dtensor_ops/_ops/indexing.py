@@ -50,10 +50,9 @@ from ._shapes import (
     contiguous_meta,
     input_meta,
     is_contiguous,
-    writes_first_argument,
-    written_keyword_arguments,
 )
-from ._strategy import (
+from .._schema import schema_facts
+from .._rules import (
     ArgPosition,
     OneDimStrategy,
     OpCall,
@@ -132,9 +131,9 @@ def _like_self_meta(
 ) -> TensorMeta | None:
     """Ops returning a copy of ``self`` written into (index_put, slice_scatter): dense strides are kept."""
     meta = input_meta(args[0]) if args else None
-    if meta is None or written_keyword_arguments(op):
+    if meta is None or schema_facts(op).out_names:
         return None  # out= variants: the meta run reports torch's own checks of the out tensor
-    if writes_first_argument(op) or is_contiguous(meta):
+    if schema_facts(op).writes_first_argument or is_contiguous(meta):
         return meta
     return meta if _is_dense(meta) else None
 

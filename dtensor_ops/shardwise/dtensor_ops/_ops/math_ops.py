@@ -39,7 +39,8 @@ from ._shapes import (
     input_meta,
     is_contiguous,
 )
-from ._strategy import (
+from .._schema import schema_facts
+from .._rules import (
     OneDimStrategy,
     OpCall,
     PlacementsPerTensor,
@@ -270,10 +271,11 @@ def _sort_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 def _has_required_arguments(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
     """Whether every schema argument without a default is given (sort.stable's keyword-only ``stable``)."""
+    written = schema_facts(op).written
     for index, argument in enumerate(op._schema.arguments):
         given = index < len(args) and not argument.kwarg_only
         if not given and argument.name not in kwargs and not argument.has_default_value():
-            if argument.alias_info is None or not argument.alias_info.is_write:  # out= tensors are not passed here
+            if argument.name not in written:  # out= tensors are not passed here
                 return False
     return True
 

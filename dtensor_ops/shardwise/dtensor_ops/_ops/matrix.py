@@ -28,7 +28,7 @@ import torch
 from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._shapes import broadcast_shapes, contiguous_meta, dtype_on_empty_tensors, input_meta
-from ._strategy import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
+from .._rules import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
 
 __all__ = ["MATMUL_RULE", "matmul_output_meta", "matmul_strategies"]
 

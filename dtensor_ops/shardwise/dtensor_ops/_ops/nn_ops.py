@@ -32,9 +32,10 @@ nll_loss (``-weight[t] * input[n, t]``, summed or averaged over the batch, with
   ``nll_loss2d``), class weights replicated: ``reduction='none'`` stays sharded,
   ``'sum'`` gives ``Partial(sum)`` output and total weight; ``'mean'`` must divide
   by the *global* total weight (ignored targets and class weights make local
-  means unequal), so its local kernel (:class:`BatchShardedMeanNllLoss`) sums
-  locally and all-reduces (sum, total weight) in ONE collective: the result and
-  the total weight are replicated and exact;
+  means unequal), which no placement of the local means expresses: the rule
+  replicates, and dtensor_ops's nll_loss op handler (``_handlers/nll_loss.py``)
+  takes batch-sharded means first, as the ``'sum'`` decision followed by ONE
+  reduction of (sum, total weight) and a division;
 * a partial input carries through (the loss is linear in it; the total weight
   depends only on targets and class weights, so it is replicated);
 * everything replicated.
@@ -53,12 +54,15 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
-from .._collectives import launch_all_reduce, wait
 from ._shapes import contiguous_meta, input_meta
-from ._strategy import OneDimStrategy, OpCall, PlacementsPerTensor, ShardingRule, register_rule
+from .._rules import OneDimStrategy, OpCall, PlacementsPerTensor, ShardingRule, register_rule
 
 __all__ = [
-    "BatchShardedMeanNllLoss",
+    "REDUCTION_MEAN",
+    "REDUCTION_NONE",
+    "REDUCTION_SUM",
+    "bound_arguments",
+    "nll_loss_batch_dim_pairs",
     "EMBEDDING_BACKWARD_RULE",
     "EMBEDDING_RULE",
     "NLL_LOSS_BACKWARD_RULE",
@@ -69,11 +73,11 @@ __all__ = [
 aten = torch.ops.aten
 
 # at::Reduction
-_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
-_REDUCTIONS = frozenset({_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM})
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+_REDUCTIONS = frozenset({REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM})
 
 
-def _bound_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+def bound_arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     """The op's arguments in schema order, defaults filled in (kernels may be called with keywords)."""
     values: list[Any] = []
     for index, argument in enumerate(op._schema.arguments):
@@ -218,7 +222,7 @@ register_rule([aten.embedding_dense_backward.default], EMBEDDING_BACKWARD_RULE)
 # ------------------------------------------------------------------------------------------------ nll_loss
 
 
-def _batch_dim_pairs(op: torch._ops.OpOverload, input_ndim: int) -> list[tuple[int, int]]:
+def nll_loss_batch_dim_pairs(op: torch._ops.OpOverload, input_ndim: int) -> list[tuple[int, int]]:
     """(input dim, target dim) pairs that index the same samples: dims a batch sharding may cut."""
     if op._schema.name in ("aten::nll_loss2d_forward", "aten::nll_loss2d_backward"):
         # input (N, C, H, W), target (N, H, W)
@@ -244,14 +248,14 @@ def _with_class_weight(call: OpCall, weight_position: int, placements: list[Plac
 def nll_loss_forward_strategies(call: OpCall) -> list[OneDimStrategy]:
     reduction = _int_arg(call, 3, "reduction")
     strategies: list[OneDimStrategy] = []
-    for input_dim, target_dim in _batch_dim_pairs(call.op, len(call.input_shape(0))):
+    for input_dim, target_dim in nll_loss_batch_dim_pairs(call.op, len(call.input_shape(0))):
         inputs = _with_class_weight(call, 2, [Shard(input_dim), Shard(target_dim)])
-        if reduction == _REDUCTION_NONE:
+        if reduction == REDUCTION_NONE:
             outputs: tuple[Placement, Placement] = (Shard(target_dim), Replicate())  # total weight is 0 everywhere
-        elif reduction == _REDUCTION_SUM:
+        elif reduction == REDUCTION_SUM:
             outputs = (Partial("sum"), Partial("sum"))
         else:
-            outputs = (Replicate(), Replicate())  # BatchShardedMeanNllLoss reduces both, exactly
+            continue  # a mean over shards is no placement of local means (see the module docstring)
         strategies.append(OneDimStrategy(outputs, inputs))
     strategies.append(OneDimStrategy((Replicate(), Replicate()), _with_class_weight(call, 2, [Replicate()] * 2)))
     for reduce_op in call.linear_reduce_ops():
@@ -259,60 +263,6 @@ def nll_loss_forward_strategies(call: OpCall) -> list[OneDimStrategy]:
         inputs = _with_class_weight(call, 2, [partial, Replicate()])
         strategies.append(OneDimStrategy((partial, Replicate()), inputs))
     return strategies
-
-
-@dataclass(frozen=True)
-class BatchShardedMeanNllLoss:
-    """``nll_loss(2d)_forward`` with ``reduction='mean'`` on a batch shard: the exact global mean.
-
-    Each rank sums its samples' losses and weights (``reduction='sum'``), then ONE
-    all-reduce per mesh dim in ``group_names`` (those cutting the batch) adds up
-    (loss sum, total weight, bad-target flag); the mean is their quotient, as the
-    plain op computes it over the whole batch.  A target outside the classes on
-    any rank makes every rank raise the same error after that collective, so no
-    rank is left waiting in it.
-    """
-
-    op: torch._ops.OpOverload
-    group_names: tuple[str, ...]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        log_probs, target, weight, _reduction, ignore_index = _bound_arguments(self.op, args, kwargs)
-        num_classes = log_probs.shape[1]
-        bad_target = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
-        has_bad_target = bool(bad_target.any()) if target.numel() else False
-        if has_bad_target:
-            loss_sum = log_probs.new_zeros(())
-            weight_sum = log_probs.new_zeros(())
-        else:
-            loss_sum, weight_sum = self.op(log_probs, target, weight, _REDUCTION_SUM, ignore_index)
-        totals = torch.stack([loss_sum, weight_sum, log_probs.new_tensor(float(has_bad_target))])
-        for group_name in self.group_names:
-            totals = wait(launch_all_reduce(totals, "sum", group_name))
-        if bool(totals[2] > 0):
-            raise IndexError(
-                f"{self.op}: a target on at least one rank is outside the classes [0, {num_classes}) "
-                f"and is not ignore_index={ignore_index}"
-            )
-        total_weight = totals[1].clone()
-        return totals[0] / totals[1], total_weight
-
-
-def _nll_loss_forward_kernel(
-    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[DTensorSpec[Any] | None, ...]
-) -> BatchShardedMeanNllLoss | None:
-    if _int_arg(call, 3, "reduction") != _REDUCTION_MEAN:
-        return None
-    batch_dims = {input_dim for input_dim, _ in _batch_dim_pairs(call.op, len(call.input_shape(0)))}
-    batch_mesh_dims = [
-        mesh_dim
-        for mesh_dim, placement in enumerate(inputs[0])
-        if isinstance(placement, Shard) and placement.dim in batch_dims
-    ]
-    if not batch_mesh_dims:
-        return None
-    group_names = call.mesh._dim_group_names
-    return BatchShardedMeanNllLoss(op=call.op, group_names=tuple(group_names[dim] for dim in batch_mesh_dims))
 
 
 def nll_loss_forward_output_meta(
@@ -328,7 +278,7 @@ def nll_loss_forward_output_meta(
         return None
     if len(log_probs.shape) not in (1, 2, 4) or len(target.shape) != max(len(log_probs.shape) - 1, 0):
         return None  # shape errors: let the meta run raise torch's message
-    loss_shape = tuple(target.shape) if reduction == _REDUCTION_NONE else ()
+    loss_shape = tuple(target.shape) if reduction == REDUCTION_NONE else ()
     return contiguous_meta(loss_shape, log_probs.dtype), contiguous_meta((), log_probs.dtype)
 
 
@@ -336,7 +286,6 @@ NLL_LOSS_FORWARD_RULE = ShardingRule(
     family="nll_loss_forward",
     one_dim_strategies=nll_loss_forward_strategies,
     output_meta=nll_loss_forward_output_meta,
-    local_kernel=_nll_loss_forward_kernel,
 )
 
 
@@ -344,7 +293,7 @@ def nll_loss_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
     reduction = _int_arg(call, 4, "reduction")
     total_weight_index = call.input_index_at(6)
     # 'mean' divides by the total weight: it must be the global one.  Otherwise it is never read.
-    if reduction == _REDUCTION_MEAN:
+    if reduction == REDUCTION_MEAN:
         total_weight_options: list[Placement] = [Replicate()]
     else:
         total_weight_options = [Replicate(), *(Partial(op) for op in call.every_reduce_op())]
@@ -357,8 +306,8 @@ def nll_loss_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
 
     strategies: list[OneDimStrategy] = []
     for total_weight in total_weight_options:
-        for input_dim, target_dim in _batch_dim_pairs(call.op, len(call.input_shape(1))):
-            grad: Placement = Shard(target_dim) if reduction == _REDUCTION_NONE else Replicate()
+        for input_dim, target_dim in nll_loss_batch_dim_pairs(call.op, len(call.input_shape(1))):
+            grad: Placement = Shard(target_dim) if reduction == REDUCTION_NONE else Replicate()
             inputs = with_weights([grad, Shard(input_dim), Shard(target_dim)], total_weight)
             strategies.append(OneDimStrategy((Shard(input_dim),), inputs))
         strategies.append(OneDimStrategy((Replicate(),), with_weights([Replicate()] * 3, total_weight)))

@@ -27,7 +27,7 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._shapes import contiguous_meta, input_meta
-from ._strategy import OneDimStrategy, OpCall, ShardingRule, register_rule
+from .._rules import OneDimStrategy, OpCall, ShardingRule, register_rule
 
 __all__ = ["NORMALIZATION_BACKWARD_RULE", "NORMALIZATION_RULE", "normalized_axis"]
 

@@ -32,10 +32,9 @@ from ._shapes import (
     broadcast_shapes,
     contiguous_meta,
     dtype_on_empty_tensors,
-    writes_first_argument,
-    written_keyword_arguments,
 )
-from ._strategy import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
+from .._schema import schema_facts
+from .._rules import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
 
 __all__ = ["POINTWISE_RULE", "pointwise_output_meta", "pointwise_strategies"]
 
@@ -143,7 +142,7 @@ def pointwise_output_meta(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> TensorMeta | None:
     """Broadcast shape of all tensor operands; contiguous when they all have a row-major layout."""
-    written = written_keyword_arguments(op)
+    written = schema_facts(op).out_names
     keyword_operands = [value for name, value in kwargs.items() if name not in written]
     operands = [value for value in (*args, *keyword_operands) if isinstance(value, (DTensorSpec, torch.Tensor))]
     shapes = []
@@ -156,7 +155,7 @@ def pointwise_output_meta(
     shape = broadcast_shapes(*shapes)
     if shape is None:
         return None
-    if writes_first_argument(op) and shapes and shape != shapes[0]:
+    if schema_facts(op).writes_first_argument and shapes and shape != shapes[0]:
         return None  # self cannot be broadcast in place; the meta run raises torch's error
     if not all_row_major(operands):
         return None

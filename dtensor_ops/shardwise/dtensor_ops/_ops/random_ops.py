@@ -25,6 +25,8 @@ job, which dispatch runs for every op in its random-op set.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -32,7 +34,8 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._shapes import input_meta, is_contiguous, same_as_input_meta
-from ._strategy import (
+from .._rules import (
+    RandomDraw,
     OneDimStrategy,
     OpCall,
     PlacementsPerTensor,
@@ -72,6 +75,7 @@ def _inplace_fill_output_meta(
 
 INPLACE_FILL_RULE = ShardingRule(
     family="random-fill_",
+    random=RandomDraw.FILL_IGNORING_SELF,
     one_dim_strategies=_inplace_fill_strategies,
     scalar_values_matter=False,
     output_meta=_inplace_fill_output_meta,
@@ -99,6 +103,7 @@ def _functional_fill_output_meta(
 
 FUNCTIONAL_FILL_RULE = ShardingRule(
     family="random-fill",
+    random=RandomDraw.VALUES,
     one_dim_strategies=_functional_fill_strategies,
     scalar_values_matter=False,
     output_meta=_functional_fill_output_meta,
@@ -113,6 +118,7 @@ def _bernoulli_probabilities_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 BERNOULLI_PROBABILITIES_RULE = ShardingRule(
     family="bernoulli(probabilities)",
+    random=RandomDraw.VALUES,
     one_dim_strategies=_bernoulli_probabilities_strategies,
     output_meta=_functional_fill_output_meta,
 )
@@ -140,6 +146,7 @@ def _bernoulli_tensor_p_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 BERNOULLI_TENSOR_P_RULE = ShardingRule(
     family="bernoulli(p tensor)",
+    random=RandomDraw.VALUES,
     one_dim_strategies=_bernoulli_tensor_p_strategies,
 )
 
@@ -172,7 +179,10 @@ def _dropout_local_kernel(
 
 
 DROPOUT_RULE = ShardingRule(
-    family="dropout", one_dim_strategies=_dropout_strategies, local_kernel=_dropout_local_kernel
+    family="dropout",
+    random=RandomDraw.VALUES,
+    one_dim_strategies=_dropout_strategies,
+    local_kernel=_dropout_local_kernel,
 )
 
 
@@ -232,12 +242,22 @@ register_rule(
     FUNCTIONAL_FILL_RULE,
 )
 register_rule((aten.bernoulli.default,), BERNOULLI_PROBABILITIES_RULE)
-register_rule((aten.bernoulli.Tensor, aten.bernoulli_.Tensor), BERNOULLI_TENSOR_P_RULE)
+register_rule((aten.bernoulli.Tensor,), BERNOULLI_TENSOR_P_RULE)
+# In place, the draw ignores self's old values: a Partial(sum) self keeps one draw on one rank.
+register_rule(
+    (aten.bernoulli_.Tensor,),
+    dataclasses.replace(BERNOULLI_TENSOR_P_RULE, family="bernoulli_(p tensor)", random=RandomDraw.FILL_IGNORING_SELF),
+)
 register_rule((aten.native_dropout.default,), DROPOUT_RULE)
 register_rule((aten.native_dropout_backward.default,), DROPOUT_BACKWARD_RULE)
-# The like-factory rule (tensor_basics) covers the default and out= overloads; these take a generator or bounds.
+# The like-factory rule of tensor_basics, drawing values: every overload of the random *_like factories.
+RANDOM_LIKE_FACTORY_RULE = dataclasses.replace(LIKE_FACTORY_RULE, family="random like-factory", random=RandomDraw.VALUES)
 register_rule(
     (
+        aten.rand_like.default,
+        aten.rand_like.out,
+        aten.randn_like.default,
+        aten.randn_like.out,
         aten.rand_like.generator,
         aten.randn_like.generator,
         aten.randint_like.default,
@@ -245,5 +265,5 @@ register_rule(
         aten.randint_like.generator,
         aten.randint_like.low_generator_dtype,
     ),
-    LIKE_FACTORY_RULE,
+    RANDOM_LIKE_FACTORY_RULE,
 )

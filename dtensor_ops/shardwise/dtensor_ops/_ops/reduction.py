@@ -39,7 +39,7 @@ import torch
 from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, chunk_sizes, normalize_dim
 
 from ._shapes import contiguous_meta, dtype_on_empty_tensors, has_row_major_layout, input_meta
-from ._strategy import (
+from .._rules import (
     OneDimStrategy,
     OpCall,
     PlacementsPerTensor,

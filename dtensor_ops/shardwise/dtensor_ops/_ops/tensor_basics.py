@@ -32,7 +32,7 @@ from ._shapes import (
     same_as_input_meta,
 )
 
-from ._strategy import (
+from .._rules import (
     OneDimStrategy,
     OpCall,
     ShardingRule,
@@ -247,7 +247,7 @@ register_rule((aten.detach_.default,), COPY_RULE)
 register_rule((aten.copy_.default,), INPLACE_COPY_RULE)
 register_rule(
     aten_overloads(
-        ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"),
+        ("empty_like", "zeros_like", "ones_like", "full_like"),
         overloads=("default", "out"),
         with_inplace=False,
     ),

@@ -50,7 +50,7 @@ from shardwise.placement import (
 )
 
 from ._shapes import contiguous_meta, input_meta, is_contiguous, resolve_view_size
-from ._strategy import (
+from .._rules import (
     ArgPosition,
     OneDimStrategy,
     OpCall,

@@ -12,7 +12,6 @@ module's counts include its submodules', and ``"Global"`` holds everything.
 
 from __future__ import annotations
 
-import importlib
 import json
 from types import TracebackType
 from typing import Any, Mapping, Sequence
@@ -22,25 +21,13 @@ import torch.nn as nn
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._dtensor import DTensor
 from ._comm_keys import CommCounts, comm_key_for_op
 from ._module_tracker import GLOBAL_MODULE_NAME, Attribution, ModuleTracker
 from ._report import build_module_tree, render_json, render_table
 from ._trace import EventKind, TraceEvent, check_noise_level, describe_tensor_args, is_metadata_only_op
 
 __all__ = ["CommDebugMode"]
-
-
-def _load_dtensor_class() -> type[torch.Tensor] | None:
-    # Imported lazily: dtensor_ops imports nothing from debug, but debug must not fix
-    # the import order of dtensor_ops, and without DTensor the mode still counts.
-    try:
-        module = importlib.import_module("shardwise.dtensor_ops._dtensor")
-    except ImportError:
-        return None
-    dtensor_class = getattr(module, "DTensor", None)
-    if isinstance(dtensor_class, type) and issubclass(dtensor_class, torch.Tensor):
-        return dtensor_class
-    return None
 
 
 class CommDebugMode(TorchDispatchMode):
@@ -65,7 +52,7 @@ class CommDebugMode(TorchDispatchMode):
         self.comm_module_counts: dict[str, dict[str, CommCounts]] = {}
         self._events: list[TraceEvent] = []
         self._dtensor_parameters: dict[str, dict[str, torch.Tensor]] = {}
-        self._dtensor_class: type[torch.Tensor] | None = None
+        self._dtensor_class: type[torch.Tensor] | None = DTensor
         self._tracker = ModuleTracker(on_module_call=self._on_module_call)
         self._active = False
 
@@ -80,7 +67,6 @@ class CommDebugMode(TorchDispatchMode):
         self.comm_module_counts = {GLOBAL_MODULE_NAME: self._empty_pass_counts()}
         self._events = []
         self._dtensor_parameters = {}
-        self._dtensor_class = _load_dtensor_class()
         self._tracker.start()
         try:
             super().__enter__()

@@ -1,5 +1,5 @@
 """Experimental DTensor APIs (mirrors ``torch.distributed.tensor.experimental``)."""
 
-from .._dispatch import implicit_replication
+from .._implicit_replication import implicit_replication
 
 __all__ = ["implicit_replication"]

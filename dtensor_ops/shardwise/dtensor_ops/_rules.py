@@ -1,4 +1,4 @@
-"""What a sharding rule is, and the registry that maps each aten overload to its rule.
+"""What a sharding rule is, and the registry that maps each aten overload to its rule (a leaf of dtensor_ops).
 
 A rule describes one op family on ONE mesh dim: the list of :class:`OneDimStrategy`
 it can run under (what every DTensor input must be on that mesh dim, and what the
@@ -13,42 +13,67 @@ call, so a compiled fast path can hold the resulting decisions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
-from ._shapes import OutputMetaFn
+from ._decision import ArgPosition, OpDecision
 
 __all__ = [
     "ArgPosition",
-    "BuiltinOpHandler",
+    "CombinedDecision",
     "CombinedDecisionFn",
+    "DecideFn",
     "LINEAR_REDUCE_OPS",
     "OneDimStrategy",
     "OpCall",
+    "OutputMetaFn",
     "PlacementsPerTensor",
+    "RandomDraw",
+    "ShardingPropagationError",
     "ShardingRule",
     "aten_overloads",
     "broadcast_input_placement",
-    "builtin_op_handlers",
     "partial_survives_cast",
-    "register_builtin_op_handler",
     "register_rule",
     "registered_ops",
     "rule_for",
 ]
 
-# Where a DTensor sits among an op's arguments: positional index or keyword name.
-ArgPosition = int | str
 
 # Reductions that commute with any linear map: sum_i(c * x_i) == c * sum_i(x_i), same for avg.
 LINEAR_REDUCE_OPS: tuple[str, ...] = ("sum", "avg")
 
 # One entry per tensor (input or output), each a placement per mesh dim.
 PlacementsPerTensor = tuple[tuple[Placement, ...], ...]
+
+# (op, args, kwargs with DTensors as specs) -> the global metadata of the output(s), or None when unsure.
+OutputMetaFn = Callable[
+    [torch._ops.OpOverload, Sequence[object], Mapping[str, object]],
+    TensorMeta | tuple[TensorMeta | None, ...] | None,
+]
+
+# The engine's own cached decision for another op's call (specs in place of DTensors): what a rule composed
+# of other ops' decisions (a _foreach_* element) asks.  Handed to rules on the call, never imported by them.
+DecideFn = Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], OpDecision]
+
+
+class RandomDraw(enum.Enum):
+    """Whether an op's kernel draws from a random generator, and how its values are laid out.
+
+    ``VALUES``: it draws values laid out like its first tensor output (the written tensor of an
+    in-place op), so each shard gets its own stream (see ``_random``).  ``FILL_IGNORING_SELF``: an
+    in-place fill that ignores ``self``'s old values; on a ``Partial(sum)`` self the parts must add up
+    to one draw, so one rank per such mesh dim keeps the values and the others hold zeros.
+    """
+
+    NONE = "none"
+    VALUES = "values"
+    FILL_IGNORING_SELF = "fill ignoring self"
 
 
 class OneDimStrategy(NamedTuple):
@@ -68,6 +93,8 @@ class OpCall:
     """Everything a rule may look at for one call, with DTensors replaced by their specs.
 
     ``output_metas`` are the global metadata of the flattened outputs.
+    ``decide`` is the engine's cached propagation for *other* calls (rules composed of per-element
+    decisions use it; nothing else should).
     ``partial_reduce_ops`` are the reduce ops of the Partial placements that the
     call's DTensors (inputs and written tensors) hold *on the mesh dim being
     considered*.  Rules offer strategies that carry a Partial through (``P -> P``)
@@ -84,6 +111,18 @@ class OpCall:
     input_positions: tuple[ArgPosition, ...]
     output_metas: tuple[TensorMeta | None, ...]
     partial_reduce_ops: frozenset[str]
+    # Set by the engine: its own cached decision for another op's call (see DecideFn).
+    decide: DecideFn | None = None
+    # The engine's own view of the call (rules need not read these): every DTensor argument in
+    # flattened order (out= ones included) and which of them are out= arguments; the output
+    # structure ("single", "sequence", "none"); the rule inputs / outputs a written tensor pins to its
+    # current spec (self of in-place ops, out=); whether argument 0 is written.
+    all_specs: tuple[DTensorSpec[Any], ...] = ()
+    is_out_arg: tuple[bool, ...] = ()
+    structure: str = "single"
+    kept_inputs: Mapping[int, DTensorSpec[Any]] = field(default_factory=dict)
+    kept_outputs: Mapping[int, DTensorSpec[Any]] = field(default_factory=dict)
+    inplace: bool = False
 
     @property
     def mesh(self) -> Any:
@@ -134,7 +173,21 @@ class OpCall:
 
 StrategiesFn = Callable[[OpCall], Sequence[OneDimStrategy]]
 # call -> (n-D placements per rule input, n-D placements per output (None: not a tensor)), chosen directly
-CombinedDecisionFn = Callable[[OpCall], tuple[PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]]]
+class CombinedDecision(NamedTuple):
+    """A rule's direct n-D choice: placements per rule input, per output (None: not a tensor), and,
+    for rules without ``output_meta`` whose outputs are known only through the choice (a ``_foreach_*``
+    op's outputs are its elements' outputs), the outputs' global metadata."""
+
+    inputs: PlacementsPerTensor
+    outputs: tuple[tuple[Placement, ...] | None, ...]
+    output_metas: tuple[TensorMeta | None, ...] | None = None
+
+
+CombinedDecisionFn = Callable[[OpCall], CombinedDecision]
+
+
+class ShardingPropagationError(RuntimeError):
+    """An op has a rule, but none of its strategies fits the call (e.g. in place on a layout it cannot keep)."""
 # (call, placements per rule input, placements per output (None: not a tensor)) -> is this n-D combination exact?
 ValidityFn = Callable[[OpCall, PlacementsPerTensor, tuple[tuple[Placement, ...] | None, ...]], bool]
 # (call, chosen output specs (flattened)) -> argument replacements for the local op
@@ -162,10 +215,17 @@ class ShardingRule:
     choice is composed of other decisions (a ``_foreach_*`` op: one engine decision
     per list element); it returns the chosen n-D placements of every rule input and
     output, and the engine skips its per-mesh-dim product.  Exactly one of the two
-    is given.
+    is given.  A combined-decision rule with tensor outputs and no ``output_meta``
+    returns the outputs' metadata with its choice (the call's ``output_metas`` are
+    then empty when it is asked).
 
     ``local_kernel`` names what runs on the local tensors instead of the op for
     the chosen combination (see ``LocalKernelFn``); absent or None: the op itself.
+    A kernel computes on this rank's pieces only: it never communicates (a reduction
+    across ranks is a Partial output).
+
+    ``random``: whether (and how) the op draws random values (see :class:`RandomDraw`);
+    dispatch then runs it in this rank's shard stream.
     """
 
     family: str
@@ -177,6 +237,7 @@ class ShardingRule:
     output_meta: OutputMetaFn | None = None
     combined_decision: CombinedDecisionFn | None = None
     local_kernel: LocalKernelFn | None = None
+    random: RandomDraw = RandomDraw.NONE
 
     def __post_init__(self) -> None:
         if (self.one_dim_strategies is None) == (self.combined_decision is None):
@@ -201,38 +262,6 @@ def register_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> N
 
 def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:
     return _RULES.get(op)
-
-
-# (op, args, kwargs) with the original DTensors -> the result, or NotImplemented to use the op's rule.
-BuiltinOpHandler = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
-
-_BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, BuiltinOpHandler] = {}
-
-
-def register_builtin_op_handler(ops: Iterable[torch._ops.OpOverload], handler: BuiltinOpHandler) -> None:
-    """Run ``handler`` instead of sharding propagation for ``ops`` (their DTensor behaviour is an algorithm).
-
-    For op families, at import: this package loads while the dispatcher is still being
-    initialised, so they cannot use ``_dispatch.register_op_handler``.  Only ops taking a
-    tensor list qualify: dispatch looks these handlers up on its general path alone, which
-    every tensor-list call takes, so ops on the flat fast path pay nothing for them.
-    """
-    for op in ops:
-        takes_tensor_list = any(
-            isinstance(argument.type, torch.ListType) and isinstance(argument.type.getElementType(), torch.TensorType)
-            for argument in op._schema.arguments
-        )
-        if not takes_tensor_list:
-            raise ValueError(f"{op}: a builtin DTensor op handler needs an op with a tensor-list argument")
-        existing = _BUILTIN_OP_HANDLERS.get(op)
-        if existing is not None and existing is not handler:
-            raise ValueError(f"{op} already has the builtin DTensor op handler {existing!r}")
-        _BUILTIN_OP_HANDLERS[op] = handler
-
-
-def builtin_op_handlers() -> dict[torch._ops.OpOverload, BuiltinOpHandler]:
-    """The registry itself (dispatch keeps a reference to it)."""
-    return _BUILTIN_OP_HANDLERS
 
 
 def registered_ops() -> frozenset[torch._ops.OpOverload]:

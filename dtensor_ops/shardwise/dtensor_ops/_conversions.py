@@ -1,0 +1,262 @@
+"""The differentiable conversions between local tensors and DTensors, and ``from_local``'s checks.
+
+``from_local``, ``to_local``, ``redistribute`` and ``full_tensor`` are autograd Functions so
+that gradients flow back with the right placements (:func:`gradient_placements` of
+``_redistribute`` is the one rule for where a gradient goes back to).  They sit below the
+DTensor class and build their results as the class of their input (``cls``), so the class
+module imports this one and not the other way round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, TypeVar, cast
+
+import torch
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import (
+    DTensorSpec,
+    Placement,
+    Replicate,
+    TensorMeta,
+    compute_local_shape,
+    even_global_shape,
+    strides_in_local_dim_order,
+)
+
+from ._placement_args import normalize_placements, resolve_device_mesh
+from ._redistribute import gradient_placements, redistribute_local_tensor
+from ._src_data import check_and_sync_from_local
+from ._wrapper import wrap_local_tensor
+
+__all__ = ["from_local", "full_tensor", "redistribute", "to_local"]
+
+_DTensorT = TypeVar("_DTensorT", bound=torch.Tensor)
+
+
+def from_local(
+    cls: type[_DTensorT],
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = False,
+    shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+) -> _DTensorT:
+    """``cls.from_local``: a DTensor of class ``cls`` from each rank's local piece (see ``DTensor.from_local``)."""
+    mesh = resolve_device_mesh(device_mesh, "DTensor.from_local")
+    if not isinstance(local_tensor, torch.Tensor) or hasattr(local_tensor, "_spec"):
+        raise TypeError(
+            f"DTensor.from_local expects a plain torch.Tensor as local_tensor, got {type(local_tensor).__name__}"
+        )
+    placement_tuple = normalize_placements(placements, mesh, local_tensor.ndim, "DTensor.from_local")
+    if (shape is None) != (stride is None) and shape is None:
+        raise ValueError("DTensor.from_local got stride without shape; pass shape (and optionally stride)")
+    if mesh.device_type != local_tensor.device.type and not local_tensor.is_meta:
+        local_tensor = local_tensor.to(mesh.device_type)
+    global_shape: tuple[int, ...] | None = tuple(shape) if shape is not None else None
+    if run_check:
+        local_tensor, global_shape = check_and_sync_from_local(
+            local_tensor, mesh, placement_tuple, global_shape
+        )
+    elif global_shape is not None:
+        _check_local_shape_matches(local_tensor, mesh, placement_tuple, global_shape)
+    else:
+        global_shape = even_global_shape(local_tensor.shape, mesh.shape, placement_tuple)
+    if len(global_shape) != local_tensor.ndim:
+        raise ValueError(
+            f"DTensor.from_local: shape {global_shape} has {len(global_shape)} dims but the local tensor "
+            f"has {local_tensor.ndim} (shape {tuple(local_tensor.shape)})"
+        )
+    if stride is not None:
+        global_stride = tuple(stride)
+        if len(global_stride) != len(global_shape):
+            raise ValueError(
+                f"DTensor.from_local: stride {global_stride} and shape {global_shape} have different lengths"
+            )
+    else:
+        global_stride = strides_in_local_dim_order(local_tensor, global_shape)
+    meta = TensorMeta(torch.Size(global_shape), global_stride, local_tensor.dtype)
+    spec = DTensorSpec(mesh, placement_tuple, meta)
+    return cast(_DTensorT, _FromLocal.apply(local_tensor, spec, cls))
+
+
+def to_local(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+    """``dtensor.to_local()`` (see ``DTensor.to_local``)."""
+    if not torch.is_grad_enabled():
+        return cast(torch.Tensor, dtensor._local_tensor)
+    grad_tuple = None
+    if grad_placements is not None:
+        grad_tuple = normalize_placements(grad_placements, dtensor._spec.mesh, dtensor.ndim, "to_local(grad_placements=...)")
+    return cast(torch.Tensor, _ToLocal.apply(dtensor, grad_tuple))
+
+
+def redistribute(
+    dtensor: _DTensorT,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    async_op: bool = False,
+) -> _DTensorT:
+    """``dtensor.redistribute(...)`` (see ``DTensor.redistribute``)."""
+    spec: DTensorSpec[DeviceMesh] = dtensor._spec  # type: ignore[attr-defined]
+    mesh = spec.mesh
+    if device_mesh is not None and device_mesh != mesh:
+        raise NotImplementedError(
+            f"redistribute across meshes is not supported: this DTensor lives on {mesh} and the target "
+            f"mesh is {device_mesh}; use the same mesh (or to_local()/from_local() to move data yourself)"
+        )
+    if placements is None:
+        raise RuntimeError("DTensor.redistribute needs the target placements (one per mesh dim)")
+    target = normalize_placements(placements, mesh, dtensor.ndim, "DTensor.redistribute")
+    current = spec.placements
+    for mesh_dim, placement in enumerate(target):
+        if placement.is_partial() and current[mesh_dim] != placement:
+            raise RuntimeError(
+                f"DTensor.redistribute cannot go from {current[mesh_dim]} to {placement} on mesh dim "
+                f"{mesh_dim}: redistributing to Partial is for internal use only (target placements {target})"
+            )
+    target_spec = DTensorSpec(mesh, target, spec.tensor_meta)
+    return cast(_DTensorT, _Redistribute.apply(dtensor, target_spec, async_op))
+
+
+def full_tensor(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+    """``dtensor.full_tensor()`` (see ``DTensor.full_tensor``)."""
+    replicated = redistribute(dtensor, placements=(Replicate(),) * dtensor._spec.mesh.ndim, async_op=False)
+    return to_local(replicated, grad_placements=grad_placements)
+
+
+def _check_local_shape_matches(
+    local_tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], global_shape: tuple[int, ...]
+) -> None:
+    if len(global_shape) != local_tensor.ndim:
+        raise ValueError(
+            f"DTensor.from_local: shape {global_shape} has {len(global_shape)} dims but the local tensor has "
+            f"{local_tensor.ndim} (shape {tuple(local_tensor.shape)})"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return
+    expected = compute_local_shape(global_shape, mesh.shape, coordinate, placements)
+    if tuple(local_tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"DTensor.from_local: the local tensor of shape {tuple(local_tensor.shape)} on mesh coordinate "
+            f"{tuple(coordinate)} does not match global shape {global_shape} with placements {placements}: "
+            f"expected local shape {tuple(expected)} (torch.chunk layout)"
+        )
+
+
+def _grad_to_spec(grad: Any, target_placements: tuple[Placement, ...]) -> torch.Tensor:
+    """Local tensor of ``grad`` redistributed to ``target_placements`` (grad's own tensor_meta)."""
+    current = grad._spec
+    if current.placements == target_placements:
+        return grad._local_tensor
+    target = DTensorSpec(current.mesh, target_placements, current.tensor_meta)
+    return redistribute_local_tensor(grad._local_tensor, current, target)
+
+
+# -- autograd Functions ---------------------------------------------------------------
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local_tensor: torch.Tensor, spec: DTensorSpec[DeviceMesh], cls: type[torch.Tensor]) -> Any:
+        ctx.spec = spec
+        ctx.cls = cls
+        # An alias, not the input itself: the DTensor must not share the caller's autograd identity.
+        return wrap_local_tensor(cls, local_tensor.view_as(local_tensor), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        spec: DTensorSpec[DeviceMesh] = ctx.spec
+        if not isinstance(grad_output, ctx.cls):
+            # Only reachable when a plain tensor gradient is handed straight back (e.g. a custom Function).
+            return grad_output, None, None
+        return _grad_to_spec(grad_output, gradient_placements(spec.placements)), None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dtensor: Any, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
+        ctx.spec = dtensor._spec
+        ctx.cls = type(dtensor)
+        ctx.grad_placements = grad_placements
+        local = dtensor._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        spec: DTensorSpec[DeviceMesh] = ctx.spec
+        placements: tuple[Placement, ...] = ctx.grad_placements or spec.placements
+        meta = cast(TensorMeta, spec.tensor_meta)
+        if isinstance(grad_output, ctx.cls):
+            raise RuntimeError(
+                "to_local(): the gradient flowing into the local tensor is itself a DTensor; the local tensor "
+                "must only be used in plain-tensor computations"
+            )
+        grad_spec = DTensorSpec(
+            spec.mesh,
+            placements,
+            # The gradient of a tensor has that tensor's global layout; the local gradient's strides can
+            # differ per rank (size-1 dims), so they must not decide it.
+            TensorMeta(meta.shape, meta.stride, grad_output.dtype),
+        )
+        coordinate = spec.mesh.get_coordinate()
+        if coordinate is not None:
+            expected = grad_spec.local_shape(coordinate)
+            if tuple(grad_output.shape) != tuple(expected):
+                raise RuntimeError(
+                    f"to_local(): the local gradient has shape {tuple(grad_output.shape)} but gradient placements "
+                    f"{placements} of the global shape {tuple(meta.shape)} give local shape {tuple(expected)} on "
+                    f"mesh coordinate {tuple(coordinate)}; pass grad_placements that describe the gradient"
+                )
+        return wrap_local_tensor(ctx.cls, _laid_out_like(grad_output, meta.stride), grad_spec), None
+
+
+def _laid_out_like(local: torch.Tensor, global_stride: Sequence[int]) -> torch.Tensor:
+    """``local`` with its dims in memory in the order ``global_stride`` gives them (a copy only if they differ).
+
+    The gradient takes its tensor's global stride on every rank, and views of the DTensor are checked
+    against that stride, so its local piece must be laid out the same way.
+    """
+    if len(global_stride) <= 1:
+        return local
+    outer_to_inner = sorted(range(len(global_stride)), key=lambda dim: (-global_stride[dim], dim))
+    in_order = local.permute(outer_to_inner)
+    if in_order.is_contiguous():
+        return local
+    inverse = [0] * len(outer_to_inner)
+    for position, dim in enumerate(outer_to_inner):
+        inverse[dim] = position
+    return in_order.contiguous().permute(inverse)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dtensor: Any, target_spec: DTensorSpec[DeviceMesh], async_op: bool) -> Any:
+        source_spec = dtensor._spec
+        cls = type(dtensor)
+        ctx.source_spec = source_spec
+        ctx.target_spec = target_spec
+        ctx.cls = cls
+        if source_spec.placements == target_spec.placements:
+            local = dtensor._local_tensor
+            # A fresh alias so the output is a distinct autograd node from the input.
+            return wrap_local_tensor(cls, local.view_as(local), source_spec)
+        local = redistribute_local_tensor(dtensor._local_tensor, source_spec, target_spec, async_op=async_op)
+        return wrap_local_tensor(cls, local, target_spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not isinstance(grad_output, ctx.cls):
+            raise RuntimeError(
+                f"DTensor.redistribute backward expected a DTensor gradient, got {type(grad_output).__name__}"
+            )
+        source_spec: DTensorSpec[DeviceMesh] = ctx.source_spec
+        target_spec: DTensorSpec[DeviceMesh] = ctx.target_spec
+        placements = gradient_placements(source_spec.placements)
+        grad_spec = grad_output._spec
+        if grad_spec.placements == placements:
+            return grad_output, None, None
+        local = _grad_to_spec(grad_output, placements)
+        return wrap_local_tensor(ctx.cls, local, DTensorSpec(grad_spec.mesh, placements, grad_spec.tensor_meta)), None, None

@@ -1,0 +1,18 @@
+"""dtensor_ops's own op handlers: ops whose DTensor behaviour is an algorithm with its own communication.
+
+The package ``__init__`` registers :data:`BUILTIN_OP_HANDLERS` with ``_op_handlers``; they sit
+above the DTensor class and below dispatch (they run DTensor-level logic on local tensors and
+communicate through redistribution or ``_collectives``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._op_handlers import OpHandler
+from .foreach_norm import FOREACH_NORM_HANDLERS, norms_across_shards
+from .nll_loss import NLL_LOSS_HANDLERS
+
+__all__ = ["BUILTIN_OP_HANDLERS", "norms_across_shards"]
+
+BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {**FOREACH_NORM_HANDLERS, **NLL_LOSS_HANDLERS}

@@ -1,0 +1,118 @@
+"""The registry of op handlers: ops whose DTensor behaviour is an algorithm rather than a sharding rule.
+
+A handler gets the op's original arguments (DTensors untouched) below autograd, like any
+``__torch_dispatch__`` code, and returns the result, or ``NotImplemented`` to hand the call on
+(to the handler registered before it for the same op, and finally to the op's sharding rule).
+Handlers are where communication other than redistribution may happen: loss_parallel's
+cross-entropy, ``_foreach_norm``'s grouped reduction, the batch-sharded mean of ``nll_loss``.
+
+Several handlers may be registered for one op; the most recent is asked first.  dtensor_ops's own
+handlers are installed by the package ``__init__``; users and upper layers (``tp_styles``) add
+theirs with :func:`register_op_handler` or for a block with :func:`custom_op_handlers`.
+
+Cost: a handler registered with ``declines_by_key=True`` promises that whether it declines depends
+only on what the decision cache keys a call by (the op, the input specs, the non-tensor arguments).
+Dispatch then asks it only on a cache miss and caches the rule's decision when it declines, so
+every other op pays nothing for it.  While any other handler is registered, dispatch asks on every
+call (one dict lookup per op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from ._decision_cache import DECISIONS
+
+__all__ = [
+    "OpHandler",
+    "custom_op_handlers",
+    "handlers_for",
+    "register_op_handler",
+    "unregister_op_handler",
+]
+
+OpHandler = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class _Registration(NamedTuple):
+    handler: OpHandler
+    declines_by_key: bool
+
+
+# op -> its registrations, most recent first.
+_REGISTRATIONS: dict[torch._ops.OpOverload, tuple[_Registration, ...]] = {}
+# What dispatch reads, keyed by id(op): OpOverload's hash is a Python function (about 0.1 µs), an int's
+# is not, and overloads live as long as the process.  Every handler of ops that have any ...
+HANDLERS_BY_OP_ID: dict[int, tuple[OpHandler, ...]] = {}
+# ... and the same for ops with at least one handler that may decline differently for equal keys
+# (empty unless a user handler is registered: dispatch then looks here before the cache on every op).
+UNKEYED_HANDLERS_BY_OP_ID: dict[int, tuple[OpHandler, ...]] = {}
+
+
+def _store(op: torch._ops.OpOverload, registrations: tuple[_Registration, ...]) -> None:
+    handlers = tuple(registration.handler for registration in registrations)
+    if registrations:
+        _REGISTRATIONS[op] = registrations
+        HANDLERS_BY_OP_ID[id(op)] = handlers
+    else:
+        _REGISTRATIONS.pop(op, None)
+        HANDLERS_BY_OP_ID.pop(id(op), None)
+    if any(not registration.declines_by_key for registration in registrations):
+        UNKEYED_HANDLERS_BY_OP_ID[id(op)] = handlers
+    else:
+        UNKEYED_HANDLERS_BY_OP_ID.pop(id(op), None)
+
+
+def handlers_for(op: torch._ops.OpOverload) -> tuple[OpHandler, ...]:
+    """``op``'s handlers, most recently registered first."""
+    return tuple(registration.handler for registration in _REGISTRATIONS.get(op, ()))
+
+
+def register_op_handler(op: torch._ops.OpOverload, handler: OpHandler, *, declines_by_key: bool = False) -> None:
+    """Run ``handler(op, args, kwargs)`` for ``op`` on DTensors before the handlers already registered for it.
+
+    Nested registrations of the same handler (a context entered twice) are allowed: each
+    unregistration removes one.  ``declines_by_key``: see the module docstring.
+    """
+    if not isinstance(op, torch._ops.OpOverload):
+        raise TypeError(f"register_op_handler expects an aten OpOverload, got {type(op).__name__} {op!r}")
+    if not callable(handler):
+        raise TypeError(f"register_op_handler({op}): the handler must be callable, got {handler!r}")
+    if declines_by_key:
+        # Decisions cached for this op before now were never shown to the handler.
+        for key in [key for key in DECISIONS if isinstance(key, tuple) and key and key[0] is op]:
+            del DECISIONS[key]
+    _store(op, (_Registration(handler, declines_by_key), *_REGISTRATIONS.get(op, ())))
+
+
+def unregister_op_handler(op: torch._ops.OpOverload, handler: OpHandler | None = None) -> None:
+    """Remove the most recent registration of ``handler`` for ``op`` (without ``handler``: the most recent one)."""
+    existing = _REGISTRATIONS.get(op, ())
+    if not existing:
+        return
+    if handler is None:
+        remaining = existing[1:]
+    else:
+        handlers = [registration.handler for registration in existing]
+        if handler not in handlers:
+            return
+        index = handlers.index(handler)
+        remaining = existing[:index] + existing[index + 1 :]
+    _store(op, remaining)
+
+
+@contextlib.contextmanager
+def custom_op_handlers(handlers: dict[torch._ops.OpOverload, OpHandler]) -> Iterator[None]:
+    """Register ``handlers`` for the duration of the block (in front of any handler already there)."""
+    registered: list[tuple[torch._ops.OpOverload, OpHandler]] = []
+    try:
+        for op, handler in handlers.items():
+            register_op_handler(op, handler)
+            registered.append((op, handler))
+        yield
+    finally:
+        for op, handler in registered:
+            unregister_op_handler(op, handler)
