@@ -11,6 +11,7 @@ from ._layout import (
     compute_local_shape_and_global_offset,
     contiguous_strides,
     even_global_shape,
+    local_index_runs,
     normalize_dim,
     pad_dim,
     select_local_shard,
@@ -20,7 +21,7 @@ from ._layout import (
     unpad_dim,
 )
 from ._mesh_protocol import MeshLike
-from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard
+from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard
 from ._spec import DTensorSpec, TensorMeta
 
 # PyTorch code written before Partial became public imports it under this name.
@@ -29,6 +30,7 @@ _Partial = Partial
 __all__ = [
     "Placement",
     "Shard",
+    "_StridedShard",
     "Replicate",
     "Partial",
     "SUPPORTED_REDUCE_OPS",
@@ -48,4 +50,5 @@ __all__ = [
     "contiguous_strides",
     "strides_in_local_dim_order",
     "even_global_shape",
+    "local_index_runs",
 ]

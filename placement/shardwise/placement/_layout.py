@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ._placements import Placement, Shard
+from ._placements import Placement, Shard, _StridedShard
 
 __all__ = [
     "chunk_size_and_offset",
@@ -35,6 +35,7 @@ __all__ = [
     "contiguous_strides",
     "strides_in_local_dim_order",
     "even_global_shape",
+    "local_index_runs",
 ]
 
 
@@ -98,7 +99,7 @@ def _check_mesh_args(
             )
 
 
-def _shard_tensor_dim(placement: Shard, mesh_dim: int, global_shape: Sequence[int]) -> int:
+def _shard_tensor_dim(placement: Shard | _StridedShard, mesh_dim: int, global_shape: Sequence[int]) -> int:
     ndim = len(global_shape)
     dim = placement.dim
     if -ndim <= dim < ndim:
@@ -140,6 +141,8 @@ def compute_local_shape_and_global_offset(
     global_offset = [0] * ndim
     some_shard_empty = False
     for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            return _shape_and_offset_from_runs(global_shape, _index_runs(global_shape, mesh_shape, coordinate, placements))
         if isinstance(placement, Shard):
             tensor_dim = _shard_tensor_dim(placement, mesh_dim, global_shape)
             size, offset = chunk_size_and_offset(local_shape[tensor_dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
@@ -155,6 +158,102 @@ def compute_local_shape_and_global_offset(
     return tuple(local_shape), tuple(global_offset)
 
 
+# -- strided shards: a local piece made of several ranges of the global tensor ----------------
+
+IndexRuns = tuple[tuple[int, int], ...]
+"""``(global start, length)`` ranges of one tensor dim, concatenated in order to form the local extent."""
+
+
+def _take_runs(runs: IndexRuns, offset: int, size: int) -> list[tuple[int, int]]:
+    """The ranges covering positions ``[offset, offset + size)`` of the concatenation of ``runs``."""
+    taken: list[tuple[int, int]] = []
+    position = 0
+    end = offset + size
+    for start, length in runs:
+        low, high = max(offset, position), min(end, position + length)
+        if low < high:
+            taken.append((start + low - position, high - low))
+        position += length
+        if position >= end:
+            break
+    return taken
+
+
+def _merge_runs(runs: list[tuple[int, int]]) -> IndexRuns:
+    merged: list[tuple[int, int]] = []
+    for start, length in runs:
+        if length == 0:
+            continue
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    return tuple(merged)
+
+
+def _index_runs(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> tuple[IndexRuns, ...]:
+    runs: list[IndexRuns] = [((0, extent),) if extent else () for extent in global_shape]
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        tensor_dim = _shard_tensor_dim(placement, mesh_dim, global_shape)
+        current = runs[tensor_dim]
+        extent = sum(length for _, length in current)
+        num_chunks, index = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        if isinstance(placement, Shard):
+            size, offset = chunk_size_and_offset(extent, num_chunks, index)
+            runs[tensor_dim] = _merge_runs(_take_runs(current, offset, size))
+            continue
+        # _StridedShard: cut into split_factor pieces, each into num_chunks; keep piece `index` of each.
+        kept: list[tuple[int, int]] = []
+        for piece in range(placement.split_factor):
+            piece_size, piece_offset = chunk_size_and_offset(extent, placement.split_factor, piece)
+            size, offset = chunk_size_and_offset(piece_size, num_chunks, index)
+            kept.extend(_take_runs(current, piece_offset + offset, size))
+        runs[tensor_dim] = _merge_runs(kept)
+    return tuple(runs)
+
+
+def _shape_and_offset_from_runs(
+    global_shape: Sequence[int], runs: Sequence[IndexRuns]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    local_shape = tuple(sum(length for _, length in dim_runs) for dim_runs in runs)
+    if any(size == 0 for size in local_shape):
+        offsets = tuple(
+            global_shape[dim] if size == 0 else dim_runs[0][0] for dim, (size, dim_runs) in enumerate(zip(local_shape, runs))
+        )
+    else:
+        offsets = tuple(dim_runs[0][0] for dim_runs in runs)
+    return local_shape, offsets
+
+
+def local_index_runs(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> tuple[IndexRuns, ...]:
+    """Exactly which global indices the shard at ``coordinate`` holds, per tensor dim.
+
+    Entry ``d`` lists ``(global start, length)`` ranges of tensor dim ``d`` whose
+    concatenation, in order, is the local extent of that dim (adjacent ranges merged;
+    an empty extent has no range).  ``Shard`` placements give one range per dim (the
+    one :func:`compute_local_shape_and_global_offset` describes); a ``_StridedShard``
+    can give several.  The local tensor is the outer product of these ranges: local
+    element ``(i, j, ...)`` is global element ``(runs[0] flattened[i], ...)``.
+    ``coordinate=None`` (a rank outside the mesh) holds nothing.
+    """
+    _check_mesh_args(mesh_shape, coordinate, placements)
+    if coordinate is None:
+        return tuple(() for _ in global_shape)
+    return _index_runs(global_shape, mesh_shape, coordinate, placements)
+
+
 def even_global_shape(
     local_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
 ) -> tuple[int, ...]:
@@ -164,7 +263,7 @@ def even_global_shape(
     """
     shape = list(local_shape)
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):
             shape[_shard_tensor_dim(placement, mesh_dim, local_shape)] *= mesh_shape[mesh_dim]
     return tuple(shape)
 
@@ -246,10 +345,15 @@ def select_local_shard(
 ) -> torch.Tensor:
     """View of ``full_tensor`` holding the shard that lives at ``coordinate`` (no copy).
 
+    A ``_StridedShard`` whose piece is made of several ranges gives a copy (the ranges
+    concatenated, see :func:`local_index_runs`).
+
     Values are not reduced or scaled for ``Partial``: the caller decides what a
     partial shard holds.  ``coordinate=None`` gives an empty tensor of the same
     number of dims.
     """
+    if any(isinstance(placement, _StridedShard) for placement in placements):
+        return _select_runs(full_tensor, local_index_runs(full_tensor.shape, mesh_shape, coordinate, placements))
     local_shape, global_offset = compute_local_shape_and_global_offset(
         full_tensor.shape, mesh_shape, coordinate, placements
     )
@@ -257,6 +361,21 @@ def select_local_shard(
     for dim, (size, offset, full_size) in enumerate(zip(local_shape, global_offset, full_tensor.shape)):
         if size != full_size:
             shard = shard.narrow(dim, offset, size)
+    return shard
+
+
+def _select_runs(full_tensor: torch.Tensor, runs: Sequence[IndexRuns]) -> torch.Tensor:
+    shard = full_tensor
+    for dim, dim_runs in enumerate(runs):
+        if len(dim_runs) == 1 and dim_runs[0] == (0, full_tensor.size(dim)):
+            continue
+        pieces = [shard.narrow(dim, start, length) for start, length in dim_runs]
+        if not pieces:
+            shard = shard.narrow(dim, full_tensor.size(dim), 0)
+        elif len(pieces) == 1:
+            shard = pieces[0]
+        else:
+            shard = torch.cat(pieces, dim)
     return shard
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Final, NoReturn
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
+__all__ = ["Placement", "Shard", "_StridedShard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
 
 SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min"})
 
@@ -87,6 +87,79 @@ class Shard(Placement):
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return (Shard, (self.dim,))
+
+
+class _StridedShard(Placement):
+    """Shard tensor dim ``dim`` along a mesh dim as if ``split_factor`` pieces had been cut first.
+
+    FSDP on top of tensor parallelism shards a parameter right to left: TP cuts dim 0
+    into ``tp`` pieces, then FSDP cuts each rank's TP piece into ``dp`` pieces.  With the
+    mesh ordered ``(dp, tp)`` and placements read left to right, that layout is
+    ``(_StridedShard(0, split_factor=tp), Shard(0))``: on its mesh dim, a
+    ``_StridedShard`` cuts the current extent into ``split_factor`` torch.chunk pieces,
+    cuts each of those into ``mesh size`` torch.chunk pieces, and rank ``i`` holds the
+    ``i``-th piece of every one of them, concatenated in order.  So its local piece is
+    in general not one contiguous range of the global tensor;
+    :func:`~shardwise.placement.local_index_runs` lists the ranges exactly.
+
+    Same meaning, names, repr (``_StridedShard(dim=0, sf=2)``), str (``_S(0, 2)``) and
+    equality as PyTorch's ``torch.distributed.tensor.placement_types._StridedShard``,
+    which (in 2.13) is not a ``Shard``: ``is_shard()`` is False and it never equals a
+    ``Shard``.  ``split_factor=1`` has the layout of ``Shard(dim)`` but is still a
+    different placement, as in PyTorch.
+    """
+
+    __slots__ = ("dim", "split_factor", "_hash")
+    dim: int
+    split_factor: int
+    _hash: int
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError(
+                    f"_StridedShard got both split_factor={split_factor!r} and sf={sf!r}; expected only one of them"
+                )
+            split_factor = sf
+        if type(dim) is not int:
+            dim = _as_tensor_dim(dim)
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int):
+            try:
+                split_factor = operator.index(split_factor)
+            except TypeError:
+                raise TypeError(
+                    f"_StridedShard(split_factor=...) expects an int >= 1, got "
+                    f"{type(split_factor).__name__} {split_factor!r}"
+                ) from None
+        if split_factor < 1:
+            raise ValueError(f"_StridedShard(split_factor={split_factor}) must be >= 1 (the pieces cut before it)")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", int(split_factor))
+        object.__setattr__(self, "_hash", hash((_StridedShard, dim, int(split_factor))))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not _StridedShard:
+            return NotImplemented if not isinstance(other, Placement) else False
+        return self.dim == other.dim and self.split_factor == other.split_factor
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __reduce__(self) -> tuple[Any, tuple[int, int, int | None]]:
+        return (_make_strided_shard, (self.dim, self.split_factor, None))
+
+
+def _make_strided_shard(dim: int, split_factor: int, _unused: int | None) -> _StridedShard:
+    # Pickling needs a positional constructor; _StridedShard's split_factor is keyword-only.
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 class Replicate(Placement):

@@ -8,7 +8,7 @@ import torch
 
 from ._layout import _shard_tensor_dim, compute_local_shape_and_global_offset
 from ._mesh_protocol import MeshLike
-from ._placements import Partial, Placement, Replicate, Shard
+from ._placements import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = ["TensorMeta", "DTensorSpec"]
 
@@ -74,6 +74,13 @@ class DTensorSpec(Generic[MeshT]):
                 if global_shape is not None and not 0 <= placement.dim < len(global_shape):
                     normalized = normalized or list(placements)
                     normalized[mesh_dim] = Shard(_shard_tensor_dim(placement, mesh_dim, global_shape))
+            elif isinstance(placement, _StridedShard):
+                num_shards *= mesh_shape[mesh_dim]
+                if global_shape is not None and not 0 <= placement.dim < len(global_shape):
+                    normalized = normalized or list(placements)
+                    normalized[mesh_dim] = _StridedShard(
+                        _shard_tensor_dim(placement, mesh_dim, global_shape), split_factor=placement.split_factor
+                    )
             elif isinstance(placement, Partial):
                 partial_mesh_dims.append(mesh_dim)
             elif not isinstance(placement, Placement):
@@ -181,7 +188,7 @@ class DTensorSpec(Generic[MeshT]):
             counts = [1] * self.ndim
             mesh_shape = self.mesh.shape
             for mesh_dim, placement in enumerate(self.placements):
-                if isinstance(placement, Shard):
+                if isinstance(placement, (Shard, _StridedShard)):
                     counts[placement.dim] *= mesh_shape[mesh_dim]
             cached = tuple(counts)
             object.__setattr__(self, "_num_shards_per_dim", cached)
@@ -207,8 +214,8 @@ class DTensorSpec(Generic[MeshT]):
         return all(isinstance(p, Replicate) for p in self.placements)
 
     def is_sharded(self) -> bool:
-        """True when at least one mesh dim shards."""
-        return any(isinstance(p, Shard) for p in self.placements)
+        """True when at least one mesh dim shards (``Shard`` or ``_StridedShard``)."""
+        return any(isinstance(p, (Shard, _StridedShard)) for p in self.placements)
 
     def has_partial(self) -> bool:
         """True when at least one mesh dim is Partial."""
