@@ -117,9 +117,14 @@ class DTensorTestBaseOnProcesses(DTensorTestBase):
         # Once on plain tensors, then R, S(0), S(1) for each of the two arguments.
         self.assertEqual(calls, [False] + [True] * 9)
 
-    def test_rank_is_undefined_in_the_test_process(self) -> None:
-        with self.assertRaisesRegex(AttributeError, "self.rank is only defined while the test runs on the ranks"):
-            _ = self.rank
+    def test_methods_without_with_comms_run_on_the_ranks_too(self) -> None:
+        # As PyTorch's MultiProcessTestCase: every test method runs on every rank.
+        self.assertEqual((self.rank, dist.get_world_size()), (dist.get_rank(), self.world_size))
+
+
+def test_rank_in_the_test_process_is_the_main_process_rank() -> None:
+    case = DTensorTestBaseOnProcesses("test_methods_without_with_comms_run_on_the_ranks_too")
+    assert case.rank == case.MAIN_PROCESS_RANK == -1
 
 
 class FailsOnRankTwo(DTensorTestBase):
@@ -312,3 +317,124 @@ def test_isolated_rank_state_gives_each_thread_its_own_caches_and_restores_them(
         assert dispatch.DECISIONS is decision_cache.DECISIONS and type(dispatch.DECISIONS) is not dict
     assert redistribute._programs is original and "key" not in original
     assert type(dispatch.DECISIONS) is dict and dispatch.DECISIONS is decision_cache.DECISIONS
+
+
+# ------------------------------------------------------------------------------ PyTorch's assertions and decorators
+
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize  # noqa: E402
+
+from shardwise.testing import DTensorContinuousTestBase, skip_if_lt_x_gpu  # noqa: E402
+
+
+class TorchAssertionsOnRanks(DTensorTestBase):
+    world_size = 2  # type: ignore[assignment]
+
+    @with_comms
+    def test_tensor_and_sequence_assertions_are_torchs(self) -> None:
+        mesh = self.build_device_mesh()
+        sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        # Tensors compare element-wise with torch's tolerances; tuples equal lists.
+        self.assertEqual(sharded.full_tensor(), torch.arange(4.0) + 1e-7)
+        self.assertEqual(sharded.placements, [Shard(0)])
+        self.assertNotEqual(sharded.full_tensor(), torch.zeros(4))
+        self.assertNotWarn(lambda: sharded.to_local())
+        self.assertEqualOnRank(sharded.to_local(), torch.tensor([0.0, 1.0]), rank=0)
+        self.assertEqualOnRank(sharded.to_local(), torch.tensor([2.0, 3.0]), rank=1)
+        with self.assertRaisesRegex(AssertionError, "Tensor-likes are not close"):
+            self.assertEqual(sharded.full_tensor(), torch.arange(4.0) + 1)
+
+    @with_comms()
+    def test_with_comms_called_without_arguments(self) -> None:
+        self.assertEqual(dist.get_world_size(), 2)
+
+    @with_comms(eager_init=True, backend="gloo")
+    def test_with_comms_with_arguments_keeps_the_harness_group(self) -> None:
+        self.assertFalse(self._owns_process_group)
+        self.assertEqual(dist.get_backend(), "gloo")
+
+    @with_comms
+    def test_init_pg_with_another_backend_replaces_the_group(self) -> None:
+        self.destroy_pg()
+        self.assertFalse(dist.is_initialized())
+        self.init_pg(eager_init=False, backend="gloo")
+        self.assertTrue(self._owns_process_group)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        self.assertEqual(total, torch.tensor([2.0]))
+        self.destroy_pg()
+
+    @with_comms
+    def test_bad_backend_is_refused_before_any_collective(self) -> None:
+        with self.assertRaisesRegex(RuntimeError, "Backend carrier-pigeon not supported"):
+            self.init_pg(eager_init=False, backend="carrier-pigeon")
+
+    @skip_if_lt_x_gpu(2)
+    @with_comms
+    def test_skipped_without_two_gpus(self) -> None:
+        self.assertGreaterEqual(torch.cuda.device_count(), 2)
+
+    @parametrize("rows", [2, 6])
+    @parametrize("placement", [Shard(0), Replicate()])
+    @with_comms
+    def test_parametrized(self, rows: int, placement: Shard | Replicate) -> None:
+        full = torch.arange(rows * 3.0).reshape(rows, 3)
+        self.assertEqual(distribute_tensor(full, self.build_device_mesh(), [placement]).full_tensor(), full)
+
+
+instantiate_parametrized_tests(TorchAssertionsOnRanks)
+
+
+def test_parametrized_names_reach_the_ranks() -> None:
+    names = sorted(name for name in vars(TorchAssertionsOnRanks) if name.startswith("test_parametrized"))
+    assert len(names) == 4, names
+    result = unittest.TestResult()
+    for name in names:
+        TorchAssertionsOnRanks(name).run(result)
+    assert result.wasSuccessful() and result.testsRun == 4, result.errors + result.failures
+
+
+def test_skip_if_lt_x_gpu_skips_through_the_test_case() -> None:
+    result = unittest.TestResult()
+    TorchAssertionsOnRanks("test_skipped_without_two_gpus").run(result)
+    if torch.cuda.device_count() >= 2:
+        assert result.wasSuccessful() and not result.skipped
+    else:
+        assert [reason for _, reason in result.skipped] == ["Need at least 2 CUDA devices"], result.errors
+
+
+class ContinuousOnTwoRanks(DTensorContinuousTestBase):
+    world_size = 2
+
+    def test_no_with_comms_needed(self) -> None:
+        self.assertTrue(dist.is_initialized())
+        self.assertEqual(self.pg.size(), 2)
+        mesh = self.build_device_mesh()
+        sharded = distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
+        self.assertEqual(sharded.to_local(), torch.arange(3.0) + 3 * self.rank)
+
+    def test_another_method_in_the_same_pool(self) -> None:
+        gathered = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(gathered, torch.tensor([float(self.rank)]))
+        self.assertEqual(gathered, [torch.tensor([0.0]), torch.tensor([1.0])])
+
+
+class UnsetContinuousWorldSize(DTensorContinuousTestBase):
+    def test_unset_world_size_means_num_devices(self) -> None:
+        self.assertEqual(dist.get_world_size(), NUM_DEVICES)
+
+
+# Last in the file: an 8-rank pool replaces the others.
+class EightRanks(DTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @with_comms
+    def test_two_dim_meshes_of_several_shapes(self) -> None:
+        full = torch.arange(64.0).reshape(8, 8)
+        for shape in [(2, 4), (4, 2), (8,)]:
+            mesh = DeviceMesh(self.device_type, torch.arange(8).reshape(shape))
+            placements = [Shard(0), Shard(1)][: len(shape)]
+            sharded = distribute_tensor(full, mesh, placements)
+            self.assertEqual(sharded.full_tensor(), full)
+            self.assertEqual(sharded.placements, placements)

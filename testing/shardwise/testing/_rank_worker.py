@@ -133,6 +133,33 @@ def _pytest_skip_reason(error: BaseException) -> str | None:
     return None
 
 
+# The worker and the task it is running, while a test body runs: what ``reinit_default_group``
+# needs to build another default process group on the task's store.
+_running: "tuple[_Worker, protocol.RunTask] | None" = None
+_reinit_count = 0
+
+
+def reinit_default_group(backend: str | None = None) -> None:
+    """Initialise the default process group again on this rank (after a test destroyed it).
+
+    Only inside a test body run by the pool; ``backend`` defaults to the pool's. Every rank must
+    call it, as ``dist.init_process_group``.
+    """
+    global _reinit_count
+    if _running is None:
+        raise RuntimeError("reinit_default_group: no pooled test body is running in this process")
+    worker, task = _running
+    _reinit_count += 1
+    dist = worker.dist
+    dist.init_process_group(
+        backend or worker.backend,
+        store=dist.PrefixStore(f"{task.store_prefix}reinit-{_reinit_count}/", worker.store),
+        rank=worker.rank,
+        world_size=worker.world_size,
+        timeout=timedelta(seconds=task.collective_timeout_s),
+    )
+
+
 class _Worker:
     def __init__(self) -> None:
         self.rank = int(os.environ[protocol.ENV_RANK])
@@ -211,6 +238,15 @@ class _Worker:
                 raise SystemExit(0)
 
     def run(self, task: protocol.RunTask) -> protocol.TaskResult:
+        global _running, _reinit_count
+        _running = (self, task)
+        _reinit_count = 0  # ranks count their re-initialisations per task, so their prefixes agree
+        try:
+            return self._run(task)
+        finally:
+            _running = None
+
+    def _run(self, task: protocol.RunTask) -> protocol.TaskResult:
         dist = self.dist
         if list(sys.path) != list(task.sys_path):
             sys.path[:] = task.sys_path
