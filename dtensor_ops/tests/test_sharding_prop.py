@@ -400,19 +400,28 @@ def test_ops_returning_python_values_have_no_output_spec() -> None:
     assert placements_in(decision) == [(R,), (R,)]
 
 
+@torch.library.custom_op("shardwise_prop_test::no_rule", mutates_args=())
+def _op_without_rule(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
 def test_an_op_without_a_rule_names_the_op_and_the_input_placements() -> None:
     x = spec(MESH_4, [Shard(0)], 8, 6)
     with pytest.raises(
         NotImplementedError,
-        match=r"^shardwise has no sharding rule for aten\.logcumsumexp\.default \(inputs: Shard\(dim=0\)\)$",
+        match=(
+            r"^shardwise has no sharding rule for shardwise_prop_test\.no_rule\.default \(inputs: Shard\(dim=0\)\): "
+            r"Operator shardwise_prop_test\.no_rule\.default does not have a sharding strategy registered\.$"
+        ),
     ):
-        propagate_op_sharding(aten.logcumsumexp.default, (x, 1), {})
+        propagate_op_sharding(torch.ops.shardwise_prop_test.no_rule.default, (x,), {})
     a, b = spec(MESH_2X2, [Shard(0), R], 8, 3), spec(MESH_2X2, [R, P], 8, 3)
     with pytest.raises(
         NotImplementedError,
         match=(
             r"^shardwise has no sharding rule for aten\.cross\.default "
-            r"\(inputs: \(Shard\(dim=0\), Replicate\(\)\), \(Replicate\(\), Partial\(reduce_op='sum'\)\)\)$"
+            r"\(inputs: \(Shard\(dim=0\), Replicate\(\)\), \(Replicate\(\), Partial\(reduce_op='sum'\)\)\): "
+            r"Operator aten\.cross\.default does not have a sharding strategy registered\.$"
         ),
     ):
         propagate_op_sharding(aten.cross.default, (a, b), {})

@@ -97,8 +97,15 @@ def redistribute(
     placements: Sequence[Placement] | None = None,
     *,
     async_op: bool = False,
+    forward_dtype: torch.dtype | None = None,
+    backward_dtype: torch.dtype | None = None,
 ) -> _DTensorT:
-    """``dtensor.redistribute(...)`` (see ``DTensor.redistribute``)."""
+    """``dtensor.redistribute(...)`` (see ``DTensor.redistribute``).
+
+    ``forward_dtype``: the local tensor is cast to it before the collectives and the result
+    has it. ``backward_dtype``: the gradient is cast to it before the backward collectives and
+    back to this DTensor's dtype after them (default: this DTensor's dtype).
+    """
     spec: DTensorSpec[DeviceMesh] = dtensor._spec  # type: ignore[attr-defined]
     mesh = spec.mesh
     if device_mesh is not None and device_mesh != mesh:
@@ -107,17 +114,29 @@ def redistribute(
             f"mesh is {device_mesh}; use the same mesh (or to_local()/from_local() to move data yourself)"
         )
     if placements is None:
-        raise RuntimeError("DTensor.redistribute needs the target placements (one per mesh dim)")
+        # PyTorch's words first: code matching on them keeps working.
+        raise RuntimeError("placements is needed for redistribute! DTensor.redistribute needs the target placements (one per mesh dim)")
+    for name, dtype in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"DTensor.redistribute: {name} must be a torch.dtype or None, got {dtype!r}")
     target = normalize_placements(placements, mesh, dtensor.ndim, "DTensor.redistribute")
     current = spec.placements
     for mesh_dim, placement in enumerate(target):
         if placement.is_partial() and current[mesh_dim] != placement:
             raise RuntimeError(
-                f"DTensor.redistribute cannot go from {current[mesh_dim]} to {placement} on mesh dim "
-                f"{mesh_dim}: redistributing to Partial is for internal use only (target placements {target})"
+                f"Can not redistribute from {current[mesh_dim]} to {placement}, redistributing to Partial is for "
+                f"internal use only! (DTensor.redistribute, mesh dim {mesh_dim}, target placements {target})"
             )
     target_spec = DTensorSpec(mesh, target, spec.tensor_meta)
-    return cast(_DTensorT, _Redistribute.apply(dtensor, target_spec, async_op))
+    if forward_dtype is None and backward_dtype is None:
+        return cast(_DTensorT, _Redistribute.apply(dtensor, target_spec, async_op))
+    input_dtype = spec.tensor_meta.dtype if spec.tensor_meta is not None else dtensor.dtype
+    return cast(
+        _DTensorT,
+        _RedistributeInDtype.apply(
+            dtensor, target_spec, async_op, forward_dtype or input_dtype, backward_dtype or input_dtype
+        ),
+    )
 
 
 def full_tensor(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -260,3 +279,65 @@ class _Redistribute(torch.autograd.Function):
             return grad_output, None, None
         local = _grad_to_spec(grad_output, placements)
         return wrap_local_tensor(ctx.cls, local, DTensorSpec(grad_spec.mesh, placements, grad_spec.tensor_meta)), None, None
+
+
+def _with_dtype(spec: DTensorSpec[DeviceMesh], dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
+    meta = spec.tensor_meta
+    if meta is None or meta.dtype == dtype:
+        return spec
+    return spec.with_tensor_meta(TensorMeta(meta.shape, meta.stride, dtype))
+
+
+class _RedistributeInDtype(torch.autograd.Function):
+    """``redistribute`` with casts: collectives in ``forward_dtype``, the gradient's in ``backward_dtype``.
+
+    Kept apart from ``_Redistribute`` so the common call (no dtypes) pays nothing for them.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        dtensor: Any,
+        target_spec: DTensorSpec[DeviceMesh],
+        async_op: bool,
+        forward_dtype: torch.dtype,
+        backward_dtype: torch.dtype,
+    ) -> Any:
+        source_spec: DTensorSpec[DeviceMesh] = dtensor._spec
+        cls = type(dtensor)
+        ctx.source_spec = source_spec
+        ctx.cls = cls
+        ctx.backward_dtype = backward_dtype
+        local = dtensor._local_tensor
+        if local.dtype != forward_dtype:
+            local = local.to(forward_dtype)
+        cast_source = _with_dtype(source_spec, forward_dtype)
+        cast_target = _with_dtype(target_spec, forward_dtype)
+        if cast_source.placements == cast_target.placements:
+            result = local.view_as(local) if local is dtensor._local_tensor else local
+            return wrap_local_tensor(cls, result, cast_source)
+        local = redistribute_local_tensor(local, cast_source, cast_target, async_op=async_op)
+        return wrap_local_tensor(cls, local, cast_target)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if not isinstance(grad_output, ctx.cls):
+            raise RuntimeError(
+                f"DTensor.redistribute backward expected a DTensor gradient, got {type(grad_output).__name__}"
+            )
+        source_spec: DTensorSpec[DeviceMesh] = ctx.source_spec
+        input_dtype = source_spec.tensor_meta.dtype if source_spec.tensor_meta is not None else grad_output.dtype
+        grad_spec: DTensorSpec[DeviceMesh] = grad_output._spec
+        local: torch.Tensor = grad_output._local_tensor
+        if local.dtype != ctx.backward_dtype:
+            local = local.to(ctx.backward_dtype)
+        placements = gradient_placements(source_spec.placements)
+        in_flight = _with_dtype(grad_spec, ctx.backward_dtype)
+        if in_flight.placements != placements:
+            local = redistribute_local_tensor(local, in_flight, in_flight.with_placements(placements))
+        if local.dtype != input_dtype:
+            local = local.to(input_dtype)
+        grad_meta = grad_spec.tensor_meta
+        assert grad_meta is not None
+        result_spec = DTensorSpec(grad_spec.mesh, placements, TensorMeta(grad_meta.shape, grad_meta.stride, input_dtype))
+        return wrap_local_tensor(ctx.cls, local, result_spec), None, None, None, None

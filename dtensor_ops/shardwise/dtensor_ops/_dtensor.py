@@ -183,13 +183,19 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
         """The same global tensor laid out with ``placements`` on the same mesh (differentiable).
 
         The gradient goes back to this tensor's placements, except that a
-        ``Partial`` placement gets its gradient as ``Replicate``.
+        ``Partial`` placement gets its gradient as ``Replicate``. ``forward_dtype``: cast before
+        the collectives (the result has that dtype); ``backward_dtype``: the gradient's
+        collectives run in it, and the gradient comes back in this tensor's dtype.
         """
-        return _conversions.redistribute(self, device_mesh, placements, async_op=async_op)
+        return _conversions.redistribute(
+            self, device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype, backward_dtype=backward_dtype
+        )
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable; collectives as needed)."""

@@ -33,8 +33,9 @@ nothing.
 from __future__ import annotations
 
 import warnings
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from shardwise.mesh import DeviceMesh
@@ -46,6 +47,7 @@ from ._rules import RandomDraw, registered_ops, rule_for
 from ._schema import schema_facts
 
 __all__ = [
+    "OffsetBasedRNGTracker",
     "RandomPlan",
     "default_generator_for",
     "plan_random_draw",
@@ -251,8 +253,16 @@ def run_in_shard_stream(plan: RandomPlan, generator: torch.Generator, sample: Ca
     shard_index = plan.shard_index
     if shard_index is None:
         return sample()
-    device_type = generator.device.type
-    if device_type == "cuda":
+    leave = _enter_shard_stream(plan, shard_index, generator)
+    try:
+        return sample()
+    finally:
+        leave()
+
+
+def _enter_shard_stream(plan: RandomPlan, shard_index: int, generator: torch.Generator) -> Callable[[], None]:
+    """Put ``generator`` in shard ``shard_index``'s stream; the returned function leaves it, in step on every rank."""
+    if generator.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "a sharded DTensor random op cannot run under CUDA graph capture: its per-shard Philox offset is "
@@ -260,17 +270,20 @@ def run_in_shard_stream(plan: RandomPlan, generator: torch.Generator, sample: Ca
             )
         start = generator.get_offset()
         generator.set_offset(start + shard_index * plan.cuda_offset_stride)
-        try:
-            return sample()
-        finally:
-            generator.set_offset(start + plan.num_shards * plan.cuda_offset_stride)
+        end = start + plan.num_shards * plan.cuda_offset_stride
+
+        def leave_cuda_stream() -> None:
+            generator.set_offset(end)
+
+        return leave_cuda_stream
     base = _draw_u32(generator)
     saved = generator.get_state()
     generator.manual_seed(shard_seed(base, shard_index))
-    try:
-        return sample()
-    finally:
+
+    def leave_cpu_stream() -> None:
         generator.set_state(saved)
+
+    return leave_cpu_stream
 
 
 def _first_tensor_device(values: Sequence[Any]) -> torch.device | None:
@@ -303,7 +316,7 @@ def _zero_result(result: Any) -> None:
 
 def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[Any], local_kwargs: dict[str, Any]) -> Any:
     """Dispatch's execution step for a random op: ``call`` on the local tensors in this rank's shard stream."""
-    if plan.shard_index is None:
+    if plan.shard_index is None or (_rng_tracker is not None and not _rng_tracker.distribute_region_enabled):
         result = call(*local_args, **local_kwargs)
     else:
         generator = _explicit_generator(plan, local_args, local_kwargs)
@@ -363,3 +376,66 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
     if device_mesh.device_type not in ("cpu", "cuda"):
         is_rng_supported_mesh(device_mesh)
     torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- PyTorch's tracker API
+
+
+class OffsetBasedRNGTracker:
+    """PyTorch's name for the object that puts random ops on DTensors in per-shard streams.
+
+    shardwise needs no tracker state (each op derives its shard's stream from the generator,
+    see the module docstring); this object gives PyTorch's handles on that mechanism:
+
+    * ``distribute_region_enabled``: while False on the installed tracker (``_random._rng_tracker``),
+      random ops on DTensors run on each rank's generator as it is, like plain local ops;
+    * ``_distribute_region(spec, generator=None)``: a context in which random ops on *plain*
+      tensors draw from this rank's stream for a tensor laid out as ``spec`` (what DTensor does
+      for its own random ops), leaving the generator in step on every rank afterwards;
+    * ``_manual_seed(seed)``: ``torch.manual_seed(seed)`` on this rank.
+
+    Unlike PyTorch's (CUDA-like devices only), it works on CPU and CUDA meshes. ``run_state_sync``
+    is accepted for compatibility; no state is broadcast (PyTorch deprecates that sync too): seed
+    every rank alike with ``torch.manual_seed`` or :func:`manual_seed`.
+    """
+
+    def __init__(self, device_mesh: DeviceMesh | None = None, run_state_sync: bool = True) -> None:
+        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"OffsetBasedRNGTracker: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+        device_type = device_mesh.device_type if device_mesh is not None else "cpu"
+        if device_type not in ("cpu", "cuda") or (device_type == "cuda" and not torch.cuda.is_available()):
+            raise RuntimeError(
+                f"OffsetBasedRNGTracker supports 'cpu' and 'cuda' meshes (with CUDA available), got {device_type!r}"
+            )
+        self._device = torch.device(device_type)
+        self._use_distribute_region = True
+        self.run_state_sync = bool(run_state_sync)
+
+    @property
+    def distribute_region_enabled(self) -> bool:
+        return self._use_distribute_region
+
+    @distribute_region_enabled.setter
+    def distribute_region_enabled(self, value: bool) -> None:
+        self._use_distribute_region = bool(value)
+
+    def _manual_seed(self, parallel_seed: int) -> None:
+        torch.manual_seed(parallel_seed)
+
+    @contextlib.contextmanager
+    def _distribute_region(self, spec: DTensorSpec[Any], generator: torch.Generator | None = None) -> Iterator[None]:
+        plan = plan_for_spec(spec)
+        stream_generator = generator if generator is not None else default_generator_for(self._device)
+        if plan.shard_index is None or not self._use_distribute_region or stream_generator is None:
+            yield
+            return
+        leave = _enter_shard_stream(plan, plan.shard_index, stream_generator)
+        try:
+            yield
+        finally:
+            leave()
+
+
+# PyTorch installs a tracker at the first random op; here one is only ever set by the user (or a
+# test base's tearDown resets it), and only its ``distribute_region_enabled`` is read.
+_rng_tracker: OffsetBasedRNGTracker | None = None

@@ -24,6 +24,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shar
 from ._decision import ArgPosition, OpDecision
 
 __all__ = [
+    "override_rule",
     "ArgPosition",
     "CombinedDecision",
     "CombinedDecisionFn",
@@ -258,6 +259,19 @@ def register_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> N
                 f"{op} already has the {existing.family!r} sharding rule; refusing to replace it with {rule.family!r}"
             )
         _RULES[op] = rule
+
+
+def override_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> dict[torch._ops.OpOverload, ShardingRule | None]:
+    """Give each overload in ``ops`` the ``rule`` even if it has one (users' ``register_sharding``).
+
+    Returns the rules replaced (None where there was none). The caller must forget cached
+    decisions (``_caches.clear_all_caches``): they were made with the old rules.
+    """
+    replaced: dict[torch._ops.OpOverload, ShardingRule | None] = {}
+    for op in ops:
+        replaced[op] = _RULES.get(op)
+        _RULES[op] = rule
+    return replaced
 
 
 def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:

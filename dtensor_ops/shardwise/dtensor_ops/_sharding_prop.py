@@ -295,7 +295,8 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             raise ShardingPropagationError(
                 f"{op} cannot write its result into a DTensor with placements ({written}) on mesh dim {mesh_dim}: "
                 f"every sharding strategy of the {rule.family!r} rule would need it redistributed "
-                f"(inputs: {_describe_inputs(call.all_specs)}). Redistribute it first or use the out-of-place op."
+                f"(inputs: {_describe_inputs(call.all_specs)}): in-place operations that require placement changes "
+                "are not supported. Redistribute it first or use the out-of-place op."
             )
         per_mesh_dim.append(fitting)
     return per_mesh_dim
@@ -399,7 +400,11 @@ def decide_op_sharding(
     specs = tuple(spec_list)
     rule = rule_for(op)
     if rule is None:
-        raise NotImplementedError(f"shardwise has no sharding rule for {op} (inputs: {_describe_inputs(specs)})")
+        # PyTorch's words after ours: code matching on either keeps working.
+        raise NotImplementedError(
+            f"shardwise has no sharding rule for {op} (inputs: {_describe_inputs(specs)}): "
+            f"Operator {op} does not have a sharding strategy registered."
+        )
     _check_inputs(op, specs)
     mesh = specs[0].mesh
 
