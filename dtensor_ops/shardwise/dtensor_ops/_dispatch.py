@@ -134,7 +134,8 @@ def _refuse_mutated_redistribute(
     if location in prepared.written:
         raise RuntimeError(
             f"{prepared.op}: its sharding rule needs the argument it writes into ({location!r}) moved from "
-            f"placements {current.placements} to {target.placements}, which an in-place or out= op cannot do; "
+            f"placements {current.placements} to {target.placements}, which an in-place or out= op cannot do "
+            "(in-place operations that require placement changes are not supported); "
             f"redistribute that DTensor to {target.placements} first (or use the out-of-place op)"
         )
 
