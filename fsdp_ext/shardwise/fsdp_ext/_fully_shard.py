@@ -1,0 +1,409 @@
+"""``fully_shard``: PyTorch FSDP2's API on shardwise DTensors.
+
+A unit is one module given to ``fully_shard``: its parameters that no inner unit manages.
+Its forward pre-hook all-gathers them (one collective, see ``_param_group``) and starts the
+next unit's all-gather (prefetch); its forward hook frees them again (``reshard_after_forward``)
+and hooks the outputs so that backward gathers them once more before the unit's backward.  The
+unit's gradients are reduce-scattered by the autograd function that produced the unsharded
+parameters, once per unit.  The root unit (the outermost one whose forward runs) keeps its
+parameters after forward, as PyTorch does (backward needs them right away), and at the end of
+backward frees whatever is still unsharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import Placement, Shard
+
+from ._param_group import FSDPParamGroup, ParamOwner
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+_STATE_ATTR = "_shardwise_fsdp_state"
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_unshard()
+            self._group = None
+
+
+class _FSDPState:
+    """Everything ``fully_shard`` keeps for one unit (stored on the module, outside its parameters)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        group: FSDPParamGroup | None,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.is_root: bool | None = None
+        self.root: _FSDPState | None = None
+        # Root only.
+        self.units: list[_FSDPState] = []
+        self.forward_order: list[_FSDPState] = []
+        self.recording_order = False
+        self.backward_callback_queued = False
+        # Per unit.
+        self.forward_prefetch: list[_FSDPState] | None = None
+        self.backward_prefetch: list[_FSDPState] | None = None
+        self.pre_backward_done = False
+        self.is_last_backward = True
+
+    # -- lazy initialisation at the first forward ---------------------------------
+
+    def lazy_init(self) -> None:
+        self.is_root = True
+        self.root = self
+        self.units = []
+        for submodule in self.module.modules():
+            state = _state_of(submodule)
+            if state is None:
+                continue
+            if state is not self:
+                state.is_root = False
+                state.root = self
+                state.units = []
+            self.units.append(state)
+        self.forward_order = []
+        self.recording_order = True
+
+    def check_params_unchanged(self) -> None:
+        group = self.group
+        if group is None:
+            return
+        for fsdp_param in group.fsdp_params:
+            for owner in fsdp_param.owners:
+                current = owner.module._parameters.get(owner.name)
+                if current is not fsdp_param.sharded_param:
+                    raise RuntimeError(
+                        f"fully_shard: parameter {fsdp_param.fqn!r} was replaced after fully_shard (by "
+                        f"{type(current).__name__}{' on ' + repr(current.placements) if isinstance(current, DTensor) else ''}); "
+                        "expected the sharded DTensor parameter fully_shard registered. Apply tensor parallelism "
+                        "(parallelize_module) before fully_shard, not after"
+                    )
+
+    # -- forward --------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if self.is_root is None:
+            self.lazy_init()
+            for unit in self.units:
+                unit.check_params_unchanged()
+        root = self.root
+        assert root is not None
+        if root.recording_order and self.group is not None and self not in root.forward_order:
+            root.forward_order.append(self)
+        param_dtype = self.mp_policy.param_dtype
+        if self.mp_policy.cast_forward_inputs and param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), param_dtype)
+        group = self.group
+        if group is not None:
+            group.wait_unshard()
+            for unit in self._forward_prefetch_targets():
+                if unit.group is not None:
+                    unit.group.launch_unshard()
+            group.use_unsharded_params()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        group = self.group
+        grad_enabled = torch.is_grad_enabled()
+        if group is not None:
+            group.use_sharded_params()
+            if not grad_enabled or (self.reshard_after_forward and not self.is_root):
+                group.reshard()
+        if self.is_root:
+            self.recording_order = False
+        if grad_enabled:
+            self.pre_backward_done = False
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook)
+        output_dtype = self.mp_policy.output_dtype
+        if output_dtype is not None:
+            output = _cast_floating(output, output_dtype)
+        return output
+
+    def _forward_prefetch_targets(self) -> list[_FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        root = self.root
+        assert root is not None
+        if root.recording_order or self not in root.forward_order:
+            return []
+        index = root.forward_order.index(self)
+        return root.forward_order[index + 1 : index + 2]
+
+    # -- backward -------------------------------------------------------------------
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.pre_backward_done:
+            return grad
+        self.pre_backward_done = True
+        root = self.root
+        assert root is not None
+        if not root.backward_callback_queued:
+            root.backward_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
+        if self.group is not None:
+            self.group.wait_unshard()
+        for unit in self._backward_prefetch_targets():
+            if unit.group is not None:
+                unit.group.launch_unshard()
+        return grad
+
+    def _backward_prefetch_targets(self) -> list[_FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        root = self.root
+        assert root is not None
+        if self not in root.forward_order:
+            return []
+        index = root.forward_order.index(self)
+        previous = root.forward_order[index - 1 : index] if index > 0 else []
+        # The root keeps its parameters after forward: nothing to prefetch for it.
+        return [unit for unit in previous if unit.reshard_after_forward and not unit.is_root]
+
+    def _end_of_backward(self) -> None:
+        self.backward_callback_queued = False
+        for unit in self.units:
+            unit.pre_backward_done = False
+            if unit.group is not None and unit.group.reshard_after_backward:
+                unit.group.reshard()
+
+
+def _state_of(module: nn.Module) -> _FSDPState | None:
+    state = module.__dict__.get(_STATE_ATTR)
+    return state if isinstance(state, _FSDPState) else None
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+    return tree_map_only(torch.Tensor, cast, tree)
+
+
+class FSDPModule:
+    """Mixed into the class of every module given to ``fully_shard`` (as PyTorch's ``FSDPModule``)."""
+
+    def _fsdp_state(self) -> _FSDPState:
+        state = _state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state
+
+    def _fsdp_units(self, recurse: bool) -> list[_FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        module: nn.Module = self  # type: ignore[assignment]
+        return [state for state in (_state_of(m) for m in module.modules()) if state is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (the next forward then skips its all-gather)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.launch_unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients locally, with no reduce-scatter, until it is on again."""
+        for state in self._fsdp_units(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for state in self._fsdp_units(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        for state in self._fsdp_units(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Recorded for PyTorch compatibility: every backward here finishes its own work."""
+        for state in self._fsdp_units(True):
+            state.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Replace the default (the next unit in forward order) with these units' all-gathers."""
+        self._fsdp_state().forward_prefetch = [_fsdp_module_state(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Replace the default (the previous unit in forward order) with these units' all-gathers."""
+        self._fsdp_state().backward_prefetch = [
+            _fsdp_module_state(m, "set_modules_to_backward_prefetch") for m in modules
+        ]
+
+
+def _fsdp_module_state(module: object, caller: str) -> _FSDPState:
+    state = _state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(f"{caller}: {type(module).__name__} is not a fully_shard module; expected FSDPModules")
+    return state
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    return fsdp_cls
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch's ``fully_shard`` API).
+
+    Every parameter of ``module`` that no inner ``fully_shard`` unit manages and that is not in
+    ``ignored_params`` becomes a DTensor ``Shard(0)`` over ``mesh`` (on the 2-D mesh of ``mesh`` and
+    the tensor-parallel dim when it already was a DTensor; ``_StridedShard`` when both cut dim 0).
+    Returns ``module``, whose class now also derives from :class:`FSDPModule`.  Checks everything
+    before any collective.
+    """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard: a list of modules as one unit is not supported by shardwise.fsdp_ext yet; "
+            "expected one nn.Module per call"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if _state_of(module) is not None:
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; expected one call per module"
+        )
+    reshard = _check_reshard_after_forward(reshard_after_forward, mesh)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    managed = _managed_params(module, ignored_params or set())
+    device_type = managed[0][1].device.type if managed else "cpu"
+    if isinstance(offload_policy, CPUOffloadPolicy) and device_type != "cpu":
+        raise NotImplementedError(
+            f"fully_shard: CPUOffloadPolicy on a {device_type!r} mesh is not supported by shardwise.fsdp_ext; "
+            "expected OffloadPolicy() (on a CPU mesh the parameters already live in CPU memory)"
+        )
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: got a {mesh.ndim}-D mesh {mesh!r}; shardwise.fsdp_ext shards over one data-parallel "
+            'dim (no HSDP): expected a 1-D mesh such as mesh["dp"]'
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
+    if shard_placement_fn is not None:
+        for fqn, param, _ in managed:
+            placement = shard_placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; shardwise.fsdp_ext "
+                    "shards dim 0 only: expected None or Shard(0)"
+                )
+    for fqn, param, _ in managed:
+        if param.device.type != mesh.device_type:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is on {param.device} but the mesh is a {mesh.device_type!r} mesh; "
+                "expected the parameters on the mesh's device type"
+            )
+    group = (
+        FSDPParamGroup(managed, mesh, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype)
+        if managed
+        else None
+    )
+    if group is not None:
+        group.make_sharded_params()
+    state = _FSDPState(module, mesh, group, reshard, mp_policy)
+    module.__dict__[_STATE_ATTR] = state
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh | None) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value == 1:
+            return False
+        if mesh is not None and value == mesh.size():
+            return True
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={value} (resharding to a smaller group after forward) is not "
+            "supported by shardwise.fsdp_ext; expected True, False, 1 or the mesh size"
+        )
+    raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {type(value).__name__}")
+
+
+def _managed_params(
+    module: nn.Module, ignored: Iterable[nn.Parameter]
+) -> list[tuple[str, nn.Parameter, list[ParamOwner]]]:
+    """Parameters of ``module`` not managed by an inner unit nor ignored, each with every module slot holding it."""
+    ignored_ids = {id(p) for p in ignored}
+    inner_ids: set[int] = set()
+    for submodule in module.modules():
+        state = _state_of(submodule)
+        if submodule is not module and state is not None and state.group is not None:
+            inner_ids.update(id(p.sharded_param) for p in state.group.fsdp_params)
+    found: dict[int, tuple[str, nn.Parameter, list[ParamOwner]]] = {}
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        for name, param in submodule._parameters.items():
+            if param is None or id(param) in ignored_ids or id(param) in inner_ids:
+                continue
+            entry = found.get(id(param))
+            if entry is None:
+                fqn = f"{module_name}.{name}" if module_name else name
+                found[id(param)] = (fqn, param, [ParamOwner(submodule, name)])
+            elif all(owner.module is not submodule or owner.name != name for owner in entry[2]):
+                entry[2].append(ParamOwner(submodule, name))
+    return list(found.values())

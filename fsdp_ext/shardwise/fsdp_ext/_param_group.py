@@ -1,0 +1,466 @@
+"""One ``fully_shard`` unit's parameters: sharded storage, one all-gather, one reduce-scatter.
+
+Memory layout (per rank, per unit)
+----------------------------------
+Every managed parameter is cut along dim 0 over the data-parallel (dp) group with
+torch.chunk semantics: ``rows`` rows become pieces of ``padded_rows = ceil(rows / dp)`` rows,
+the trailing ones shorter or empty.  Each rank keeps its pieces of all the unit's parameters
+in ONE flat buffer (``sharded_flat``), every piece padded to ``padded_rows`` rows, so that:
+
+- the all-gather sends ``sharded_flat`` as it is (cast to ``param_dtype`` first under mixed
+  precision): one collective per unit, no copy on the way in;
+- the sharded parameters the user and the optimizer see are views into ``sharded_flat`` (the
+  real rows only: the padding is never visible), so an in-place optimizer step updates what
+  the next all-gather sends;
+- the gathered buffer reads ``(dp, per-rank flat)``; the first ``rows`` rows of a parameter's
+  ``dp`` padded pieces, in rank order, are its rows in order (torch.chunk puts the padding at
+  the end), so copying it out takes at most two copies per parameter.
+
+The unsharded parameters are views into one flat buffer per unit (``unsharded_flat``) whose
+storage is freed on reshard (resized to 0 bytes) and refilled on the next unshard.  Tensors
+that autograd saved in forward alias that storage, so refilling it before backward gives
+them their values back; the refill keeps the version counter so autograd does not mistake it
+for an in-place edit.
+
+Backward: the unit's unsharded parameters come out of one autograd function
+(:class:`_UnshardedParams`), so their gradients arrive together, once per unit; they are
+copied into one flat ``(dp, per-rank flat)`` buffer (padding left as garbage: it is dropped),
+reduce-scattered in one collective, divided by dp, and handed back as the sharded parameters'
+gradients: views into the reduce-scatter's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops._collectives import (
+    launch_all_gather,
+    launch_reduce_scatter,
+    mesh_dim_group_name,
+    wait,
+)
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import (
+    DTensorSpec,
+    Placement,
+    Shard,
+    TensorMeta,
+    _StridedShard,
+    chunk_size_and_offset,
+    contiguous_strides,
+    local_index_runs,
+)
+
+__all__ = ["FSDPParam", "FSDPParamGroup", "ParamOwner"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamOwner:
+    """A module attribute that holds a managed parameter (a tied parameter has several)."""
+
+    module: nn.Module
+    name: str
+
+
+class FSDPParam:
+    """One managed parameter: its original layout, its slot in the flat buffers, its sharded DTensor."""
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        owners: list[ParamOwner],
+        dp_mesh: DeviceMesh,
+        sharded_offset: int,
+        unsharded_offset: int,
+    ) -> None:
+        self.fqn = fqn
+        self.owners = owners
+        self.requires_grad = param.requires_grad
+        self.orig_dtype = param.dtype
+        # What the module computed with before: a plain tensor, or a DTensor of tensor parallelism.
+        self.tp_spec: DTensorSpec[DeviceMesh] | None = param._spec if isinstance(param, DTensor) else None
+        local = param._local_tensor if isinstance(param, DTensor) else param.data
+        self.global_shape = tuple(param.shape)
+        self.unsharded_shape = tuple(local.shape)  # the tensor-parallel piece (or the whole parameter)
+        self.rows = self.unsharded_shape[0]
+        self.row_numel = math.prod(self.unsharded_shape[1:])
+        self.dp_size = dp_mesh.size()
+        self.padded_rows = -(-self.rows // self.dp_size)
+        self.sharded_offset = sharded_offset
+        self.padded_numel = self.padded_rows * self.row_numel
+        self.unsharded_offset = unsharded_offset
+        self.unsharded_numel = self.rows * self.row_numel
+        coordinate = dp_mesh.get_coordinate()
+        assert coordinate is not None  # fully_shard checks the rank is in the mesh
+        self.dp_rank = coordinate[0]
+        self.local_rows, self.local_row_offset = chunk_size_and_offset(self.rows, self.dp_size, self.dp_rank)
+        self.sharded_spec = self._sharded_spec(dp_mesh)
+        self.sharded_param: nn.Parameter | None = None
+        self._sharded_local_ptr = 0
+
+    def _sharded_spec(self, dp_mesh: DeviceMesh) -> DTensorSpec[DeviceMesh]:
+        meta = TensorMeta(torch.Size(self.global_shape), contiguous_strides(self.global_shape), self.orig_dtype)
+        tp_spec = self.tp_spec
+        if tp_spec is None:
+            return DTensorSpec(dp_mesh, (Shard(0),), meta)
+        mesh_2d, dp_dim = _mesh_with_dp(dp_mesh, tp_spec.mesh, self.fqn)
+        placements: list[Placement] = list(tp_spec.placements)
+        tp_shards_dim0 = 1
+        for tp_dim, placement in enumerate(tp_spec.placements):
+            if isinstance(placement, Shard) and placement.dim == 0:
+                tp_shards_dim0 *= tp_spec.mesh.shape[tp_dim]
+        dp_placement: Placement = (
+            _StridedShard(0, split_factor=tp_shards_dim0) if tp_shards_dim0 > 1 else Shard(0)
+        )
+        placements.insert(dp_dim, dp_placement)
+        spec = DTensorSpec(mesh_2d, tuple(placements), meta)
+        self._check_layout_is_exact(spec, dp_dim)
+        return spec
+
+    def _check_layout_is_exact(self, spec: DTensorSpec[DeviceMesh], dp_dim: int) -> None:
+        """Every rank's rows (TP piece, then its dp chunk) must be what the placements say.
+
+        With both TP and FSDP cutting dim 0 and uneven sizes, chunking a TP piece over dp can
+        differ from every left-to-right reading of the placements; refuse rather than give the
+        parameter a layout that redistribution and checkpoints would read wrongly.
+        """
+        assert self.tp_spec is not None
+        tp_mesh_shape = self.tp_spec.mesh.shape
+        for tp_coordinate in _coordinates(tp_mesh_shape):
+            tp_runs = local_index_runs(self.global_shape, tp_mesh_shape, tp_coordinate, self.tp_spec.placements)[0]
+            tp_rows = [start + k for start, length in tp_runs for k in range(length)]
+            for dp_index in range(self.dp_size):
+                size, offset = chunk_size_and_offset(len(tp_rows), self.dp_size, dp_index)
+                coordinate = list(tp_coordinate)
+                coordinate.insert(dp_dim, dp_index)
+                runs = local_index_runs(self.global_shape, spec.mesh.shape, coordinate, spec.placements)[0]
+                said = [start + k for start, length in runs for k in range(length)]
+                if said != tp_rows[offset : offset + size]:
+                    raise ValueError(
+                        f"fully_shard: parameter {self.fqn!r} of shape {self.global_shape} is cut along dim 0 "
+                        f"by tensor parallelism ({self.tp_spec.placements} on mesh shape {tuple(tp_mesh_shape)}) "
+                        f"and by FSDP over {self.dp_size} ranks, with sizes for which no placement describes the "
+                        f"result ({spec.placements} would put other rows on mesh coordinate {tuple(coordinate)}); "
+                        "expected dim 0 to divide evenly over the tensor-parallel ranks, with each piece divisible "
+                        "by the data-parallel size (or a model whose dim-0 sizes allow it)"
+                    )
+
+    def sharded_local_view(self, sharded_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows inside the unit's flat sharded buffer."""
+        padded = sharded_flat.narrow(0, self.sharded_offset, self.padded_numel).view(
+            (self.padded_rows, *self.unsharded_shape[1:])
+        )
+        return padded.narrow(0, 0, self.local_rows)
+
+    def unsharded_view(self, unsharded_flat: torch.Tensor) -> torch.Tensor:
+        return unsharded_flat.narrow(0, self.unsharded_offset, self.unsharded_numel).view(self.unsharded_shape)
+
+    def copy_out_gathered(self, gathered: torch.Tensor, unsharded_flat: torch.Tensor) -> None:
+        """Rows of the gathered ``(dp, per-rank flat)`` buffer into this parameter's unsharded view."""
+        if self.rows == 0 or self.row_numel == 0:
+            return
+        pieces = gathered.narrow(1, self.sharded_offset, self.padded_numel).view(
+            self.dp_size, self.padded_rows, self.row_numel
+        )
+        target = unsharded_flat.narrow(0, self.unsharded_offset, self.unsharded_numel).view(self.rows, self.row_numel)
+        _copy_rows(target, pieces, self.padded_rows, self.rows, into_pieces=False)
+
+    def copy_in_gradient(self, grad: torch.Tensor, reduce_input: torch.Tensor) -> None:
+        """This parameter's unsharded gradient into its slots of the ``(dp, per-rank flat)`` buffer."""
+        if self.rows == 0 or self.row_numel == 0:
+            return
+        pieces = reduce_input.narrow(1, self.sharded_offset, self.padded_numel).view(
+            self.dp_size, self.padded_rows, self.row_numel
+        )
+        _copy_rows(grad.reshape(self.rows, self.row_numel), pieces, self.padded_rows, self.rows, into_pieces=True)
+
+    def unsharded_for_module(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
+        tp_spec = self.tp_spec
+        if tp_spec is None:
+            return unsharded
+        assert tp_spec.tensor_meta is not None
+        return DTensor.from_local(
+            unsharded,
+            tp_spec.mesh,
+            tp_spec.placements,
+            shape=tp_spec.tensor_meta.shape,
+            stride=tp_spec.tensor_meta.stride,
+        )
+
+
+def _copy_rows(rows_view: torch.Tensor, pieces: torch.Tensor, padded_rows: int, rows: int, *, into_pieces: bool) -> None:
+    """Copy between ``rows`` rows and ``dp`` torch.chunk pieces of ``padded_rows`` rows (two copies at most)."""
+    full_pieces = rows // padded_rows
+    if full_pieces:
+        whole = rows_view.narrow(0, 0, full_pieces * padded_rows).view(full_pieces, padded_rows, -1)
+        if into_pieces:
+            pieces.narrow(0, 0, full_pieces).copy_(whole)
+        else:
+            whole.copy_(pieces.narrow(0, 0, full_pieces))
+    remaining = rows - full_pieces * padded_rows
+    if remaining:
+        tail = rows_view.narrow(0, full_pieces * padded_rows, remaining)
+        if into_pieces:
+            pieces[full_pieces].narrow(0, 0, remaining).copy_(tail)
+        else:
+            tail.copy_(pieces[full_pieces].narrow(0, 0, remaining))
+
+
+def _coordinates(mesh_shape: Sequence[int]) -> list[list[int]]:
+    coordinates: list[list[int]] = [[]]
+    for extent in mesh_shape:
+        coordinates = [c + [i] for c in coordinates for i in range(extent)]
+    return coordinates
+
+
+def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[DeviceMesh, int]:
+    """The mesh over the dp dim and the parameter's tensor-parallel dims, and where dp sits in it."""
+    root = dp_mesh._get_root_mesh()
+    dp_names = dp_mesh.mesh_dim_names
+    tp_names = tp_mesh.mesh_dim_names
+    if tp_mesh._get_root_mesh() != root or not dp_names or not tp_names:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh!r}, which is not a named dim of the "
+            f"same mesh as the data-parallel mesh {dp_mesh!r}; expected both to be slices of one mesh, "
+            'e.g. mesh = init_device_mesh(..., mesh_dim_names=("dp", "tp")), TP on mesh["tp"], '
+            'fully_shard(..., mesh=mesh["dp"])'
+        )
+    if set(dp_names) & set(tp_names):
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is already laid out over the data-parallel mesh dim(s) {dp_names} "
+            f"({tp_mesh!r}); expected parameters that are plain tensors or DTensors on other mesh dims "
+            "(is fully_shard applied twice, or tensor parallelism on the dp dim?)"
+        )
+    root_names = root.mesh_dim_names or ()
+    names = tuple(sorted((*dp_names, *tp_names), key=root_names.index))
+    return root[names], names.index(dp_names[0])
+
+
+class _UnshardedParams(torch.autograd.Function):
+    """Sharded parameters in, the unit's unsharded parameters out; backward reduce-scatters once per unit."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: FSDPParamGroup, *sharded_params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        # detach(): a fresh tensor object on the same storage per forward (autograd attaches this
+        # call's graph to it), so freeing and refilling the storage reaches every saved alias.
+        return tuple(view.detach() for view in group.unsharded_views_with_grad())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        group: FSDPParamGroup = ctx.group
+        sharded_grads = group.post_backward(grads)
+        return (None, *sharded_grads)
+
+
+class FSDPParamGroup:
+    """The managed parameters of one ``fully_shard`` unit and their collectives."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter, list[ParamOwner]]],
+        dp_mesh: DeviceMesh,
+        *,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        self.dp_mesh = dp_mesh
+        self.dp_size = dp_mesh.size()
+        self.group_name = mesh_dim_group_name(dp_mesh, 0)
+        dtypes = {param.dtype for _, param, _ in params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{fqn}: {param.dtype}" for fqn, param, _ in params)
+            raise ValueError(
+                f"fully_shard: one unit gathers its parameters in one flat buffer, so they need one dtype; "
+                f"got {sorted(str(d) for d in dtypes)} ({listing}); expected a single dtype per unit "
+                "(apply fully_shard to the submodules with other dtypes first, or set mp_policy.param_dtype)"
+            )
+        self.orig_dtype = dtypes.pop()
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.device = params[0][1].device
+        self.fsdp_params: list[FSDPParam] = []
+        sharded_numel = unsharded_numel = 0
+        for fqn, param, owners in params:
+            if param.dim() == 0:
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} is 0-dimensional; FSDP shards dim 0, expected parameters "
+                    "with at least one dim (pass it in ignored_params to leave it as it is)"
+                )
+            fsdp_param = FSDPParam(fqn, param, owners, dp_mesh, sharded_numel, unsharded_numel)
+            sharded_numel += fsdp_param.padded_numel
+            unsharded_numel += fsdp_param.unsharded_numel
+            self.fsdp_params.append(fsdp_param)
+        self.sharded_numel = sharded_numel
+        self.unsharded_numel = unsharded_numel
+        # Each rank keeps only its pieces (plus padding to equal sizes).
+        self.sharded_flat = torch.zeros(sharded_numel, dtype=self.orig_dtype, device=self.device)
+        for fsdp_param, (_, param, _) in zip(self.fsdp_params, params):
+            local = param._local_tensor if isinstance(param, DTensor) else param.data
+            rows = local.narrow(0, fsdp_param.local_row_offset, fsdp_param.local_rows)
+            fsdp_param.sharded_local_view(self.sharded_flat).copy_(rows)
+        self.unsharded_flat = torch.empty(unsharded_numel, dtype=self.param_dtype, device=self.device)
+        # Views first: a view of a storage of 0 bytes cannot be made.
+        self._unsharded_views = [p.unsharded_view(self.unsharded_flat) for p in self.fsdp_params]
+        self._free_unsharded()
+        self.is_unsharded = False
+        self._pending_gather: torch.Tensor | None = None
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self._accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
+        self.backward_ran = False
+
+    # -- sharded parameters -----------------------------------------------------
+
+    def make_sharded_params(self) -> list[nn.Parameter]:
+        """Register the sharded DTensor parameters on their modules (in place of the originals)."""
+        sharded: list[nn.Parameter] = []
+        for fsdp_param in self.fsdp_params:
+            local = fsdp_param.sharded_local_view(self.sharded_flat)
+            param = nn.Parameter(DTensor(local, fsdp_param.sharded_spec, requires_grad=False),
+                                 requires_grad=fsdp_param.requires_grad)
+            fsdp_param.sharded_param = param
+            fsdp_param._sharded_local_ptr = local.data_ptr()
+            sharded.append(param)
+        self.use_sharded_params()
+        return sharded
+
+    def use_sharded_params(self) -> None:
+        for fsdp_param in self.fsdp_params:
+            assert fsdp_param.sharded_param is not None
+            for owner in fsdp_param.owners:
+                owner.module._parameters[owner.name] = fsdp_param.sharded_param
+
+    def _sync_sharded_storage(self) -> None:
+        """Copy in sharded parameters whose local tensor was replaced (``param.data = ...``)."""
+        for fsdp_param in self.fsdp_params:
+            param = fsdp_param.sharded_param
+            assert param is not None
+            local = param._local_tensor  # type: ignore[attr-defined]
+            if local.data_ptr() != fsdp_param._sharded_local_ptr:
+                view = fsdp_param.sharded_local_view(self.sharded_flat)
+                view.copy_(local)
+                param._local_tensor = view  # type: ignore[attr-defined]
+                fsdp_param._sharded_local_ptr = view.data_ptr()
+
+    # -- unshard / reshard --------------------------------------------------------
+
+    def launch_unshard(self) -> None:
+        """Start the unit's all-gather (one collective) unless it is unsharded or already on its way."""
+        if self.is_unsharded or self._pending_gather is not None:
+            return
+        self._sync_sharded_storage()
+        send = self.sharded_flat
+        if send.dtype != self.param_dtype:
+            send = send.to(self.param_dtype)
+        with torch.no_grad():
+            self._pending_gather = launch_all_gather(send, self.dp_size, self.group_name)
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather and fill the unsharded parameters."""
+        if self.is_unsharded:
+            return
+        self.launch_unshard()
+        pending = self._pending_gather
+        assert pending is not None
+        self._pending_gather = None
+        with torch.no_grad():
+            gathered = wait(pending).view(self.dp_size, self.sharded_numel)
+            storage = self.unsharded_flat.untyped_storage()
+            with torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+                storage.resize_(self.unsharded_numel * self.unsharded_flat.element_size())
+                for fsdp_param in self.fsdp_params:
+                    fsdp_param.copy_out_gathered(gathered, self.unsharded_flat)
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters' memory (their tensors stay, with no storage)."""
+        if self._pending_gather is not None:
+            wait(self._pending_gather)
+            self._pending_gather = None
+        if self.is_unsharded:
+            self._free_unsharded()
+            self.is_unsharded = False
+
+    def _free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    def unsharded_views_with_grad(self) -> list[torch.Tensor]:
+        return [view for view, p in zip(self._unsharded_views, self.fsdp_params) if p.requires_grad]
+
+    def use_unsharded_params(self) -> None:
+        """Point the modules at the unsharded parameters (through the autograd function when grads are on)."""
+        with_grad = [p for p in self.fsdp_params if p.requires_grad]
+        tensors: dict[int, torch.Tensor] = {}
+        if torch.is_grad_enabled() and with_grad:
+            self.backward_ran = False
+            sharded = [p.sharded_param for p in with_grad]
+            outputs = _UnshardedParams.apply(self, *sharded)
+            for fsdp_param, output in zip(with_grad, outputs):
+                tensors[id(fsdp_param)] = output
+        for fsdp_param, view in zip(self.fsdp_params, self._unsharded_views):
+            tensor = tensors.get(id(fsdp_param))
+            if tensor is None:
+                tensor = view.detach()
+            value = fsdp_param.unsharded_for_module(tensor)
+            for owner in fsdp_param.owners:
+                owner.module._parameters[owner.name] = value  # type: ignore[assignment]
+
+    # -- backward -----------------------------------------------------------------
+
+    def post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Gradients of the unsharded parameters in, the sharded parameters' gradients out."""
+        self.backward_ran = True
+        with_grad = [p for p in self.fsdp_params if p.requires_grad]
+        if self.reshard_after_backward:
+            self.reshard()
+        with torch.no_grad():
+            if not self.requires_gradient_sync:
+                self._accumulate_unsharded(with_grad, grads)
+                return [None] * len(with_grad)
+            reduce_input = torch.empty((self.dp_size, self.sharded_numel), dtype=self.reduce_dtype, device=self.device)
+            accumulated = self._accumulated_grad
+            self._accumulated_grad = None
+            for fsdp_param, grad in zip(with_grad, grads):
+                full = self._unsharded_grad(fsdp_param, grad, accumulated)
+                fsdp_param.copy_in_gradient(full, reduce_input)
+            reduced = wait(launch_reduce_scatter(reduce_input.view(-1), "sum", self.dp_size, self.group_name))
+            reduced.div_(self.dp_size)
+            sharded_grads: list[torch.Tensor | None] = []
+            for fsdp_param in with_grad:
+                local = fsdp_param.sharded_local_view(reduced)
+                if local.dtype != fsdp_param.orig_dtype:
+                    local = local.to(fsdp_param.orig_dtype)
+                sharded_grads.append(DTensor(local, fsdp_param.sharded_spec, requires_grad=False))
+            return sharded_grads
+
+    def _unsharded_grad(
+        self, fsdp_param: FSDPParam, grad: torch.Tensor | None, accumulated: torch.Tensor | None
+    ) -> torch.Tensor:
+        if isinstance(grad, DTensor):
+            grad = grad._local_tensor
+        if grad is None:
+            grad = torch.zeros(fsdp_param.unsharded_shape, dtype=self.reduce_dtype, device=self.device)
+        if accumulated is not None:
+            grad = grad + fsdp_param.unsharded_view(accumulated)
+        return grad
+
+    def _accumulate_unsharded(self, with_grad: list[FSDPParam], grads: Sequence[torch.Tensor | None]) -> None:
+        if self._accumulated_grad is None:
+            self._accumulated_grad = torch.zeros(self.unsharded_numel, dtype=self.reduce_dtype, device=self.device)
+        for fsdp_param, grad in zip(with_grad, grads):
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                grad = grad._local_tensor
+            fsdp_param.unsharded_view(self._accumulated_grad).add_(grad)

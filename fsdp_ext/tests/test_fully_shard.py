@@ -1,0 +1,211 @@
+"""fully_shard on a 1-D data-parallel mesh: parity with one-process training, exact collectives, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
+from shardwise.mesh import init_device_mesh
+from shardwise.placement import Shard
+from shardwise.testing import multi_rank
+
+funcol = torch.ops.c10d_functional
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """Odd sizes on purpose: dim 0 of most parameters does not divide over 4 ranks."""
+
+    def __init__(self, vocab: int = 13, dim: int = 6, hidden: int = 10, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _shard_model(model: Net, mesh: object, **kwargs: object) -> Net:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, **kwargs)  # type: ignore[arg-type]
+    return model
+
+
+def _batch(step: int, batch: int = 8, seq: int = 5, vocab: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
+    targets = torch.randint(0, vocab, (batch, seq), generator=generator)
+    return tokens, targets
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+@multi_rank(world_size=4)
+def test_parameters_are_dim0_shards_that_hide_the_padding() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)))
+    rank = dist.get_rank()
+    assert isinstance(model, FSDPModule) and isinstance(model.blocks[0], FSDPModule)
+    assert type(model).__name__ == "FSDPNet"
+    for (name, param), (ref_name, ref_param) in zip(model.named_parameters(), reference.named_parameters()):
+        assert name == ref_name
+        assert isinstance(param, DTensor) and isinstance(param, nn.Parameter)
+        assert param.placements == (Shard(0),) and param.shape == ref_param.shape
+        expected = list(torch.chunk(ref_param.detach(), 4, 0)) + [ref_param.detach()[:0]] * 4
+        assert torch.equal(param.to_local(), expected[rank]), name
+        assert torch.equal(param.full_tensor(), ref_param.detach())
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@multi_rank(world_size=4)
+def test_training_matches_one_process_with_exact_collectives(reshard_after_forward: bool) -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)),
+                         reshard_after_forward=reshard_after_forward)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    rank = dist.get_rank()
+    units = 3  # two blocks and the root
+    for step in range(3):
+        tokens, targets = _batch(step)
+        ref_loss = _loss(reference, tokens, targets)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+
+        local = slice(rank * 2, rank * 2 + 2)  # each rank trains on its quarter of the batch
+        with CommDebugMode() as forward_comm:
+            loss = _loss(model, tokens[local], targets[local])
+        with CommDebugMode() as backward_comm:
+            loss.backward()
+        with CommDebugMode() as step_comm:
+            optim.step()
+            optim.zero_grad()
+        # One all-gather per unit in forward, one reduce-scatter per unit in backward; backward
+        # re-gathers the units freed after forward (never the root).
+        assert forward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == units
+        assert forward_comm.get_total_counts() == units
+        regathers = units - 1 if reshard_after_forward else 0
+        assert backward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == regathers
+        assert backward_comm.get_comm_counts()[funcol.reduce_scatter_tensor] == units
+        assert backward_comm.get_total_counts() == units + regathers
+        assert step_comm.get_total_counts() == 0
+        all_losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(all_losses, loss.detach())
+        torch.testing.assert_close(torch.stack(all_losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@multi_rank(world_size=4)
+def test_gradient_accumulation_without_sync_reduces_once() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)))
+    rank = dist.get_rank()
+    micro_batches = [_batch(step) for step in range(3)]
+    for tokens, targets in micro_batches:
+        _loss(reference, tokens, targets).backward()
+    local = slice(rank * 2, rank * 2 + 2)
+    model.set_requires_gradient_sync(False)
+    with CommDebugMode() as no_sync_comm:
+        for tokens, targets in micro_batches[:-1]:
+            _loss(model, tokens[local], targets[local]).backward()
+    assert no_sync_comm.get_comm_counts()[funcol.reduce_scatter_tensor] == 0
+    assert all(p.grad is None for p in model.parameters())
+    model.set_requires_gradient_sync(True)
+    with CommDebugMode() as sync_comm:
+        tokens, targets = micro_batches[-1]
+        _loss(model, tokens[local], targets[local]).backward()
+    assert sync_comm.get_comm_counts()[funcol.reduce_scatter_tensor] == 3
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(param.grad, DTensor) and param.grad.placements == (Shard(0),)
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@multi_rank(world_size=4)
+def test_mixed_precision_gathers_bf16_and_reduces_fp32() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    bf16_reference = copy.deepcopy(reference).to(torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)), mp_policy=policy)
+    rank = dist.get_rank()
+    tokens, targets = _batch(0)
+    _loss(bf16_reference, tokens, targets).backward()
+    local = slice(rank * 2, rank * 2 + 2)
+    logits = model(tokens[local])
+    assert logits.dtype == torch.bfloat16
+    nn.functional.cross_entropy(logits.reshape(-1, 13).float(), targets[local].reshape(-1)).backward()
+    for (name, param), ref_param in zip(model.named_parameters(), bf16_reference.parameters()):
+        assert param.dtype == torch.float32 and param.grad is not None and param.grad.dtype == torch.float32
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+@multi_rank(world_size=4)
+def test_explicit_unshard_and_reshard() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)))
+    block = model.blocks[0]
+    assert isinstance(block, FSDPModule)
+    handle = block.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    tokens, _ = _batch(0)
+    with CommDebugMode() as comm:
+        with torch.no_grad():
+            out = model(tokens)
+    # The block was gathered already: only the root and the other block gather.
+    assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(tokens), rtol=1e-5, atol=1e-6)
+    block.reshard()
+
+
+@multi_rank(world_size=4)
+def test_bad_input_is_refused_before_any_collective() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    model = Net()
+    fully_shard(model.blocks[0], mesh=mesh)
+    with CommDebugMode() as comm:
+        with pytest.raises(ValueError, match="already applied to this FSDPBlock"):
+            fully_shard(model.blocks[0], mesh=mesh)
+        with pytest.raises(ValueError, match="expected a 1-D mesh"):
+            fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
+        with pytest.raises(NotImplementedError, match="shards dim 0 only"):
+            fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        with pytest.raises(NotImplementedError, match="reshard_after_forward=2"):
+            fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=2)
+    assert comm.get_total_counts() == 0
+    mixed = Net()
+    mixed.head.to(torch.float64)
+    with pytest.raises(ValueError, match="need one dtype"):
+        fully_shard(mixed, mesh=mesh)
