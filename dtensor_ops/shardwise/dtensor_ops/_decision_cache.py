@@ -90,7 +90,11 @@ def key_part(value: Any, keep_float_values: bool) -> Hashable:
     if value_type is bool:
         return (bool, value)
     if value_type is list or value_type is tuple or value_type is torch.Size:
-        return (list, *[key_part(item, keep_float_values) for item in value])
+        parts: list[Hashable] = [list]
+        for item in value:
+            # Ints (sizes, dims) are their own part: no call for them.
+            parts.append(item if type(item) is int else key_part(item, keep_float_values))
+        return tuple(parts)
     if isinstance(value, torch.Tensor):
         return (torch.Tensor, value.dtype, tuple(value.shape))
     return value

@@ -143,9 +143,9 @@ def _refuse_mutated_redistribute(
 def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     kind = prepared.wrap_kind
     if kind == WRAP_TENSOR:
-        return wrap_local_tensor(DTensor, result, cast(DTensorSpec[DeviceMesh], prepared.output_spec))
+        return wrap_local_tensor(DTensor, result, prepared.output_spec)  # type: ignore[arg-type]
     if kind == WRAP_NESTED:
-        return _wrap_nested(cast(torch._ops.OpOverload, prepared.op), result, prepared.output_specs)
+        return _wrap_nested(prepared.op, result, prepared.output_specs)  # type: ignore[arg-type]
     if kind == WRAP_PASSTHROUGH:
         if isinstance(result, _Tensor):
             raise RuntimeError(f"{prepared.op}: the op returned a tensor but its sharding rule gave no output spec")
@@ -153,7 +153,7 @@ def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict
     if kind == WRAP_INPLACE:
         target = args[0]
         if isinstance(target, DTensor):
-            _adopt_spec(cast(torch._ops.OpOverload, prepared.op), target, prepared.output_spec)
+            _adopt_spec(prepared.op, target, prepared.output_spec)  # type: ignore[arg-type]
         return target
     if kind == WRAP_OUT:
         outs = [kwargs[name] for name in prepared.out_names]
@@ -161,7 +161,7 @@ def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict
         spec_list: Sequence[Any] = specs if isinstance(specs, (tuple, list)) else (specs,)
         for out, spec in zip(outs, spec_list):
             if isinstance(out, DTensor):
-                _adopt_spec(cast(torch._ops.OpOverload, prepared.op), out, spec)
+                _adopt_spec(prepared.op, out, spec)  # type: ignore[arg-type]
         return outs[0] if len(outs) == 1 else tuple(outs)
     return None
 
@@ -217,7 +217,7 @@ def torch_dispatch(
         return _dispatch_general(func, args, kwargs)
     local_args = list(args)
     spec_args = list(args)
-    freeze_key = False
+    tagged_positions: list[int] | None = None
     scalar_positions: list[int] | None = None
     position = 0
     for arg in args:
@@ -227,13 +227,15 @@ def torch_dispatch(
             spec_args[position] = arg._spec
         elif arg_type in SELF_KEYED_TYPES:
             pass
-        elif arg_type in _TYPE_TAGGED_TYPES:
-            freeze_key = True
-        elif arg_type is list:
-            for item in arg:
-                if type(item) is not int:
-                    return _dispatch_general(func, args, {})
-            freeze_key = True
+        elif arg_type in _TYPE_TAGGED_TYPES or arg_type is list:
+            if arg_type is list:
+                for item in arg:
+                    if type(item) is not int:
+                        return _dispatch_general(func, args, {})
+            if tagged_positions is None:
+                tagged_positions = [position]
+            else:
+                tagged_positions.append(position)
         elif arg_type is _Tensor and arg.dim() == 0:
             if scalar_positions is None:
                 scalar_positions = [position]
@@ -248,11 +250,14 @@ def torch_dispatch(
             return _dispatch_general(func, args, {})
         for position in scalar_positions:
             spec_args[position] = _replicated_spec_for_plain_tensor(func, args[position], mesh)
-    if freeze_key:
+    if tagged_positions is not None:
         keep_floats = float_values_matter(func)
-        key = (func, *[key_part(value, keep_floats) for value in spec_args])
+        key_parts = spec_args.copy()
+        for position in tagged_positions:
+            key_parts[position] = key_part(spec_args[position], keep_floats)
+        key = (func, *key_parts)
     else:
-        # Every part is its own key part (specs, self-keyed values): the same key key_part would build.
+        # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
         key = (func, *spec_args)
     prepared = DECISIONS.get(key)
     if prepared is None:
@@ -289,7 +294,7 @@ def torch_dispatch(
                     local_args[position] = redistribute_local_tensor(local_args[position], spec, target)
                 slot += 1
     for where, value in prepared.local_arg_overrides:
-        local_args[cast(int, where)] = value
+        local_args[where] = value  # type: ignore[index]
     if prepared.random_plan is not None:
         return _finish(prepared, run_random_op(prepared.random_plan, prepared.call, local_args, {}), args, {})  # type: ignore[arg-type]
     return _finish(prepared, prepared.call(*local_args), args, {})  # type: ignore[misc]
