@@ -195,6 +195,7 @@ def _identity_of_meshes() -> list[tuple[str, int, str]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     unnamed = DeviceMesh("cpu", [[0, 2], [1, 3]])
     meshes = [mesh, mesh["tp"], mesh["dp"], mesh._flatten(), unnamed, DeviceMesh("cpu", [1, 2])]
+    meshes += [DeviceMesh("cpu", [0, 1, 2, 3]), DeviceMesh("cpu", [3, 2, 1, 0])]
     return [(repr(m), hash(m), m._stable_hash()) for m in meshes]
 
 
@@ -203,12 +204,18 @@ def test_eq_hash_and_repr_are_the_same_on_every_rank() -> None:
     assert all(identity == per_rank[0] for identity in per_rank[1:])
     reprs = [text for text, _, _ in per_rank[0]]
     assert reprs[:4] == [
-        "DeviceMesh((dp=2, tp=2), 'cpu', stride=(2, 1))",
-        "DeviceMesh((tp=2), 'cpu', stride=(1,))",
-        "DeviceMesh((dp=2), 'cpu', stride=(2,))",
-        "DeviceMesh((dp_tp=4), 'cpu', stride=(1,))",
+        "DeviceMesh((dp=2, tp=2), 'cpu', stride=(2, 1), ranks=[[0, 1], [2, 3]])",
+        "DeviceMesh((tp=2), 'cpu', stride=(1,), submeshes=[[0, 1], [2, 3]])",
+        "DeviceMesh((dp=2), 'cpu', stride=(2,), submeshes=[[0, 2], [1, 3]])",
+        "DeviceMesh((dp_tp=4), 'cpu', stride=(1,), ranks=[0, 1, 2, 3])",
     ]
-    assert reprs[4] == "DeviceMesh((2, 2), 'cpu', stride=(2, 1))"
+    assert reprs[4] == "DeviceMesh((2, 2), 'cpu', stride=(2, 1), ranks=[[0, 2], [1, 3]])"
+    assert reprs[5] == "DeviceMesh((2,), 'cpu', stride=(1,), ranks=[1, 2])"
+    # Same sizes and strides, other rank order: PyTorch prints these two alike, we must not.
+    assert reprs[6:] == [
+        "DeviceMesh((4,), 'cpu', stride=(1,), ranks=[0, 1, 2, 3])",
+        "DeviceMesh((4,), 'cpu', stride=(1,), ranks=[3, 2, 1, 0])",
+    ]
     hashes = [mesh_hash for _, mesh_hash, _ in per_rank[0]]
     assert len(set(hashes)) == len(hashes)
 
@@ -392,3 +399,30 @@ def test_meshes_after_asymmetric_group_history_do_not_hang() -> None:
     rank = dist.get_rank()
     assert _sum_of_ranks_over(mesh.get_group("dp")) == 2 * (rank % 2) + 2
     assert _sum_of_ranks_over(mesh.get_group("tp")) == 4 * (rank // 2) + 1
+
+
+@multi_rank
+def test_meshes_do_not_keep_process_groups_alive_after_destroy() -> None:
+    # A gloo group kept alive past destroy_process_group keeps its worker threads into interpreter
+    # shutdown, where one may abort the process (SIGABRT) after a good run: c10d must be the only
+    # owner of the groups, so destroying them really frees them even while meshes live on.
+    import gc
+    import weakref
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, flat = mesh["tp"], mesh._flatten()
+    line = DeviceMesh("cpu", [3, 2, 1, 0])
+    groups = [*mesh.get_all_groups(), tp.get_group(), flat.get_group(), line.get_group(), dist.group.WORLD]
+    assert all(isinstance(group, dist.ProcessGroup) for group in groups)
+    references = [weakref.ref(group) for group in groups]
+    del groups
+    dist.destroy_process_group()
+    gc.collect()
+    alive = [reference() for reference in references if reference() is not None]
+    assert alive == [], f"still alive after destroy_process_group: {[group.group_name for group in alive]}"
+    # The meshes still describe their layout and say clearly that their groups are gone.
+    assert mesh.shape == (2, 2) and mesh.get_coordinate() is not None
+    with pytest.raises(MeshError, match=r"were destroyed \(destroy_process_group\)"):
+        mesh.get_group("tp")
+    with pytest.raises(MeshError, match="were destroyed"):
+        line.get_all_groups()

@@ -114,6 +114,35 @@ def test_size_one_dims_take_no_stride_as_in_pytorch_repr() -> None:
     assert root.view(((0, 1),)).strides == (2,)
 
 
+def test_rank_listing_tells_layouts_apart() -> None:
+    root = _root((2, 2))
+    assert root.rank_listing == "ranks=[[0, 1], [2, 3]]"
+    assert _root((2, 2), [0, 2, 1, 3]).rank_listing == "ranks=[[0, 2], [1, 3]]"
+    # A slice has one sub-mesh per index of the dims it leaves out: all of them, in that order.
+    assert root.view(((1,),)).rank_listing == "submeshes=[[0, 1], [2, 3]]"
+    assert root.view(((0,),)).rank_listing == "submeshes=[[0, 2], [1, 3]]"
+    assert root.view(((0, 1),)).rank_listing == "ranks=[0, 1, 2, 3]"
+    assert _root((4,), [3, 2, 1, 0]).rank_listing == "ranks=[3, 2, 1, 0]"
+
+
+def test_rank_listing_of_large_meshes_is_bounded_and_still_distinct() -> None:
+    in_order = _root((16, 16))
+    assert in_order.rank_listing == "ranks=range(0, 256)"
+    assert in_order.view(((1,),)).rank_listing == "submeshes=range(0, 256)"
+    by_column = in_order.view(((0,),)).rank_listing
+    reversed_ranks = _root((16, 16), list(range(255, -1, -1))).rank_listing
+    shuffled = list(range(256))
+    shuffled[0], shuffled[1] = shuffled[1], shuffled[0]
+    swapped_pair = _root((16, 16), shuffled).rank_listing
+    for listing in (by_column, reversed_ranks, swapped_pair):
+        assert len(listing) < 120 and "256 ranks, digest" in listing
+    assert by_column.startswith("submeshes=[0, 16, 32, 48, 64, 80, 96, 112, ...]")
+    assert reversed_ranks.startswith("ranks=[255, 254, 253, 252, 251, 250, 249, 248, ...]")
+    assert len({by_column, reversed_ranks, swapped_pair}) == 3
+    # Printed in full up to 64 ranks.
+    assert _root((8, 8), list(range(63, -1, -1))).rank_listing.startswith("ranks=[[63, 62, 61, 60, 59, 58, 57, 56], ")
+
+
 def test_rank_outside_the_root() -> None:
     root = _root((2,), [1, 3])
     assert not root.contains(0) and root.coordinate(0) is None

@@ -6,7 +6,8 @@ import hashlib
 import math
 import os
 import threading
-from typing import Any, Sequence
+import weakref
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ class DeviceMesh:
     _layout: MeshLayout
     _mesh_dim_names: tuple[str, ...] | None
     _root: DeviceMesh | None
-    _groups: tuple[dist.ProcessGroup, ...]
+    _group_refs: tuple[weakref.ref[dist.ProcessGroup], ...]
     _dim_group_names: tuple[str, ...]
     _rank: int
     _coordinate: tuple[int, ...] | None
@@ -97,7 +98,10 @@ class DeviceMesh:
         self._layout = layout
         self._mesh_dim_names = names
         self._root = root
-        self._groups = groups
+        # Weak: c10d owns the groups until destroy_process_group, and a mesh (or a DTensor holding
+        # one) that outlives that must not keep a gloo group's worker threads running into
+        # interpreter shutdown, where they abort the process (see _process_groups).
+        self._group_refs = tuple(weakref.ref(group) for group in groups)
         self._dim_group_names = tuple(group.group_name for group in groups)
         self._pickled_group_names: tuple[str, ...] = ()
         self._rank = rank
@@ -231,12 +235,18 @@ class DeviceMesh:
 
     def _require_groups(self, what: str) -> tuple[dist.ProcessGroup, ...]:
         self._require_member(what)
-        if len(self._groups) != self.ndim:
+        if len(self._group_refs) != self.ndim:
             raise MeshError(
                 f"{what}: {self!r} was unpickled in a process that does not have its process groups "
                 f"{self._pickled_group_names}; rebuild the mesh in this process instead"
             )
-        return self._groups
+        groups = tuple(reference() for reference in self._group_refs)
+        if any(group is None for group in groups):
+            raise MeshError(
+                f"{what}: the process groups {list(self._dim_group_names)} of {self!r} were destroyed "
+                "(destroy_process_group); build a new mesh after init_process_group"
+            )
+        return cast(tuple[dist.ProcessGroup, ...], groups)
 
     # ------------------------------------------------------------------------ slicing, flatten
 
@@ -271,12 +281,12 @@ class DeviceMesh:
         return submesh
 
     def _group_by_root_dims(self, root_dims: tuple[int, ...]) -> dist.ProcessGroup:
-        for dims, group in zip(self._layout.dims, self._groups):
+        for dim, dims in enumerate(self._layout.dims):
             if dims == root_dims:
-                return group
+                return self._require_groups("slicing")[dim]
         for flattened in self._get_root_mesh()._flatten_mapping.values():
             if flattened._layout.dims[0] == root_dims:
-                return flattened._groups[0]
+                return flattened._require_groups("slicing")[0]
         raise AssertionError(f"no process group spans root dims {root_dims}")
 
     def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
@@ -398,7 +408,10 @@ class DeviceMesh:
             sizes = "(" + ", ".join(f"{name}={size}" for name, size in zip(self._mesh_dim_names, self.shape)) + ")"
         else:
             sizes = str(self.shape)
-        text = f"DeviceMesh({sizes}, '{self._device_type}', stride={self._layout.strides}"
+        # PyTorch prints sizes and strides only, so meshes over other ranks (``[0, 1, 2, 3]`` and
+        # ``[3, 2, 1, 0]``) print alike; the rank listing tells them apart and, like the rest,
+        # is the same on every rank.
+        text = f"DeviceMesh({sizes}, '{self._device_type}', stride={self._layout.strides}, {self._layout.rank_listing}"
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL":
             # As PyTorch: with detail on, show this rank's grid (the only rank-dependent repr).
             grid = self._layout.submesh_grid(self._rank)
@@ -415,7 +428,7 @@ class DeviceMesh:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_groups")
+        state.pop("_group_refs")
         state.pop("_slices")
         return state
 
@@ -436,7 +449,7 @@ class DeviceMesh:
             self._pickled_group_names = self._dim_group_names
             self._dim_group_names = ()
             groups = []
-        self._groups = tuple(groups)
+        self._group_refs = tuple(weakref.ref(group) for group in groups)
 
     def __enter__(self) -> DeviceMesh:
         _active_meshes.meshes.append(self)

@@ -9,6 +9,7 @@ sees. Nothing here knows about processes, so it is unit-tested directly.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ import torch
 from shardwise.mesh._validation import RankGrid
 
 __all__ = ["MeshLayout"]
+
+# Meshes up to this many ranks print every rank; larger ones print a bounded summary.
+_RANKS_PRINTED_IN_FULL = 64
 
 
 @dataclass(frozen=True)
@@ -142,8 +146,7 @@ class MeshLayout:
         (no batch dims, e.g. the root itself); otherwise None.
         """
         batch = self.batch_root_dims
-        spanned = [d for root_dims in self.dims for d in root_dims]
-        grids = self._root_grid().permute(*batch, *spanned).reshape(-1, *self.shape)
+        grids = self._all_submesh_grids
         if grids.shape[0] == 1:
             return grids[0]
         root_index = self._root_index(rank)
@@ -153,3 +156,34 @@ class MeshLayout:
         for d in batch:
             batch_position = batch_position * self.root_shape[d] + root_index[d]
         return grids[batch_position]
+
+    @functools.cached_property
+    def _all_submesh_grids(self) -> torch.Tensor:
+        """Every sub-mesh of this view, stacked: shape ``(number of sub-meshes, *shape)``, batch order."""
+        batch = self.batch_root_dims
+        spanned = [d for root_dims in self.dims for d in root_dims]
+        return self._root_grid().permute(*batch, *spanned).reshape(-1, *self.shape)
+
+    @functools.cached_property
+    def rank_listing(self) -> str:
+        """What tells this layout's ranks apart, the same text on every rank.
+
+        ``ranks=<grid>`` when the view is a single grid of ranks (a root mesh, or a view
+        spanning every root dim); ``submeshes=<grids>`` when it has several sub-meshes (a
+        slice: one per index of the dims it leaves out), listed in the order of those dims.
+        Up to 64 ranks are printed in full; more are summarised as ``range(a, b)`` when they
+        are consecutive in row-major order, else by their first ranks, their count and a
+        digest of the whole list, so that different layouts never print alike.
+        """
+        grids = self._all_submesh_grids
+        label = "ranks" if grids.shape[0] == 1 else "submeshes"
+        values = grids[0] if grids.shape[0] == 1 else grids
+        flat = [int(rank) for rank in values.reshape(-1).tolist()]
+        if len(flat) <= _RANKS_PRINTED_IN_FULL:
+            return f"{label}={values.tolist()}"
+        start = flat[0]
+        if flat == list(range(start, start + len(flat))):
+            return f"{label}=range({start}, {start + len(flat)})"
+        digest = hashlib.blake2b(repr(flat).encode(), digest_size=4).hexdigest()
+        head = ", ".join(str(rank) for rank in flat[:8])
+        return f"{label}=[{head}, ...] ({len(flat)} ranks, digest {digest})"

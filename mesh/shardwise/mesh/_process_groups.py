@@ -26,7 +26,7 @@ ranks skip exactly the same calls and the world-wide counter stays in step.
 
 from __future__ import annotations
 
-import atexit
+import weakref
 from typing import Sequence
 
 import torch.distributed as dist
@@ -49,20 +49,29 @@ def default_process_group() -> dist.ProcessGroup:
 
 
 class _GroupRegistry:
-    """Process-wide map from (backend, ordered ranks) to the group, or None on non-members."""
+    """Process-wide map from (backend, ordered ranks) to the group, or None on non-members.
+
+    It holds the groups (and the default group it follows) by weak reference only: c10d keeps
+    every group it created alive until ``destroy_process_group``, and nothing in shardwise may keep
+    one alive past that. A gloo group that outlives ``destroy_process_group`` keeps its worker
+    threads running into interpreter shutdown; a worker that then drops the last C++ reference to
+    a finished collective's tensors must take the GIL to release their Python objects, and a
+    thread taking the GIL during finalisation is killed with "terminate called without an active
+    exception" (SIGABRT), failing a job that did everything right.
+    """
 
     def __init__(self) -> None:
-        self._world: dist.ProcessGroup | None = None
+        self._world: weakref.ref[dist.ProcessGroup] | None = None
         self._backend = ""
-        self._groups: dict[_GroupKey, dist.ProcessGroup | None] = {}
+        self._groups: dict[_GroupKey, weakref.ref[dist.ProcessGroup] | None] = {}
 
     def _follow_world(self) -> dist.ProcessGroup:
         world = default_process_group()
-        if world is not self._world:
+        if self._world is None or self._world() is not world:
             # Groups of an earlier default process group are dead; their names may even be reused.
-            self._world = world
+            self._world = weakref.ref(world)
             self._backend = dist.get_backend_config(world)
-            self._groups = {(self._backend, tuple(range(world.size()))): world}
+            self._groups = {(self._backend, tuple(range(world.size()))): weakref.ref(world)}
         return world
 
     def group_for(self, sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:
@@ -71,9 +80,19 @@ class _GroupRegistry:
         for ranks in sub_groups:
             key = (self._backend, ranks)
             if key not in self._groups:
-                self._groups[key] = self._create(world, ranks, my_rank, description)
+                created = self._create(world, ranks, my_rank, description)
+                self._groups[key] = None if created is None else weakref.ref(created)
             if my_rank in ranks:
-                mine = self._groups[key]
+                reference = self._groups[key]
+                mine = None if reference is None else reference()
+                if mine is None:
+                    # Recreating it here alone would put this rank's new_group calls out of step
+                    # with the ranks outside the group, who cannot see that it is gone.
+                    raise MeshError(
+                        f"the process group of ranks {list(ranks)} was destroyed "
+                        "(destroy_process_group(group)) while the default process group lives on; "
+                        "meshes over these ranks need a new default process group"
+                    )
         return mine
 
     @staticmethod
@@ -94,7 +113,7 @@ class _GroupRegistry:
         return created
 
     def forget(self) -> None:
-        """Drop every reference to the groups (the next use starts from the current default group)."""
+        """Drop every record of the groups (the next use starts from the current default group)."""
         self._world = None
         self._backend = ""
         self._groups = {}
@@ -102,16 +121,14 @@ class _GroupRegistry:
     def lookup_by_name(self, group_name: str) -> dist.ProcessGroup | None:
         """A registered group (or the default group) by its c10d name, for unpickling meshes."""
         self._follow_world()
-        for group in self._groups.values():
+        for reference in self._groups.values():
+            group = None if reference is None else reference()
             if group is not None and group.group_name == group_name:
                 return group
         return None
 
 
 _registry = _GroupRegistry()
-# Groups kept alive into interpreter teardown are destroyed in arbitrary order there, which can abort
-# a gloo rank ("terminate called without an active exception") after an otherwise good run.
-atexit.register(_registry.forget)
 
 
 def group_for_dim(sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:
