@@ -212,3 +212,13 @@ class _LegacyOutputHook(_OutputHook):
     def __call__(self, module: nn.Module, inputs: Any, outputs: Any) -> Any:
         return self.fn(outputs, self.mesh)
 
+
+
+def _shard_tensor(
+    full_tensor: torch.Tensor, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+) -> DTensor:
+    """PyTorch's private ``_shard_tensor``: cut this rank's shard out of ``full_tensor``, no communication.
+
+    Every rank must pass the same full tensor; ``distribute_tensor(..., src_data_rank=None)``.
+    """
+    return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)

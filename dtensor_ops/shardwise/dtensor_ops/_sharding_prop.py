@@ -32,15 +32,19 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
 
 from ._decision import ArgPosition, OpDecision, OutputSpecs
-from ._decision_cache import DECISIONS, call_key, decision_cache_size, remember_decision
+from ._caches import clear_all_caches
+from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision_cache_size, remember_decision
 from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
 from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
-from ._rules import ShardingPropagationError
+from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
 
 __all__ = [
     "OpDecision",
+    "PropagationCacheInfo",
+    "ShardingPropagator",
+    "sharding_propagator",
     "ShardingPropagationError",
     "decide_op_sharding",
     "propagate_op_sharding",
@@ -69,9 +73,76 @@ def propagate_op_sharding(
             f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
         ) from None
     if decision is None:
+        _PROPAGATION_COUNTS[1] += 1
         decision = decide_op_sharding(op, args, kwargs)
         remember_decision(key, decision)
+    else:
+        _PROPAGATION_COUNTS[0] += 1
     return decision
+
+
+# [hits, misses] of propagate_op_sharding (dispatch calls it only when its own lookup missed, so this
+# is PyTorch's "python sharding propagation cache", not the dispatch fast path).
+_PROPAGATION_COUNTS = [0, 0]
+
+
+class PropagationCacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+class _CachedPropagation:
+    """``ShardingPropagator.propagate_op_sharding``: the cached propagation, with functools' cache API."""
+
+    def __call__(
+        self, op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object] | None = None
+    ) -> OpDecision:
+        return propagate_op_sharding(op, args, kwargs or {})
+
+    def cache_info(self) -> PropagationCacheInfo:
+        return PropagationCacheInfo(_PROPAGATION_COUNTS[0], _PROPAGATION_COUNTS[1], MAX_CACHED_DECISIONS, sharding_cache_size())
+
+    def cache_clear(self) -> None:
+        DECISIONS.clear()
+        _PROPAGATION_COUNTS[0] = _PROPAGATION_COUNTS[1] = 0
+
+
+class ShardingPropagator:
+    """PyTorch's propagator object over shardwise's engine (rules per op family, one decision cache).
+
+    ``propagate_op_sharding(op, args, kwargs)``: the cached decision (an ``OpDecision``: output
+    specs, target input specs), with ``.cache_info()`` / ``.cache_clear()``;
+    ``propagate_op_sharding_non_cached(op, args, kwargs)``: the same, decided afresh;
+    ``register_sharding_rule(op, rule)``: give ``op`` (an overload or a list) a ``ShardingRule``,
+    replacing any it has (cached decisions are dropped). DTensors in ``args`` are given as their
+    ``DTensorSpec`` (with ``tensor_meta``). PyTorch's ``OpSchema``/``OpStrategy`` types have no
+    counterpart: rules here state their strategies for one mesh dim (see ``_rules.ShardingRule``),
+    and ``experimental.register_sharding`` takes PyTorch's user-level form.
+    """
+
+    def __init__(self) -> None:
+        self.propagate_op_sharding = _CachedPropagation()
+
+    def propagate_op_sharding_non_cached(
+        self, op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object] | None = None
+    ) -> OpDecision:
+        return decide_op_sharding(op, args, kwargs or {})
+
+    def register_sharding_rule(
+        self, op: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule: ShardingRule
+    ) -> None:
+        ops = [op] if isinstance(op, torch._ops.OpOverload) else list(op)
+        override_rule(ops, rule)
+        clear_all_caches()
+
+    def rule_for(self, op: torch._ops.OpOverload) -> ShardingRule | None:
+        return rule_for(op)
+
+
+# The one propagator (PyTorch reaches it as DTensor._op_dispatcher.sharding_propagator).
+sharding_propagator = ShardingPropagator()
 
 
 def sharding_cache_key(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Hashable:

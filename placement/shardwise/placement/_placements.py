@@ -10,6 +10,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Final, NoReturn
 
+import torch
+
 __all__ = ["Placement", "Shard", "_StridedShard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
 
 SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min"})
@@ -87,6 +89,45 @@ class Shard(Placement):
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return (Shard, (self.dim,))
+
+    # PyTorch's private helpers that its tests call on a placement (torch.chunk layout, pure).
+
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Size and offset of piece ``rank`` when ``curr_local_size`` is cut into ``num_chunks`` torch.chunk pieces."""
+        full_chunk = -(-curr_local_size // num_chunks)
+        offset = min(rank * full_chunk, curr_local_size)
+        return max(0, min(full_chunk, curr_local_size - offset)), offset
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        return Shard.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """``num_chunks`` torch.chunk pieces of ``tensor`` along ``self.dim`` (trailing ones maybe empty).
+
+        ``with_padding``: each piece is zero-padded to the largest piece's size and the pad sizes
+        are returned (otherwise an empty list), as collectives need equal pieces.
+        """
+        dim = self.dim + tensor.ndim if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.ndim:
+            raise AssertionError(f"Sharding dim {self.dim} out of range for a tensor with {tensor.ndim} dims")
+        dim_size = tensor.size(dim)
+        full_chunk = -(-dim_size // num_chunks)
+        pieces: list[torch.Tensor] = []
+        pad_sizes: list[int] = []
+        for index in range(num_chunks):
+            size, offset = Shard.local_shard_size_and_offset(dim_size, num_chunks, index)
+            piece = tensor.narrow(dim, offset, size)
+            if with_padding:
+                pad_size = full_chunk - size
+                pad_sizes.append(pad_size)
+                if pad_size:
+                    widths = [0, 0] * (tensor.ndim - 1 - dim) + [0, pad_size]
+                    piece = torch.nn.functional.pad(piece, widths)
+            pieces.append(piece.contiguous() if contiguous else piece)
+        return pieces, pad_sizes
 
 
 class _StridedShard(Placement):

@@ -58,7 +58,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("DTensor class", ("_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
-    ("API and factories", ("_api", "_factories", "experimental", "random", "debug")),
+    ("API and factories", ("_api", "_factories", "experimental", "random", "debug", "_dtensor_spec", "_collective_utils", "_utils")),
     ("wiring", ("",)),  # the package __init__
 )
 
