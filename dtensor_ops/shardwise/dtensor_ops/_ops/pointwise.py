@@ -21,6 +21,7 @@ partial values where the op is linear in them:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -36,7 +37,7 @@ from ._shapes import (
 from .._schema import schema_facts
 from .._rules import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
 
-__all__ = ["POINTWISE_RULE", "pointwise_output_meta", "pointwise_strategies"]
+__all__ = ["MULTI_OUTPUT_POINTWISE_RULE", "POINTWISE_RULE", "pointwise_output_meta", "pointwise_strategies"]
 
 aten = torch.ops.aten
 
@@ -47,13 +48,24 @@ _UNARY = (
     "rad2deg", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sgn", "signbit", "sin", "sinc",
     "sinh", "sqrt", "square", "tan", "tanh", "trunc", "gelu", "silu", "mish", "hardsigmoid", "hardswish",
     "hardtanh", "leaky_relu", "elu", "softplus", "threshold", "clamp", "clamp_min", "clamp_max", "pow",
-    "hardshrink", "softshrink",
+    "hardshrink", "softshrink", "angle", "i0", "isneginf", "isposinf", "celu", "mvlgamma", "polygamma",
+    "conj_physical", "_conj_physical", "special_airy_ai", "special_bessel_j0", "special_bessel_j1",
+    "special_bessel_y0", "special_bessel_y1", "special_entr", "special_erfcx", "special_i0e", "special_i1",
+    "special_i1e", "special_log_ndtr", "special_modified_bessel_i0", "special_modified_bessel_i1",
+    "special_modified_bessel_k0", "special_modified_bessel_k1", "special_ndtri", "special_ndtr",
+    "special_scaled_modified_bessel_k0", "special_scaled_modified_bessel_k1", "special_spherical_bessel_j0",
 )  # fmt: skip
 _BINARY = (
     "add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "maximum", "minimum", "fmax",
     "fmin", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "hypot", "copysign", "logical_and", "logical_or",
     "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "xlogy", "where", "masked_fill", "addcmul",
-    "addcdiv", "lerp",
+    "addcdiv", "lerp", "heaviside", "igamma", "igammac", "ldexp", "logaddexp", "logaddexp2", "nextafter",
+    "special_xlog1py", "special_zeta", "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u",
+    "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w", "special_shifted_chebyshev_polynomial_t",
+    "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+    "special_shifted_chebyshev_polynomial_w", "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+    "special_laguerre_polynomial_l", "special_legendre_polynomial_p", "complex", "polar", "float_power",
+    "_prelu_kernel",
 )  # fmt: skip
 _GRADIENT_SCALING_BACKWARDS = (
     "sigmoid_backward", "tanh_backward", "threshold_backward", "gelu_backward", "silu_backward",
@@ -171,3 +183,53 @@ POINTWISE_RULE = ShardingRule(
 )
 
 register_rule(aten_overloads(_UNARY + _BINARY + _GRADIENT_SCALING_BACKWARDS), POINTWISE_RULE)
+
+
+def _multi_output_pointwise_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """One input, several outputs of its shape (``frexp``: mantissa and exponent; ``log_sigmoid_forward``:
+    output and buffer): every output sharded like the input.  An output of another shape (an empty
+    buffer) can only be replicated, and then so is everything."""
+    in_shape = call.input_shape(0)
+    outputs = len(call.output_metas)
+    strategies: list[OneDimStrategy] = []
+    if all(meta is not None and meta.shape == in_shape for meta in call.output_metas):
+        strategies.extend(OneDimStrategy((Shard(dim),) * outputs, (Shard(dim),)) for dim in range(len(in_shape)))
+    strategies.append(OneDimStrategy((Replicate(),) * outputs, (Replicate(),)))
+    return strategies
+
+
+MULTI_OUTPUT_POINTWISE_RULE = ShardingRule(
+    family="pointwise with several outputs", one_dim_strategies=_multi_output_pointwise_strategies
+)
+
+register_rule(
+    (aten.frexp.Tensor, aten.frexp.Tensor_out, aten.log_sigmoid_forward.default, aten.log_sigmoid_forward.output),
+    MULTI_OUTPUT_POINTWISE_RULE,
+)
+
+
+@dataclass(frozen=True)
+class PhysicalConjugate:
+    """``_conj`` on a local piece: the conjugated values themselves rather than a lazily conjugated view.
+
+    A DTensor does not carry torch's conjugate bit through its own metadata, so the bit set on a local
+    piece could be lost or applied twice by the ops that follow; materialising it keeps the values right.
+    """
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return aten._conj_physical.default(tensor)
+
+
+def _physical_conjugate_kernel(call: OpCall, inputs: object, outputs: object) -> PhysicalConjugate:
+    return PhysicalConjugate()
+
+
+register_rule(
+    (aten._conj.default,),
+    ShardingRule(
+        family="conj (materialised)",
+        one_dim_strategies=pointwise_strategies,
+        output_meta=pointwise_output_meta,
+        local_kernel=_physical_conjugate_kernel,
+    ),
+)
