@@ -35,6 +35,7 @@ from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._caches import clear_all_caches
 from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision_cache_size, remember_decision
 from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
+from ._ops.fallback import replicate_fallback_rule
 from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
@@ -469,7 +470,7 @@ def decide_op_sharding(
     if not spec_list:
         raise ValueError(f"{op}: no DTensor among the arguments; sharding propagation needs at least one")
     specs = tuple(spec_list)
-    rule = rule_for(op)
+    rule = rule_for(op) or replicate_fallback_rule(op, specs)  # the fallback: None unless switched on
     if rule is None:
         # PyTorch's words after ours: code matching on either keeps working.
         raise NotImplementedError(

@@ -3,5 +3,12 @@
 from .._implicit_replication import implicit_replication
 from ._local_map import local_map
 from ._register_sharding import register_sharding
+from ._replicate_fallback import ReplicateFallbackWarning, replicate_fallback
 
-__all__ = ["implicit_replication", "local_map", "register_sharding"]
+__all__ = [
+    "ReplicateFallbackWarning",
+    "implicit_replication",
+    "local_map",
+    "register_sharding",
+    "replicate_fallback",
+]
