@@ -49,6 +49,7 @@ from shardwise.placement import (
 )
 
 from ._caches import register_cache
+from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
 from ._collectives import (
     AsyncCollectiveTensor,
     launch_all_gather,
@@ -440,6 +441,9 @@ def redistribute_local_tensor(
     0 is a view).
     """
     program = _programs.get((src, dst))
+    if program is None and involves_strided_shard(src, dst):
+        # FSDP-over-TP layouts: through the whole tensor (see _strided_redistribute), synchronously.
+        return redistribute_with_strided_shards(local, src, dst, redistribute_local_tensor)
     if program is None or program.mesh is not src.mesh:
         program = _program_for(src, dst)
     if not program.participating:

@@ -40,6 +40,7 @@ from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
+from ._strided_specs import decide_with_strided_shards, has_strided_shard
 
 __all__ = [
     "OpDecision",
@@ -461,6 +462,8 @@ def decide_op_sharding(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> OpDecision:
     """Compute (without the cache) the decision :func:`propagate_op_sharding` returns."""
+    if has_strided_shard(args) or has_strided_shard(kwargs):
+        return decide_with_strided_shards(op, args, kwargs, decide_op_sharding)
     spec_list: list[DTensorSpec[Any]] = []
     position_list: list[ArgPosition] = []
     for index, arg in enumerate(args):

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta, _StridedShard
 
 from .._collectives import all_reduce_along_mesh_dim
 from .._dtensor import DTensor, new_dtensor
@@ -102,7 +102,7 @@ def norms_across_shards(
 
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
     for index, spec in enumerate(specs):
-        sharded_mesh_dims = tuple(dim for dim, p in enumerate(spec.placements) if isinstance(p, Shard))
+        sharded_mesh_dims = tuple(dim for dim, p in enumerate(spec.placements) if isinstance(p, (Shard, _StridedShard)))
         if sharded_mesh_dims:
             groups.setdefault((sharded_mesh_dims, values[index].dtype), []).append(index)
     for (mesh_dims, _), members in groups.items():

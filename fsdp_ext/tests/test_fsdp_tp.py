@@ -1,0 +1,199 @@
+"""fully_shard over tensor parallelism on a 2-D (dp, tp) mesh: layouts, parity, collectives, errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.dtensor_ops import DTensor, Shard, distribute_tensor
+from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.fsdp_ext import MixedPrecisionPolicy, fully_shard
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import _StridedShard
+from shardwise.testing import ModelArgs, Transformer, multi_rank
+
+funcol = torch.ops.c10d_functional
+BATCH, SEQ = 4, 8
+
+
+def _args() -> ModelArgs:
+    return ModelArgs(n_layers=2, vocab_size=16, max_seq_len=SEQ, dim=16, n_heads=4, dropout_p=0.0)
+
+
+def _mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _fsdp_tp(model: Transformer, mesh: DeviceMesh, use_seq_parallel: bool, **kwargs: object) -> Transformer:
+    Transformer.parallelize(model, mesh["tp"], use_seq_parallel)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh["dp"], **kwargs)  # type: ignore[arg-type]
+    return model
+
+
+def _batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    text = torch.randint(0, 16, (steps, BATCH, SEQ + 1), generator=generator)
+    return text[..., :-1].contiguous(), text[..., 1:].contiguous()
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@multi_rank(world_size=4)
+def test_parameters_live_on_the_2d_mesh_with_strided_dp_shards() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = _mesh()
+    model = _fsdp_tp(copy.deepcopy(reference), mesh, use_seq_parallel=True)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.device_mesh == mesh, name
+        dp_placement, tp_placement = param.placements
+        if tp_placement == Shard(0):
+            assert dp_placement == _StridedShard(0, split_factor=2), name
+        else:
+            assert dp_placement == Shard(0), name
+        torch.testing.assert_close(param.full_tensor(), reference_params[name].detach(), msg=name)
+
+
+@pytest.mark.parametrize("use_seq_parallel", [False, True])
+@multi_rank(world_size=4)
+def test_fsdp_x_tp_training_matches_one_process(use_seq_parallel: bool) -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = _mesh()
+    model = _fsdp_tp(copy.deepcopy(reference), mesh, use_seq_parallel)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    dp_rank = mesh.get_local_rank("dp")
+    local = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
+    tokens, labels = _batches(3)
+    units = 3
+    for step in range(3):
+        ref_loss = _loss(reference, tokens[step], labels[step])
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        with CommDebugMode() as comm:
+            loss = _loss(model, tokens[step][local], labels[step][local])
+            loss.backward()
+        counts = comm.get_comm_counts()
+        # FSDP's own collectives: one all-gather per unit in forward, one more per non-root unit
+        # in backward, one reduce-scatter per unit; the rest is tensor parallelism.
+        assert counts[funcol.reduce_scatter_tensor] >= units
+        optim.step()
+        optim.zero_grad()
+        losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(losses, loss.detach())
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), reference_params[name].detach(), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
+def _comm_counts(mode: CommDebugMode) -> dict[str, int]:
+    counts = mode.get_comm_counts()
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+    return {name: int(counts[getattr(funcol, name)]) for name in names} | {"total": mode.get_total_counts()}
+
+
+@multi_rank(world_size=4)
+def test_fsdp_adds_exactly_its_own_collectives_to_tensor_parallelism() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = _mesh()
+    tp_only = Transformer.parallelize(copy.deepcopy(reference), mesh["tp"], True)
+    model = _fsdp_tp(copy.deepcopy(reference), mesh, use_seq_parallel=True)
+    tokens, labels = _batches(1)
+    local = slice(0, 2) if mesh.get_local_rank("dp") == 0 else slice(2, 4)
+    counts = []
+    for net in (tp_only, model):
+        with CommDebugMode() as comm:
+            _loss(net, tokens[0][local], labels[0][local]).backward()
+        counts.append(_comm_counts(comm))
+    added = {name: counts[1][name] - counts[0][name] for name in counts[0]}
+    # 3 units: 3 all-gathers in forward, 2 in backward (not the root), 3 reduce-scatters. The
+    # sequence-parallel norms' gradients arrive Partial over tp; FSDP needs true gradients to
+    # reduce-scatter, so each is all-reduced over tp once in backward (TP alone leaves them
+    # Partial and its optimizer step reduces them, more than once per parameter).
+    norm_params = sum(1 for name, _ in model.named_parameters() if "norm" in name)
+    assert norm_params == 10
+    assert added == {"all_reduce": norm_params, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 3,
+                     "all_to_all_single": 0, "total": 8 + norm_params}, counts
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    with CommDebugMode() as step_comm:
+        optim.step()
+    assert step_comm.get_total_counts() == 0
+    with CommDebugMode() as clip_comm:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+    assert clip_comm.get_total_counts() >= 1
+    assert isinstance(norm, DTensor)
+
+
+@multi_rank(world_size=4)
+def test_mixed_precision_over_tensor_parallelism() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    bf16_reference = copy.deepcopy(reference).to(torch.bfloat16)
+    mesh = _mesh()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _fsdp_tp(copy.deepcopy(reference), mesh, use_seq_parallel=True, mp_policy=policy)
+    tokens, labels = _batches(1)
+    _loss(bf16_reference, tokens[0], labels[0]).backward()
+    local = slice(0, 2) if mesh.get_local_rank("dp") == 0 else slice(2, 4)
+    _loss(model, tokens[0][local], labels[0][local]).backward()
+    reference_params = dict(bf16_reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and param.grad is not None and param.grad.dtype == torch.float32
+        expected = reference_params[name].grad
+        assert expected is not None
+        torch.testing.assert_close(param.grad.full_tensor(), expected.float(), rtol=5e-2, atol=5e-2, msg=name)
+
+
+def _rows(rows: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, rows, bias=False))
+
+
+def _colwise(model: nn.Sequential, tp_mesh: DeviceMesh) -> nn.Sequential:
+    """The weight laid out as ColwiseParallel lays it out (only layouts matter here)."""
+    model[0].weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), tp_mesh, [Shard(0)]))
+    return model
+
+
+@multi_rank(world_size=4)
+def test_bad_2d_input_is_refused_before_any_collective() -> None:
+    mesh = _mesh()
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    unrelated = _colwise(_rows(8), other["b"])
+    on_dp = _colwise(_rows(8), mesh["dp"])
+    uneven = _colwise(_rows(7), mesh["tp"])
+    with CommDebugMode() as comm:
+        # TP on a mesh unrelated to the dp mesh.
+        with pytest.raises(ValueError, match="not a named dim of the same mesh"):
+            fully_shard(unrelated, mesh=mesh["dp"])
+        # A parameter already laid out over the dp dim.
+        with pytest.raises(ValueError, match="already laid out over the data-parallel mesh dim"):
+            fully_shard(on_dp, mesh=mesh["dp"])
+        # Uneven rows over dp=2 x tp=2 always have an exact _StridedShard layout (checked at
+        # fully_shard); the refused sizes need more ranks (9 rows on dp=4 x tp=2).
+        fully_shard(uneven, mesh=mesh["dp"])
+        assert uneven[0].weight.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    assert comm.get_total_counts() == 0
+    # Tensor parallelism after fully_shard: refused at the first forward, before its all-gather.
+    model = fully_shard(_rows(8), mesh=mesh["dp"])
+    model[0].weight = nn.Parameter(torch.randn(8, 3))
+    with CommDebugMode() as comm:
+        with pytest.raises(RuntimeError, match="Apply tensor parallelism .* before fully_shard"):
+            model(torch.randn(2, 3))
+    assert comm.get_total_counts() == 0
