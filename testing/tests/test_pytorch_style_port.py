@@ -28,7 +28,7 @@ from shardwise.testing import (
     with_comms,
 )
 
-funcol = torch.ops._c10d_functional
+funcol = torch.ops.c10d_functional
 
 
 class RedistributeAndOpsTest(DTensorTestBase):
