@@ -98,8 +98,22 @@ def test_plain_tensor_parallel_on_two_ranks(tmp_path: pathlib.Path) -> None:
     assert collectives["per_phase"]["optimizer"] == {"all_reduce": 1}  # the gradient norm for clipping
 
 
-def test_data_parallel_is_refused_with_a_clear_error(tmp_path: pathlib.Path) -> None:
-    result = _run_trainer(["--dp", "2"], tmp_path)
-    assert result.returncode == 2
-    assert "needs FSDP" in result.stderr and "not available yet" in result.stderr
-    assert not (tmp_path / "summary.json").exists()
+def test_fsdp_times_tensor_parallel_on_a_2x2_mesh(tmp_path: pathlib.Path) -> None:
+    result = _run_trainer([*TINY_MODEL, "--dp", "2", "--tp", "2"], tmp_path)
+    summary = _check_outputs(result, tmp_path, steps=3)
+    assert summary["world_size"] == 4
+    assert summary["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    assert "mesh dp=2 x tp=2" in result.stdout
+    per_phase = summary["collectives_per_step"]["per_phase"]
+    # Tensor parallelism's collectives as in the default run, plus FSDP's: two units (the block
+    # and the root), one all-gather each in forward, the block's again in backward, and one
+    # reduce-scatter each. The SP norms' Partial gradients (3 norms, weight and bias) are reduced
+    # over tp in backward, where FSDP needs true gradients; clipping reduces the norm over dp
+    # and tp (the norms' parameters are sharded over dp only: one more all-reduce).
+    assert per_phase["forward"] == {
+        "all_gather_into_tensor": 3 + 2, "all_reduce": 3, "all_to_all_single": 1, "reduce_scatter_tensor": 3,
+    }
+    assert per_phase["backward"] == {
+        "all_gather_into_tensor": 3 + 1, "all_reduce": 6, "all_to_all_single": 1, "reduce_scatter_tensor": 3 + 2,
+    }
+    assert per_phase["optimizer"] == {"all_reduce": 3}

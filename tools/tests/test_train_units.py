@@ -38,7 +38,7 @@ def test_default_tolerances_follow_the_dtype() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--dp", "2"], "FSDP"),
+        (["--dp", "3"], "--batch-size 8 must be a multiple of --dp 3"),
         (["--tp", "3"], "--n-heads 4 must be a multiple of --tp 3"),
         (["--dim", "30", "--n-heads", "4"], "--dim 30 must be a multiple of --n-heads 4"),
         (["--steps", "0"], "--steps must be >= 1"),

@@ -126,10 +126,10 @@ class TrainConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
-        if self.dp > 1:
+        if self.batch_size % self.dp != 0:
             raise ConfigError(
-                f"--dp {self.dp}: data parallelism needs FSDP (shardwise.fsdp_ext), which is not available yet; "
-                "run with --dp 1 (tensor parallelism only, over --tp ranks)"
+                f"--batch-size {self.batch_size} must be a multiple of --dp {self.dp}: each data-parallel rank "
+                "trains on an equal share of every batch"
             )
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (mesh dim 'tp')")
-    parallel.add_argument("--dp", type=int, default=defaults.dp, help="data-parallel ranks (needs FSDP: only 1 for now)")
+    parallel.add_argument("--dp", type=int, default=defaults.dp, help="data-parallel ranks: FSDP (shardwise.fsdp_ext) over a (dp, tp) mesh")
     parallel.add_argument(
         "--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel,
         help="shard norms and residuals on the sequence dim between the tensor-parallel layers",

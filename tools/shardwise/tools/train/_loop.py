@@ -125,17 +125,26 @@ def train_loop(
     loss_context: Callable[[], ContextManager[object]] = contextlib.nullcontext,
     count_collectives_at: frozenset[int] = frozenset(),
     on_step: Callable[[StepRecord], None] = lambda record: None,
+    data_parallel: tuple[int, int, Any] | None = None,
 ) -> list[StepRecord]:
     """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
 
     ``loss_context`` wraps forward and backward (``loss_parallel`` must see both).  Steps in
     ``count_collectives_at`` run each phase under its own ``CommDebugMode``; counting slows a
     step down, so callers keep those steps out of throughput figures.
+
+    ``data_parallel``: ``(dp rank, dp size, dp process group)``: this rank trains on its equal
+    share of each batch (FSDP averages the gradients over dp), and the recorded loss is the mean
+    of the ranks' losses (one all-reduce per step, after the step, for the log only).
     """
     model.train()
     records: list[StepRecord] = []
     for step in range(1, steps + 1):
         inputs, targets = corpus.batch(step, batch_size, seq_len, seed)
+        if data_parallel is not None:
+            dp_rank, dp_size, _ = data_parallel
+            share = batch_size // dp_size
+            inputs, targets = inputs[dp_rank * share : (dp_rank + 1) * share], targets[dp_rank * share : (dp_rank + 1) * share]
         inputs, targets = inputs.to(device), targets.to(device)
         counting = step in count_collectives_at
         collectives: dict[str, dict[str, int]] | None = {} if counting else None
@@ -154,11 +163,21 @@ def train_loop(
             optimizer.zero_grad(set_to_none=True)
         # .item() of a replicated DTensor reads the local value: no collective.
         loss_value = float(loss.item())
+        if data_parallel is not None:
+            loss_value = _mean_over_group(loss_value, data_parallel[1], data_parallel[2], device)
         _synchronize(device)
         record = StepRecord(step, loss_value, time.perf_counter() - started, collectives)
         records.append(record)
         on_step(record)
     return records
+
+
+def _mean_over_group(value: float, group_size: int, group: Any, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    return float(total.item()) / group_size
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from shardwise.testing import ModelArgs, Transformer
 
 from ._config import TrainConfig
 
-__all__ = ["model_args", "build_model", "parallelize_transformer", "build_optimizer"]
+__all__ = ["model_args", "build_model", "parallelize_transformer", "fully_shard_transformer", "build_optimizer"]
 
 
 def model_args(config: TrainConfig, vocab_size: int) -> ModelArgs:
@@ -73,6 +73,21 @@ def parallelize_transformer(
     :func:`shardwise.tp_styles.loss_parallel`; otherwise they are all-gathered.
     """
     return Transformer.parallelize(model, mesh, seq_parallel, loss_parallel=loss_parallel)
+
+
+def fully_shard_transformer(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
+    """FSDP over the data-parallel mesh dim, one unit per block plus the root (after TP, as PyTorch requires).
+
+    Each block's parameters are all-gathered in one collective before its forward and freed
+    after it, and its gradients reduce-scattered in one collective; the root unit holds the
+    embeddings, the final norm and the (tied) output projection.
+    """
+    from shardwise.fsdp_ext import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
 
 
 def build_optimizer(config: TrainConfig, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:

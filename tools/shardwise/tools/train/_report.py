@@ -143,7 +143,7 @@ def summary_dict(
     return {
         "config": config.as_dict(),
         "world_size": world_size,
-        "mesh": {"shape": list(mesh_shape), "dim_names": ["tp"]},
+        "mesh": {"shape": list(mesh_shape), "dim_names": ["dp", "tp"] if len(mesh_shape) == 2 else ["tp"]},
         "model": {"parameters": parameter_count, "vocab_size": vocab_size},
         "corpus_characters": corpus_characters,
         "steps": len(tp_records),
@@ -178,7 +178,8 @@ def format_summary(summary: dict[str, Any], summary_path: pathlib.Path) -> str:
         "=" * 72,
         "summary",
         f"  steps            {summary['steps']} x {summary['tokens_per_step']} tokens, "
-        f"{summary['world_size']} ranks, mesh tp={summary['mesh']['shape'][0]}",
+        f"{summary['world_size']} ranks, mesh "
+        + " x ".join(f"{name}={size}" for name, size in zip(summary["mesh"]["dim_names"], summary["mesh"]["shape"])),
         f"  final loss       {summary['final_loss']:.4f}" if summary["final_loss"] is not None else "  final loss       -",
         f"  time             {summary['time_seconds']:.2f} s  (median step {summary['median_step_seconds'] * 1e3:.1f} ms)",
         f"  tokens/s         {summary['tokens_per_second']:,.0f}  "

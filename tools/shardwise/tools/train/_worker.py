@@ -19,7 +19,7 @@ from shardwise.tp_styles import loss_parallel
 from ._config import ConfigError, TrainConfig
 from ._data import CharCorpus, load_default_corpus
 from ._loop import StepRecord, train_loop
-from ._model import build_model, build_optimizer, model_args, parallelize_transformer
+from ._model import build_model, build_optimizer, fully_shard_transformer, model_args, parallelize_transformer
 from ._parity import compare_runs
 from ._report import (
     PLOT_FILE_NAME,
@@ -125,19 +125,27 @@ def run_worker(config: TrainConfig) -> int:
 
 def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: torch.device) -> int:
     is_reporter = rank == 0
-    mesh: DeviceMesh = init_device_mesh(device.type, (config.tp,), mesh_dim_names=("tp",))
+    data_parallel = config.dp > 1
+    mesh: DeviceMesh = (
+        init_device_mesh(device.type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
+        if data_parallel
+        else init_device_mesh(device.type, (config.tp,), mesh_dim_names=("tp",))
+    )
     corpus = load_default_corpus(vocab_multiple=config.tp)
     args = model_args(config, corpus.vocab_size)
     model = parallelize_transformer(
         build_model(args, config.seed, device, _dtype(config)),
-        mesh,
+        mesh["tp"] if data_parallel else mesh,
         seq_parallel=config.seq_parallel,
         loss_parallel=config.loss_parallel,
     )
+    if data_parallel:
+        model = fully_shard_transformer(model, mesh["dp"])
     optimizer = build_optimizer(config, list(model.parameters()))
     if is_reporter:
         _say(
-            f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh tp={config.tp}; "
+            f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh "
+            f"{f'dp={config.dp} (FSDP) x ' if data_parallel else ''}tp={config.tp}; "
             f"sequence parallel {'on' if config.seq_parallel else 'off'}, loss parallel "
             f"{'on' if config.loss_parallel else 'off'}"
         )
@@ -166,6 +174,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         loss_context=loss_context,
         count_collectives_at=frozenset({1, config.steps}),
         on_step=progress if is_reporter else (lambda _: None),
+        data_parallel=(mesh.get_local_rank("dp"), config.dp, mesh.get_group("dp")) if data_parallel else None,
     )
     tp_parameters = _full_parameters(model)
     if not is_reporter:
@@ -219,7 +228,7 @@ def _reference_and_report(
             [record.loss for record in tp_records],
             [record.loss for record in reference_records],
             title=(
-                f"shardwise TP={config.tp}{' + SP' if config.seq_parallel else ''}"
+                f"shardwise {f'FSDP={config.dp} x ' if config.dp > 1 else ''}TP={config.tp}{' + SP' if config.seq_parallel else ''}"
                 f"{' + loss parallel' if config.loss_parallel else ''}: Transformer dim={config.dim}, "
                 f"{config.n_layers} layers, batch {config.batch_size}x{config.seq_len}, parity {parity.verdict}"
             ),
@@ -232,7 +241,7 @@ def _reference_and_report(
     summary = summary_dict(
         config,
         world_size=world_size,
-        mesh_shape=(config.tp,),
+        mesh_shape=(config.dp, config.tp) if config.dp > 1 else (config.tp,),
         vocab_size=corpus.vocab_size,
         corpus_characters=len(corpus.text),
         parameter_count=_count_parameters(reference_parameters),
