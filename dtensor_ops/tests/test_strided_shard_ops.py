@@ -1,0 +1,101 @@
+"""DTensors laid out with _StridedShard (FSDP over TP): element-wise ops run in place, everything else
+is refused with a clear error, and redistribution to and from the layout is exact (rank threads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.dtensor_ops import DTensor, Replicate, Shard
+from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import Placement, _StridedShard, select_local_shard
+from shardwise.testing import run_on_threads
+
+FSDP_OVER_TP: tuple[Placement, ...] = (_StridedShard(0, split_factor=2), Shard(0))
+funcol = torch.ops.c10d_functional
+
+
+def _mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _laid_out(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    local = select_local_shard(full, mesh.shape, mesh.get_coordinate(), placements).clone()
+    return DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+
+
+def _redistribution_is_exact(rows: int) -> None:
+    mesh = _mesh()
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    strided = _laid_out(full, mesh, FSDP_OVER_TP)
+    with CommDebugMode() as comm:
+        gathered = strided.full_tensor()
+    assert torch.equal(gathered, full)
+    assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 2  # one per mesh dim
+    for target in [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(1), Shard(0))]:
+        moved = strided.redistribute(mesh, target)
+        assert moved.placements == target
+        assert torch.equal(moved.to_local(), select_local_shard(full, mesh.shape, mesh.get_coordinate(), target))
+    replicated = _laid_out(full, mesh, (Replicate(), Replicate()))
+    with CommDebugMode() as comm:
+        back = replicated.redistribute(mesh, FSDP_OVER_TP)
+    assert comm.get_total_counts() == 0  # a local selection
+    assert torch.equal(back.to_local(), strided.to_local())
+    # Gradients flow back through the strided layout.
+    leaf = strided.detach().requires_grad_(True)
+    (leaf.full_tensor() * torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)).sum().backward()
+    assert leaf.grad is not None and leaf.grad.placements == FSDP_OVER_TP
+    assert torch.equal(leaf.grad.to_local(), strided.to_local())
+
+
+@pytest.mark.parametrize("rows", [8, 7, 5, 2])
+def test_redistribution_to_and_from_strided_shards_is_exact(rows: int) -> None:
+    run_on_threads(_redistribution_is_exact, rows, world_size=4)
+
+
+def _elementwise_ops_stay_local() -> None:
+    mesh = _mesh()
+    a_full = torch.randn(7, 3, generator=torch.Generator().manual_seed(1))
+    b_full = torch.randn(7, 3, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(3, generator=torch.Generator().manual_seed(3))
+    a, b = _laid_out(a_full, mesh, FSDP_OVER_TP), _laid_out(b_full, mesh, FSDP_OVER_TP)
+    replicated_bias = _laid_out(bias, mesh, (Replicate(), Replicate()))
+    with CommDebugMode() as comm:
+        result = (a * 2 + b).relu() + replicated_bias
+        a.add_(b, alpha=0.5)
+        total = a.sum()
+    assert comm.get_total_counts() == 0
+    assert result.placements == FSDP_OVER_TP
+    torch.testing.assert_close(result.full_tensor(), (a_full * 2 + b_full).relu() + bias)
+    torch.testing.assert_close(a.full_tensor(), a_full + 0.5 * b_full)
+    assert all(p.is_partial() for p in total.placements)
+    torch.testing.assert_close(total.full_tensor(), (a_full + 0.5 * b_full).sum())
+    # Foreach ops decide element by element: strided and plain shards may share one list.
+    plain = _laid_out(b_full, mesh, (Shard(0), Replicate()))
+    torch._foreach_mul_([a, plain], 3.0)
+    assert a.placements == FSDP_OVER_TP and plain.placements == (Shard(0), Replicate())
+    torch.testing.assert_close(plain.full_tensor(), b_full * 3)
+
+
+def test_elementwise_ops_keep_the_strided_layout_without_communication() -> None:
+    run_on_threads(_elementwise_ops_stay_local, world_size=4)
+
+
+def _layout_dependent_ops_are_refused() -> None:
+    mesh = _mesh()
+    full = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    strided = _laid_out(full, mesh, FSDP_OVER_TP)
+    plain = _laid_out(full, mesh, (Shard(0), Shard(0)))
+    with CommDebugMode() as comm:
+        with pytest.raises(NotImplementedError, match="mixes _StridedShard.*Shard\\(dim=0\\)"):
+            strided + plain
+        with pytest.raises(NotImplementedError, match="element by element along a strided-sharded dim"):
+            strided.reshape(24)
+        with pytest.raises(NotImplementedError, match="element by element along a strided-sharded dim"):
+            torch.cumsum(strided, 0)
+    assert comm.get_total_counts() == 0
+
+
+def test_ops_that_depend_on_which_rows_a_rank_holds_are_refused_before_communicating() -> None:
+    run_on_threads(_layout_dependent_ops_are_refused, world_size=4)
