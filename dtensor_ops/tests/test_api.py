@@ -324,3 +324,71 @@ def test_mixing_plain_tensors_and_implicit_replication() -> None:
     import shardwise.dtensor_ops._api as api
 
     assert api.implicit_replication is implicit_replication
+
+
+@multi_rank
+def test_distribute_tensor_takes_the_source_tensor_whatever_the_others_hold() -> None:
+    # Ranks passing tensors of other shapes or dtypes than the source is a user error, but the
+    # result must be the source's tensor on every rank: never memory that nobody wrote (collectives
+    # sized from each rank's own shape receive too little into too much), never a gloo crash.
+    mesh = init_device_mesh("cpu", (4,))
+    rank = dist.get_rank()
+    source = torch.arange(16.0).reshape(8, 2)
+    others = {1: torch.full((12, 2), float("nan")), 2: torch.full((4, 2), float("nan")), 3: torch.zeros(3, 8, 3, dtype=torch.int64)}
+    mine = source if rank == 0 else others[rank]
+    for placements in ((Shard(0),), (Shard(1),), (Replicate(),), (Partial(),)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dt = distribute_tensor(mine, mesh, placements)
+        assert (dt.shape, dt.dtype, dt.stride()) == (source.shape, source.dtype, source.stride()), placements
+        assert torch.equal(dt.full_tensor(), source), placements
+        if not isinstance(placements[0], Partial):
+            assert torch.equal(dt.to_local(), chunk_oracle(source, (4,), (rank,), placements)), placements
+        mismatch = [w for w in caught if "the result is the source's tensor" in str(w.message)]
+        assert len(mismatch) == (0 if rank == 0 else 1), (placements, [str(w.message) for w in caught])
+        if rank != 0:
+            assert mismatch[0].filename == __file__  # the warning points at the caller's line
+
+    # 2-D, source index 1 along both dims (global rank 3); ranks disagree on the layout too: the
+    # source's global stride (here transposed) is what every rank reports.
+    mesh_2d = init_device_mesh("cpu", (2, 2))
+    coordinate = tuple(mesh_2d.get_coordinate() or ())
+    truth = torch.arange(30.0).reshape(5, 6)
+    held = truth.t().contiguous().t() if rank == 3 else torch.full((7, 3), float("nan"))
+    for layout in ((Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(1), Replicate()), (Replicate(), Replicate())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dt = distribute_tensor(held, mesh_2d, layout, src_data_rank=1)
+        assert dt.shape == truth.shape and dt.stride() == (1, 5), (layout, dt.stride())
+        assert torch.equal(dt.to_local(), chunk_oracle(truth, (2, 2), coordinate, layout)), layout
+
+    # More dims than the metadata carries inline, and a different number of dims elsewhere.
+    many = torch.arange(6.0).reshape(2, *([1] * 16), 3)
+    held_many = many if rank == 0 else torch.full((5,) * 3, float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dt = distribute_tensor(held_many, mesh, [Shard(-1)])
+    assert dt.shape == many.shape and torch.equal(dt.full_tensor(), many)
+
+
+@multi_rank
+def test_partial_avg_refuses_integer_dtypes_instead_of_truncating() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    rank = dist.get_rank()
+    # The mean of 0, 1, 2, 3 is 1.5: no int64 holds it. Every rank raises alike, where the
+    # placement meets the dtype.
+    with pytest.raises(ValueError, match=r"Partial\('avg'\).*needs a floating-point or complex dtype, got torch.int64"):
+        DTensor.from_local(torch.tensor([rank]), mesh, [Partial("avg")])
+    with pytest.raises(ValueError, match=r"Partial\('avg'\).*got torch.int32"):
+        DTensor.from_local(torch.tensor([rank], dtype=torch.int32), mesh, [Partial("avg")], run_check=True)
+    with pytest.raises(ValueError, match=r"Partial\('avg'\).*got torch.bool"):
+        distribute_tensor(torch.tensor([True]), mesh, [Partial("avg")])
+    # Floating averages are exact, and converting one to an integer dtype reduces it first.
+    averaged = DTensor.from_local(torch.tensor([rank + 0.5, -rank - 0.25]), mesh, [Partial("avg")])
+    assert averaged.full_tensor().tolist() == [2.0, -1.75]
+    as_int = averaged.to(torch.int64)
+    assert as_int.dtype == torch.int64 and as_int.full_tensor().tolist() == [2, -1]
+    # The other reductions of integers are exact.
+    summed = DTensor.from_local(torch.tensor([rank]), mesh, [Partial("sum")])
+    assert summed.full_tensor().tolist() == [6]
+    assert DTensor.from_local(torch.tensor([rank]), mesh, [Partial("max")]).full_tensor().tolist() == [3]

@@ -176,3 +176,24 @@ def test_tensor_meta_is_a_hashable_named_tuple() -> None:
     assert first == meta(2, 3, dtype=torch.int32) and hash(first) == hash(meta(2, 3, dtype=torch.int32))
     assert first.shape == torch.Size([2, 3]) and first.stride == (3, 1) and first.dtype == torch.int32
     assert pickle.loads(pickle.dumps(first)) == first
+
+
+def test_partial_avg_needs_a_dtype_that_can_hold_a_mean() -> None:
+    mesh = FakeMesh((2, 4), (0, 1))
+    shape, stride = torch.Size([4, 3]), (3, 1)
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        with pytest.raises(ValueError) as raised:
+            DTensorSpec(mesh, (Replicate(), Partial("avg")), TensorMeta(shape, stride, dtype))
+        message = str(raised.value)
+        assert "Partial('avg') on mesh dim 1" in message and str(dtype) in message
+        assert "floating-point or complex dtype" in message and "truncated" in message
+    # Floating and complex dtypes average fine; the other reductions of integers are exact.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64):
+        DTensorSpec(mesh, (Partial("avg"), Partial("avg")), TensorMeta(shape, stride, dtype))
+    for reduce_op in ("sum", "max", "min"):
+        DTensorSpec(mesh, (Partial(reduce_op), Replicate()), TensorMeta(shape, stride, torch.int64))
+    # Without tensor metadata there is no dtype to check yet.
+    DTensorSpec(mesh, (Partial("avg"), Shard(0)))
+    spec = DTensorSpec(mesh, (Partial("avg"), Shard(0)))
+    with pytest.raises(ValueError, match="floating-point"):
+        spec.with_tensor_meta(TensorMeta(shape, stride, torch.int16))

@@ -257,7 +257,8 @@ def test_inputs_by_keyword_dtensor_inputs_and_local_outputs() -> None:
     del rank
 
 
-def _parameter_values_after_parallelize(src_data_rank: int | None) -> tuple[torch.Tensor, int]:
+def _parameter_values_after_parallelize(src_data_rank: int | None) -> tuple[torch.Tensor, dict[str, int]]:
+    """This rank's weight shard and the collectives of parallelize_module (total, broadcast, all_to_all_single)."""
     rank, world = rank_and_world()
     mesh = init_device_mesh("cpu", (world,))
     model = nn.Linear(4, 2 * world, bias=False)
@@ -266,16 +267,22 @@ def _parameter_values_after_parallelize(src_data_rank: int | None) -> tuple[torc
     mode = CommDebugMode()
     with mode:
         parallelize_module(model, mesh, ColwiseParallel(), src_data_rank=src_data_rank)
-    return model.weight.to_local(), mode.get_total_counts()
+    counts = mode.get_comm_counts()
+    functional = torch.ops.c10d_functional
+    named = {"broadcast": counts[functional.broadcast], "all_to_all_single": counts[functional.all_to_all_single]}
+    return model.weight.to_local(), dict(named, total=mode.get_total_counts())
 
 
 @multi_rank
 def test_src_data_rank() -> None:
     rank, _ = rank_and_world()
     from_rank_zero, collectives = _parameter_values_after_parallelize(0)
-    assert torch.equal(from_rank_zero, torch.zeros(2, 4)) and collectives == 1
+    # The scatter, after one small broadcast of the source's shape, stride and dtype (every rank
+    # sizes the scatter from the source's tensor: ranks holding other shapes cannot corrupt it).
+    assert torch.equal(from_rank_zero, torch.zeros(2, 4))
+    assert collectives == {"all_to_all_single": 1, "broadcast": 1, "total": 2}, collectives
     own_values, collectives = _parameter_values_after_parallelize(None)
-    assert torch.equal(own_values, torch.full((2, 4), float(rank))) and collectives == 0
+    assert torch.equal(own_values, torch.full((2, 4), float(rank))) and collectives["total"] == 0
 
 
 # -- training parity -------------------------------------------------------------------------------
@@ -342,3 +349,27 @@ def test_mlp_training_matches_single_process() -> None:
     parallel_losses = _train(parallel, _sgd(parallel), inputs, targets)
     torch.testing.assert_close(torch.tensor(parallel_losses), torch.tensor(reference_losses))
     _assert_same_parameters(parallel, reference)
+
+    # The same uneven pair passing local tensors (the default use_local_output=True): a plain tensor
+    # declared Shard(-1) is taken as an even shard, which 10 features on 4 ranks are not. Every rank
+    # says so, with what to do, before any collective (not a bare matmul shape error).
+    local_pair = deepcopy(reference)
+    parallelize_module(local_pair, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    mode = CommDebugMode()
+    with mode, pytest.raises(ValueError) as raised:
+        local_pair(inputs[0])
+    message = str(raised.value)
+    assert "RowwiseParallel on module 'net2' (Linear)" in message and "input 0 is a plain local tensor" in message
+    assert "10 input features do not divide over the 4 ranks" in message and "(3, 3, 3, 1" in message
+    assert "use_local_output=False" in message
+    assert mode.get_total_counts() == 0
+    # Declared with a non-negative dim, the feature dim is refused alike; other dims are left alone.
+    positive = RowwiseParallel(input_layouts=Shard(2))
+    module_positive = parallelize_module(deepcopy(reference.net2), mesh, positive)
+    with pytest.raises(ValueError, match="use_local_output=False"):
+        module_positive(torch.rand(5, 1, 3))
+    by_rows = parallelize_module(deepcopy(reference.net2), mesh, RowwiseParallel(input_layouts=Shard(0)))
+    whole_rows = torch.rand(5 * 4, 10)
+    torch.testing.assert_close(
+        by_rows(my_chunk(whole_rows, 0)), reference.net2(whole_rows), msg="row-sharded input to an uneven rowwise"
+    )

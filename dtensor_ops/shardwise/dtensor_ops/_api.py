@@ -20,7 +20,7 @@ from shardwise.placement import DTensorSpec, Placement, Replicate, TensorMeta, s
 from ._dtensor import DTensor, new_dtensor
 from ._implicit_replication import implicit_replication
 from ._placement_args import normalize_placements, resolve_device_mesh
-from ._src_data import distribute_local_data
+from ._src_data import agree_on_source_meta, distribute_local_data
 
 __all__ = [
     "distribute_tensor",
@@ -46,6 +46,11 @@ def distribute_tensor(
     requires grad must be a leaf; the result is then a leaf DTensor requiring
     grad.  Uneven shards follow ``torch.chunk``.  Meta tensors are laid out
     without communication.
+
+    With ``src_data_rank`` set the result is the source's tensor, its shape, stride and dtype
+    included (one small broadcast per mesh dim tells every rank what they are): a rank passing
+    a tensor of another shape or dtype gets a warning and the source's data, never memory that
+    nobody wrote.
     """
     torch._C._log_api_usage_once("shardwise.dtensor_ops.distribute_tensor")
     mesh = resolve_device_mesh(device_mesh, "distribute_tensor")
@@ -83,11 +88,22 @@ def distribute_tensor(
     data = tensor.detach()
     if data.device.type != mesh.device_type and not data.is_meta:
         data = data.to(mesh.device_type)
-    local = distribute_local_data(data, mesh, target, src_data_rank)
-    # The global stride follows the layout of the tensor being distributed, which every rank holds with the
-    # same layout; a shard's own strides can differ per rank where it has a size-1 or empty dim.
-    meta = TensorMeta(data.shape, strides_in_local_dim_order(data, data.shape), data.dtype)
+    source_meta: TensorMeta | None = None
+    if src_data_rank is not None and not data.is_meta and mesh.get_coordinate() is not None:
+        # The result is the source's tensor: its shape, stride and dtype too, on every rank.
+        source_meta = agree_on_source_meta(data, mesh, src_data_rank)
+        meta = source_meta
+        if len(meta.shape) != data.ndim:
+            # This rank's tensor has another number of dims than the source's (a user error, warned
+            # about): negative Shard dims must count from the source's dims, as on the source.
+            target = normalize_placements(placements, mesh, len(meta.shape), "distribute_tensor")
+    else:
+        # The global stride follows the layout of the tensor being distributed, which every rank holds with
+        # the same layout; a shard's own strides can differ per rank where it has a size-1 or empty dim.
+        meta = TensorMeta(data.shape, strides_in_local_dim_order(data, data.shape), data.dtype)
+    # Built before the data moves: a placement that cannot hold this dtype fails here, on every rank.
     spec = DTensorSpec(mesh, target, meta)
+    local = distribute_local_data(data, mesh, target, src_data_rank, source_meta)
     return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 
 

@@ -1,9 +1,14 @@
 """Communication for building DTensors from per-rank data (not for redistribution).
 
-* :func:`distribute_local_data`: ``distribute_tensor``'s data movement.  Shard
-  mesh dims scatter from ``src_data_rank`` (an ``all_to_all_single`` in which
-  only the source sends, so each rank receives exactly its shard, uneven sizes
-  included), Replicate/Partial mesh dims broadcast from it.
+* :func:`agree_on_source_meta` and :func:`distribute_local_data`:
+  ``distribute_tensor``'s data movement.  The source's shape, stride and dtype
+  reach every rank first (one small broadcast per mesh dim), so every rank sizes
+  its collectives from the source's tensor and the result is the source's
+  tensor, whatever the others hold: a rank whose own tensor disagrees (a user
+  error) gets a warning, never uninitialised memory, a crash or a hang.  Then
+  Shard mesh dims scatter from ``src_data_rank`` (an ``all_to_all_single`` in
+  which only the source sends, so each rank receives exactly its shard, uneven
+  sizes included), Replicate/Partial mesh dims broadcast from it.
 * :func:`check_and_sync_from_local`: ``from_local(run_check=True)``: every rank
   learns every rank's local dtype and shape, so all of them raise the same error
   together (no rank is left waiting) or agree on the global shape.
@@ -15,6 +20,7 @@ groups); ``src`` indices are positions along a mesh dim (group ranks).
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -29,12 +35,19 @@ from shardwise.placement import (
     chunk_sizes,
     compute_local_shape,
     even_global_shape,
+    strides_in_local_dim_order,
 )
 
 from ._collectives import all_gather_rows_over_mesh, broadcast_along_mesh_dim, scatter_along_mesh_dim
 from ._redistribute import redistribute_local_tensor
 
-__all__ = ["distribute_local_data", "check_and_sync_from_local", "agree_on_int"]
+__all__ = ["agree_on_source_meta", "distribute_local_data", "check_and_sync_from_local", "agree_on_int"]
+
+# dtypes travel between ranks as their index in this table (the same in every process).
+_DTYPES: tuple[torch.dtype, ...] = tuple(
+    sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
+)
+_DTYPE_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 def _local_chunk(tensor: torch.Tensor, tensor_dim: int, num_chunks: int, index: int) -> torch.Tensor:
@@ -43,15 +56,86 @@ def _local_chunk(tensor: torch.Tensor, tensor_dim: int, num_chunks: int, index: 
     return tensor.narrow(tensor_dim, offset, sizes[index])
 
 
+# The source's metadata travels as int64s: [ndim, dtype code, shape..., stride...], with up to
+# this many dims inline (one broadcast); more dims take a second broadcast, which every rank
+# knows to expect from the ndim it received.
+_INLINE_DIMS = 16
+
+
+def _global_stride(tensor: torch.Tensor) -> list[int]:
+    # What the DTensor reports as its stride: dense, in the memory order of the tensor's dims.
+    return list(strides_in_local_dim_order(tensor, tensor.shape))
+
+
+def _meta_header(tensor: torch.Tensor) -> list[int]:
+    shape, stride = list(tensor.shape), _global_stride(tensor)
+    inline = shape[:_INLINE_DIMS] + [0] * (_INLINE_DIMS - min(len(shape), _INLINE_DIMS))
+    inline_stride = stride[:_INLINE_DIMS] + [0] * (_INLINE_DIMS - min(len(stride), _INLINE_DIMS))
+    return [tensor.ndim, _DTYPE_CODE[tensor.dtype], *inline, *inline_stride]
+
+
+def _broadcast_from_source(values: list[int], mesh: DeviceMesh, src_data_rank: int) -> list[int]:
+    """``values`` of the rank at index ``src_data_rank`` along every mesh dim, on every rank."""
+    carrier = torch.tensor(values, dtype=torch.int64, device=mesh.device_type)
+    # Along dim 0 every rank (i, j, ...) gets the values of (src, j, ...); then along dim 1
+    # those of (src, src, ...), and so on: the source's values reach everyone.
+    for mesh_dim in range(mesh.ndim):
+        if mesh.shape[mesh_dim] > 1:
+            carrier = broadcast_along_mesh_dim(carrier, mesh, mesh_dim, src_data_rank)
+    return [int(value) for value in carrier.cpu().tolist()]
+
+
+def agree_on_source_meta(tensor: torch.Tensor, mesh: DeviceMesh, src_data_rank: int) -> TensorMeta:
+    """The shape, stride and dtype of the tensor held by the source rank, on every rank of the mesh.
+
+    The source is the rank at index ``src_data_rank`` along every mesh dim.  The data of every
+    other rank is ignored by ``distribute_tensor``; its metadata is too (a rank whose tensor
+    differs gets a warning): collectives sized from each rank's own shape would receive into
+    memory that nobody writes, or crash gloo, when the ranks disagree.
+    """
+    header = _broadcast_from_source(_meta_header(tensor), mesh, src_data_rank)
+    ndim, dtype = header[0], _DTYPES[header[1]]
+    if ndim <= _INLINE_DIMS:
+        shape, stride = header[2 : 2 + ndim], header[2 + _INLINE_DIMS : 2 + _INLINE_DIMS + ndim]
+    else:
+        own = list(tensor.shape) + _global_stride(tensor) if tensor.ndim == ndim else [0] * (2 * ndim)
+        rest = _broadcast_from_source(own, mesh, src_data_rank)
+        shape, stride = rest[:ndim], rest[ndim:]
+    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    if (tuple(tensor.shape), tensor.dtype) != (tuple(meta.shape), meta.dtype):
+        warnings.warn(
+            f"distribute_tensor: this rank (global rank {mesh.get_rank()}) holds a {tensor.dtype} tensor of "
+            f"shape {tuple(tensor.shape)}, but the source (index {src_data_rank} along every dim of {mesh!r}) "
+            f"holds {meta.dtype} of shape {tuple(meta.shape)}; the result is the source's tensor, as "
+            "src_data_rank says. Pass the same tensor on every rank (or src_data_rank=None to cut each "
+            "rank's own tensor without communication)",
+            UserWarning,
+            stacklevel=3,  # the caller of distribute_tensor
+        )
+    return meta
+
+
 def distribute_local_data(
-    tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], src_data_rank: int | None
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    src_data_rank: int | None,
+    source_meta: TensorMeta | None = None,
 ) -> torch.Tensor:
-    """This rank's local tensor for the global ``tensor`` laid out with ``placements``."""
+    """This rank's local tensor for the global ``tensor`` laid out with ``placements``.
+
+    With ``src_data_rank`` set, ``source_meta`` is what :func:`agree_on_source_meta` returned:
+    every rank sizes its collectives from it.  A rank whose own tensor does not match it sends
+    zeros where it must send something (along a mesh dim, a rank at index ``src_data_rank`` that
+    is not the source itself); they are overwritten by the source's data further on.
+    """
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         # Not part of the mesh: an empty shard, no communication (the mesh's groups do not include us).
         return tensor.new_empty(compute_local_shape(tensor.shape, mesh.shape, None, placements))
     communicate = src_data_rank is not None and not tensor.is_meta
+    if communicate and source_meta is not None and (tensor.shape, tensor.dtype) != (source_meta.shape, source_meta.dtype):
+        tensor = torch.zeros(source_meta.shape, dtype=source_meta.dtype, device=tensor.device)
     mesh_shape = mesh.shape
     local = tensor
     # Collectives return new tensors; without one, local still aliases the caller's tensor.
@@ -94,10 +178,6 @@ def _replicated_to_partial(
 
 # -- from_local(run_check=True) ------------------------------------------------------------
 
-_DTYPES: tuple[torch.dtype, ...] = tuple(
-    sorted({value for value in vars(torch).values() if isinstance(value, torch.dtype)}, key=str)
-)
-_DTYPE_CODE: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:

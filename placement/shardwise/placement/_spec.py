@@ -23,6 +23,26 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
 
 
+def _check_dtype_can_average(
+    dtype: torch.dtype, mesh_dim: int, placements: tuple[Placement, ...], mesh: MeshLike
+) -> None:
+    """``Partial("avg")`` needs a dtype that can hold a mean.
+
+    The mean of integers is in general not an integer (0, 1, 2, 3 average to 1.5), so reducing
+    such a partial could only round, silently.  This is where the placement meets the dtype
+    (every DTensor, redistribution target and op output gets a spec), so the error comes before
+    any collective, on every rank alike.
+    """
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    raise ValueError(
+        f"Partial('avg') on mesh dim {mesh_dim} (placements {placements}, mesh {mesh!r}) needs a floating-point "
+        f"or complex dtype, got {dtype}: the average of {dtype} values across ranks is not a {dtype} in general "
+        "and would be truncated; convert the tensor to a floating dtype (e.g. .float()) first, or use "
+        "Partial('sum') and divide afterwards"
+    )
+
+
 class DTensorSpec(Generic[MeshT]):
     """How a tensor of (optionally known) global metadata is laid out over ``mesh``.
 
@@ -83,6 +103,8 @@ class DTensorSpec(Generic[MeshT]):
                     )
             elif isinstance(placement, Partial):
                 partial_mesh_dims.append(mesh_dim)
+                if placement.reduce_op == "avg" and tensor_meta is not None:
+                    _check_dtype_can_average(tensor_meta.dtype, mesh_dim, placements, mesh)
             elif not isinstance(placement, Placement):
                 raise TypeError(
                     f"placements[{mesh_dim}] is {placement!r} of type {type(placement).__name__}; "

@@ -96,18 +96,48 @@ class _InputTensorHook:
     """
 
     def __init__(
-        self, where: str, mesh: DeviceMesh, input_layout: Placement, desired_layout: Placement, async_op: bool
+        self,
+        where: str,
+        mesh: DeviceMesh,
+        input_layout: Placement,
+        desired_layout: Placement,
+        async_op: bool,
+        uneven_feature_count: int | None = None,
     ) -> None:
         self.where = where
         self.mesh = mesh
         self.input_layout = input_layout
         self.desired_layout = desired_layout
         self.async_op = async_op
+        # A Linear's input features when they shard unevenly over the mesh: then no plain local
+        # tensor declared sharded along its last dim can be right (see _refuse_uneven_plain_input).
+        self.uneven_feature_count = uneven_feature_count
 
     def _prepare(self, value: Any, what: str) -> DTensor:
+        if self.uneven_feature_count is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            self._refuse_uneven_plain_input(value, what, self.uneven_feature_count)
         tensor = as_dtensor(value, self.mesh, self.input_layout, self.where, what)
         check_shard_dim_fits(self.desired_layout, tensor, self.where, f"the layout required for {what}")
         return to_layout(tensor, self.desired_layout, async_op=self.async_op)
+
+    def _refuse_uneven_plain_input(self, value: torch.Tensor, what: str, features: int) -> None:
+        """A plain tensor declared ``Shard`` on its feature dim is taken as an even shard (global size =
+        local size x ranks), as in PyTorch; with uneven shards that is wrong on every rank, and the
+        matmul would fail with a bare shape error.  Decided from the module, the mesh and the
+        declared layout alone, so every rank raises alike, before any collective."""
+        layout = self.input_layout
+        if not isinstance(layout, Shard) or value.ndim == 0 or layout.dim not in (-1, value.ndim - 1):
+            return
+        ranks = self.mesh.size()
+        pieces = ", ".join(str(len(piece)) for piece in torch.arange(features).chunk(ranks))
+        raise ValueError(
+            f"{self.where}: {what} is a plain local tensor (shape {tuple(value.shape)}) declared {layout!r}, but the "
+            f"module's {features} input features do not divide over the {ranks} ranks of {self.mesh}: the shards are "
+            f"uneven ({pieces}, and empty ones for missing pieces) and a local tensor cannot tell its global size (it "
+            "would be taken as its local size times the number of ranks). Uneven shards need DTensors between "
+            "modules: give the module that produces this input use_local_output=False (e.g. "
+            "ColwiseParallel(use_local_output=False)), or pass DTensor.from_local(x, mesh, [Shard(-1)], shape=...)"
+        )
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -272,6 +302,14 @@ class ColwiseParallel(_BuiltinStyle):
         return module
 
 
+def _uneven_feature_count(module: nn.Module, mesh: DeviceMesh) -> int | None:
+    """The Linear's input features when they do not divide over the mesh (uneven shards), else None."""
+    weight = module._parameters["weight"]
+    assert weight is not None  # _linear_or_embedding checked it
+    features = int(weight.shape[1])
+    return features if features % mesh.size() else None
+
+
 class RowwiseParallel(_BuiltinStyle):
     """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (by input features / vocabulary).
 
@@ -310,15 +348,20 @@ class RowwiseParallel(_BuiltinStyle):
         kind = _linear_or_embedding(module, module_path, "RowwiseParallel")
         where = f"RowwiseParallel on {describe_module(module, module_path)}"
         placements: dict[str, Placement]
+        uneven_feature_count = None
         if kind is nn.Linear:
             placements = {"weight": Shard(1), "bias": Replicate()}
             desired_input: Placement = Shard(-1)
+            uneven_feature_count = _uneven_feature_count(module, mesh)
         else:
             placements = {"weight": Shard(0)}
             desired_input = Replicate()
         distribute_module(module, mesh, _ParameterPartition(placements, self.src_data_rank))
         module.register_forward_pre_hook(
-            _InputTensorHook(where, mesh, self.input_layouts[0], desired_input, async_op=True), with_kwargs=True
+            _InputTensorHook(
+                where, mesh, self.input_layouts[0], desired_input, async_op=True, uneven_feature_count=uneven_feature_count
+            ),
+            with_kwargs=True,
         )
         module.register_forward_hook(
             _OutputTensorHook(where, self.output_layouts[0], self.use_local_output, async_op=True)
