@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.dtensor_ops import DTensor, Shard, distribute_tensor
+from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.fsdp_ext import MixedPrecisionPolicy, fully_shard
 from shardwise.mesh import DeviceMesh, init_device_mesh
@@ -197,3 +197,37 @@ def test_bad_2d_input_is_refused_before_any_collective() -> None:
         with pytest.raises(RuntimeError, match="Apply tensor parallelism .* before fully_shard"):
             model(torch.randn(2, 3))
     assert comm.get_total_counts() == 0
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    return tensor._local_tensor.numel() if isinstance(tensor, DTensor) else tensor.numel()
+
+
+@multi_rank(world_size=4)
+def test_training_state_per_rank_is_a_quarter_of_the_model() -> None:
+    """Parameters + gradients + AdamW state held per rank, measured after a step, against the model."""
+    torch.manual_seed(0)
+    args = ModelArgs(n_layers=2, vocab_size=32, max_seq_len=SEQ, dim=32, n_heads=4, dropout_p=0.0)
+    reference = Transformer(args)
+    model = _fsdp_tp(copy.deepcopy(reference), _mesh(), use_seq_parallel=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optim.step()
+    model_numel = sum(p.numel() for p in reference.parameters())
+    held = 0
+    for param in model.parameters():
+        assert param.grad is not None
+        held += _local_numel(param) + _local_numel(param.grad)
+        state = optim.state[param]
+        held += _local_numel(state["exp_avg"]) + _local_numel(state["exp_avg_sq"])
+    per_rank = torch.tensor([held / (4 * model_numel)])
+    fractions = [torch.zeros(1) for _ in range(4)]
+    dist.all_gather(fractions, per_rank)
+    # 4 copies (parameter, gradient, two moments) of 1/(dp * tp) of the model, up to uneven pieces.
+    assert all(0.95 / 4 < float(f) < 1.1 / 4 for f in fractions), fractions
+    # Every element is held once over the ranks, except parameters replicated over tp (norms, the
+    # row-parallel biases), which FSDP shards over dp only: held by both tp ranks.
+    copies = sum(p.numel() * (2 if p.placements[1] == Replicate() else 1) for p in model.parameters())
+    assert abs(sum(float(f) for f in fractions) - copies / model_numel) < 1e-6
+    assert copies / model_numel < 1.02
