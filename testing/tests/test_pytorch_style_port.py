@@ -20,6 +20,7 @@ from shardwise.dtensor_ops.experimental import local_map
 # from torch.testing._internal.distributed._tensor.common_dtensor import (
 from shardwise.testing import (
     DTensorContinuousTestBase,
+    DTensorConverter,
     DTensorOpTestBase,
     DTensorTestBase,
     create_local_tensor_test_class,
@@ -151,7 +152,11 @@ class PointwiseOpsTest(DTensorOpTestBase):
         mesh = self.build_device_mesh()
         a = torch.arange(16.0).reshape(4, 4)
         b = torch.arange(4.0) + 1
-        self._test_op(mesh, torch.mul, a, b)
+        expected = torch.mul(a, b)
+        converter = DTensorConverter(mesh, (a, b), {})
+        for d_args, d_kwargs in converter:
+            self.assertTrue(converter.successful())
+            self.assertEqual(torch.mul(*d_args, **d_kwargs).full_tensor(), expected)
 
     def test_all_reduce_across_ranks(self):
         t = torch.ones(1) * self.rank
