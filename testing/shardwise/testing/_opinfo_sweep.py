@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement, Shard
+from shardwise.placement import Placement, Replicate, Shard
 from shardwise.testing._converter import DTensorConverter
 from shardwise.testing._rank_pool import MultiRankError
 from shardwise.testing._threaded import run_on_threads
@@ -105,6 +105,11 @@ class SweepConfig:
     """
 
     world_size: int = 4
+    # The mesh the ranks form: (4,) by default, (2, 2) for the 2-D mode (nested and mixed shardings).
+    mesh_shape: tuple[int, ...] = (4,)
+    # Backward mode: each call also back-propagates a fixed weighting of its outputs and compares the
+    # gradient of every input with plain torch's (ops without autograd support are left out).
+    backward: bool = False
     samples_per_op: int = 4
     shardings_per_sample: int = 6
     candidate_samples: int = 24
@@ -123,6 +128,10 @@ class SweepConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SweepConfig.{name} must be a positive int, got {value!r}")
+        if math.prod(self.mesh_shape) != self.world_size or not all(size >= 1 for size in self.mesh_shape):
+            raise ValueError(
+                f"SweepConfig.mesh_shape {self.mesh_shape} must multiply to world_size ({self.world_size})"
+            )
         if self.candidate_samples < self.samples_per_op:
             raise ValueError(
                 f"SweepConfig.candidate_samples ({self.candidate_samples}) must be at least "
@@ -248,14 +257,14 @@ def plan_sweep(config: SweepConfig, opinfos: Sequence[OpInfoLike] | None = None)
     )
 
 
-def _build_mesh(world_size: int) -> DeviceMesh:
-    return DeviceMesh("cpu", list(range(world_size)))
+def _build_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    return DeviceMesh("cpu", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape).tolist())
 
 
 def _plan_on_rank(
     opinfos: list[OpInfoLike], config: SweepConfig
 ) -> tuple[list[OpPlan], dict[str, str]] | None:
-    mesh = _build_mesh(config.world_size)
+    mesh = _build_mesh(config.mesh_shape)
     if dist.get_rank() != 0:
         return None
     plans: list[OpPlan] = []
@@ -277,7 +286,45 @@ def _plan_on_rank(
 
 
 def _clone_tensors(tree: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.clone(), tree)
+    """Fresh copies; a tensor requiring grad stays a leaf requiring grad (backward mode)."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), tree)
+
+
+def _as_leaves(tree: Any) -> Any:
+    # op_db builds some samples by computing on tensors that require grad: make every tensor a leaf.
+    return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), tree)
+
+
+def _detached(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.detach(), tree)
+
+
+def _output_weights(output: torch.Tensor) -> torch.Tensor:
+    """A fixed, uneven weighting of an output's elements (so that a gradient laid out wrongly differs)."""
+    count = output.numel()
+    return torch.cos(torch.arange(count, dtype=torch.float64) * 0.7 + 0.3).reshape(output.shape)
+
+
+def _weighted_loss(outputs: list[torch.Tensor]) -> torch.Tensor | None:
+    terms = [
+        (out * _output_weights(out).to(out.dtype)).sum()
+        for out in outputs
+        if out.requires_grad and (out.dtype.is_floating_point or out.dtype.is_complex)
+    ]
+    if not terms:
+        return None
+    return torch.stack([term.real if term.is_complex() else term for term in terms]).sum()
+
+
+def _backward_of(result: Any, inputs: Any) -> tuple[torch.Tensor | None, ...] | None:
+    """Gradients of the weighted loss of ``result`` (plain tensors) for every input tensor requiring grad."""
+    outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+    loss = _weighted_loss(outputs)
+    leaves = [leaf for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if loss is None or not leaves:
+        return None
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tuple(None if grad is None else grad.detach() for grad in grads)
 
 
 def _op_seed(key: str) -> int:
@@ -294,6 +341,8 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
         return "no float32 support on CPU"
     call = opinfo.op
     metadata_only = opinfo.name in _UNINITIALISED_OUTPUT_OPS
+    if config.backward and (metadata_only or not getattr(opinfo, "supports_autograd", True)):
+        return "backward mode: the op does not support autograd" if not metadata_only else "backward mode: uninitialised output"
     torch.manual_seed(_op_seed(key))
     shardable: list[PlannedSample] = []
     replicate_only: list[PlannedSample] = []
@@ -302,7 +351,7 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
     failing_reference = 0
     random_ops: set[str] = set()
     try:
-        samples = iter(opinfo.sample_inputs("cpu", torch.float32, requires_grad=False))
+        samples = iter(opinfo.sample_inputs("cpu", torch.float32, requires_grad=config.backward))
         for index in range(config.candidate_samples):
             if len(shardable) >= config.samples_per_op:
                 break
@@ -311,8 +360,8 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
             except StopIteration:
                 break
             seen += 1
-            args = (sample.input, *sample.args)
-            kwargs = dict(sample.kwargs)
+            args = _as_leaves((sample.input, *sample.args))
+            kwargs = _as_leaves(dict(sample.kwargs))
             converter = DTensorConverter(mesh, args, kwargs)
             if not _converts_every_tensor(converter):
                 unconvertible += 1
@@ -320,7 +369,14 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
             spy = _RandomOpSpy()
             try:
                 with spy:
-                    expected = call(*_clone_tensors(args), **_clone_tensors(kwargs))
+                    expected_args, expected_kwargs = _clone_tensors(args), _clone_tensors(kwargs)
+                    expected = call(*expected_args, **expected_kwargs)
+                    if config.backward:
+                        grads = _backward_of(expected, (expected_args, expected_kwargs))
+                        if grads is None:
+                            failing_reference += 1
+                            continue
+                        expected = (_detached(expected), grads)
             except Exception:  # noqa: BLE001 - samples plain torch rejects are not DTensor's business
                 failing_reference += 1
                 continue
@@ -382,10 +438,19 @@ def _placement_choices(
     only; bool tensors stay replicated (as in the converter: c10d has no bool collectives).
     """
     even = converter.gen_placement_choices_for_arg(leaf)
-    if not uneven or converter.mesh.ndim != 1 or leaf.dtype == torch.bool:
+    if not uneven or leaf.dtype == torch.bool or not converter.is_supported_tensor(leaf):
         return even
-    extra = [(Shard(dim),) for dim, size in enumerate(leaf.shape) if size > 1 and (Shard(dim),) not in even]
-    return even + extra
+    ndim = converter.mesh.ndim
+    extra: list[tuple[Placement, ...]] = []
+    for dim, size in enumerate(leaf.shape):
+        if size <= 1:
+            continue
+        if ndim == 1:
+            extra.append((Shard(dim),))
+        elif ndim == 2:
+            # nested (both mesh dims cut the same dim, left to right) and one mesh dim left replicated
+            extra += [(Shard(dim), Shard(dim)), (Replicate(), Shard(dim)), (Shard(dim), Replicate())]
+    return even + [choice for choice in extra if choice not in even]
 
 
 def _pick_combinations(choices: list[list[tuple[Placement, ...]]], limit: int) -> tuple[PlacementsPerTensor, ...]:
@@ -474,8 +539,8 @@ class SweepBackend(Protocol):
         """Entered in the driver around each thread world (process-wide set-up the backend needs)."""
         ...
 
-    def build_mesh(self, world_size: int) -> Any:
-        """Called on every rank thread: the 1-D mesh over the whole world."""
+    def build_mesh(self, mesh_shape: tuple[int, ...]) -> Any:
+        """Called on every rank thread: the mesh of ``mesh_shape`` over the whole world."""
         ...
 
     def new_converter(self, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ConverterLike: ...
@@ -504,8 +569,8 @@ class ShardwiseBackend:
     def world_context(self) -> AbstractContextManager[object]:
         return nullcontext()
 
-    def build_mesh(self, world_size: int) -> DeviceMesh:
-        return _build_mesh(world_size)
+    def build_mesh(self, mesh_shape: tuple[int, ...]) -> DeviceMesh:
+        return _build_mesh(mesh_shape)
 
     def new_converter(self, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ConverterLike:
         return DTensorConverter(mesh, args, kwargs)
@@ -756,7 +821,7 @@ _PROGRESS_EVERY_OPS = 50
 def _run_on_rank(
     backend: SweepBackend, plan: SweepPlan, start_op: int, state: _WorldState, progress: ProgressFn | None
 ) -> None:
-    mesh = backend.build_mesh(plan.config.world_size)
+    mesh = backend.build_mesh(plan.config.mesh_shape)
     rank = dist.get_rank()
     for op_index in range(start_op, len(plan.ops)):
         op = plan.ops[op_index]
@@ -764,7 +829,7 @@ def _run_on_rank(
         for call_index, (sample, placements) in enumerate(op.calls()):
             where = (op_index, call_index)
             state.start(where, rank)
-            outcome = _run_call(backend, mesh, op, sample, placements)
+            outcome = _run_call(backend, mesh, op, sample, placements, plan.config.backward)
             state.record(where, rank, outcome)
             try:
                 state.barrier.wait(timeout=plan.config.divergence_timeout_s)
@@ -778,8 +843,28 @@ def _run_on_rank(
                 progress(f"[{backend.name}] {op_index + 1}/{len(plan.ops)} ops")
 
 
+def _dtensor_backward(backend: SweepBackend, gathered: Any, inputs: Any) -> tuple[torch.Tensor | None, ...]:
+    """The same weighted loss on the gathered outputs (``full_tensor`` is differentiable), back-propagated
+    into the DTensor inputs; their gradients gathered."""
+    outputs = [leaf for leaf in tree_flatten(gathered)[0] if isinstance(leaf, torch.Tensor)]
+    loss = _weighted_loss(outputs)
+    leaves = [leaf for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if loss is None:
+        raise RuntimeError("no output of the DTensor call requires grad, while plain torch's do")
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tuple(
+        None if grad is None else (backend.full_tensor(grad) if backend.is_dtensor(grad) else grad).detach()
+        for grad in grads
+    )
+
+
 def _run_call(
-    backend: SweepBackend, mesh: Any, op: OpPlan, sample: PlannedSample, placements: PlacementsPerTensor
+    backend: SweepBackend,
+    mesh: Any,
+    op: OpPlan,
+    sample: PlannedSample,
+    placements: PlacementsPerTensor,
+    mode_backward: bool = False,
 ) -> CallOutcome:
     try:
         args, kwargs = _clone_tensors(sample.args), _clone_tensors(sample.kwargs)
@@ -799,6 +884,8 @@ def _run_call(
             return CallOutcome("skipped", f"{backend.name}'s converter passed a tensor through unconverted")
         actual = op.call(*dist_args, **dist_kwargs)
         gathered, plain_tensor_outputs = _gather(backend, actual)
+        if mode_backward:
+            gathered = (_detached(gathered), _dtensor_backward(backend, gathered, (dist_args, dist_kwargs)))
         problem = _mismatch(gathered, sample.expected, metadata_only=op.metadata_only)
         if problem is not None:
             raise _WrongResult(problem)

@@ -39,8 +39,8 @@ class PyTorchBackend:
     def world_context(self) -> AbstractContextManager[object]:
         return _thread_safe_sharding_propagation()
 
-    def build_mesh(self, world_size: int) -> Any:
-        return init_device_mesh("cpu", (world_size,))
+    def build_mesh(self, mesh_shape: tuple[int, ...]) -> Any:
+        return init_device_mesh("cpu", mesh_shape)
 
     def new_converter(self, mesh: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ConverterLike:
         # Imported late: torch's test utilities are heavy and need `expecttest`.

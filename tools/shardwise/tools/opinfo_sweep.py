@@ -2,6 +2,13 @@
 
     python -m shardwise.tools.opinfo_sweep [--torch] [--json out.json] [--ops PATTERN[,PATTERN...]]
                                            [--samples-per-op N] [--shardings-per-sample N]
+                                           [--backward] [--mesh 4 | 2x2]
+
+``--backward``: every call also back-propagates a fixed weighting of its outputs and compares the
+gradient of every input with plain torch's (samples drawn with ``requires_grad``; ops without
+autograd support are left out); the closing line then also says how many of the ops passing
+forward (in a forward run of the same selection) pass backward. ``--mesh 2x2``: a 2-D mesh of the
+4 rank threads, with nested shardings (both mesh dims on one tensor dim) and mixed ones.
 
 Plans the sweep once (``shardwise.testing._opinfo_sweep``: float32 CPU samples, the first few a
 ``DTensorConverter`` can convert, a few of its shardings each, on a 1-D mesh of 4 rank threads),
@@ -18,7 +25,9 @@ Exit status: 0 when the sweep ran (whatever it found), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import textwrap
 import time
@@ -48,6 +57,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     defaults = SweepConfig()
     parser.add_argument("--samples-per-op", type=int, default=defaults.samples_per_op)
     parser.add_argument("--shardings-per-sample", type=int, default=defaults.shardings_per_sample)
+    parser.add_argument("--backward", action="store_true", help="compare input gradients too (backward mode)")
+    parser.add_argument("--mesh", default="4", help="mesh shape: 4 (1-D, default) or 2x2 (2-D)")
     return parser.parse_args(argv)
 
 
@@ -66,7 +77,8 @@ def format_plan(plan: SweepPlan) -> str:
         f"plan: {len(plan.ops)} ops, {plan.num_calls} calls ({sharded_ops} ops with at least one sharded tensor), "
         f"{len(plan.excluded)} left out; planned in {plan.planning_s:.1f} s "
         f"({plan.planning_cpu_s:.1f} s CPU)",
-        f"caps: world of {config.world_size} rank threads, 1-D mesh; float32 CPU samples; up to "
+        f"caps: world of {config.world_size} rank threads, mesh {'x'.join(map(str, config.mesh_shape))}"
+        f"{', backward mode' if config.backward else ''}; float32 CPU samples; up to "
         f"{config.samples_per_op} samples per op (from the first {config.candidate_samples}), up to "
         f"{config.shardings_per_sample} shardings per sample",
     ]
@@ -122,8 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     patterns = tuple(pattern.strip() for pattern in args.ops.split(",") if pattern.strip())
     try:
+        mesh_shape = tuple(int(size) for size in args.mesh.lower().split("x"))
         config = SweepConfig(
-            samples_per_op=args.samples_per_op, shardings_per_sample=args.shardings_per_sample, op_patterns=patterns
+            samples_per_op=args.samples_per_op,
+            shardings_per_sample=args.shardings_per_sample,
+            op_patterns=patterns,
+            mesh_shape=mesh_shape,
+            world_size=math.prod(mesh_shape),
+            backward=args.backward,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -149,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for report in reports:
         print(f"{report.backend}: {report.passing} ops passing out of {report.tried} tried")
+    if args.backward:
+        forward_config = dataclasses.replace(config, backward=False)
+        forward_plan = plan_sweep(forward_config)
+        for backend, report in zip(backends, reports):
+            forward = run_sweep(backend, forward_plan, progress=_progress)
+            forward_pass = set(forward.ops_with("pass"))
+            backward_pass = set(report.ops_with("pass")) & forward_pass
+            share = 100.0 * len(backward_pass) / max(len(forward_pass), 1)
+            print(
+                f"{report.backend}: backward passes for {len(backward_pass)} of the {len(forward_pass)} ops passing "
+                f"forward ({share:.1f} %)"
+            )
     print(f"total {time.perf_counter() - started:.1f} s, {time.process_time() - started_cpu:.1f} s CPU")
     if args.json:
         document: dict[str, Any] = {

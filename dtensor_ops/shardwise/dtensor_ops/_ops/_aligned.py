@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from .._rules import OneDimStrategy, OpCall, PlacementsPerTensor
 from .reduction import every_sharded_piece_nonempty
@@ -81,7 +81,8 @@ class EmptyPieceResult:
 
     Many kernels (FFT, pooling, batch norm) reject empty inputs although the global tensors are not
     empty; this rank's outputs are then empty too, of known local shapes, so they are made here
-    instead (every other rank runs the op itself).
+    instead (every other rank runs the op itself).  They hold zeros: a Partial(sum) output of a
+    contraction over an empty piece is zero.  (No family using this gives Partial(max/min) outputs.)
     """
 
     local_shapes: tuple[tuple[int, ...] | None, ...]
@@ -94,7 +95,9 @@ class EmptyPieceResult:
             torch.device("cpu"),
         )
         outputs = [
-            None if shape is None or dtype is None else torch.empty(shape, dtype=dtype, device=device)
+            # zeros, not empty memory: an output that is Partial(sum) on this mesh dim (a contraction over the
+            # empty piece) must contribute nothing to the sum
+            None if shape is None or dtype is None else torch.zeros(shape, dtype=dtype, device=device)
             for shape, dtype in zip(self.local_shapes, self.dtypes)
         ]
         return outputs[0] if self.single else tuple(outputs)
@@ -113,6 +116,14 @@ def empty_piece_kernel(
             break
     else:
         return None
+    for output in outputs:
+        # Only outputs this rank holds nothing of, or its (zero) share of a sum, can be made up; a replicated
+        # output (a bias gradient summed over the batch) needs the real op.
+        if output is None:
+            continue
+        holds_elements = 0 not in output.local_shape()
+        if holds_elements and not any(p == Partial("sum") for p in output.placements):
+            return None
     shapes = tuple(None if spec is None else tuple(spec.local_shape()) for spec in outputs)
     dtypes = tuple(None if spec is None or spec.tensor_meta is None else spec.tensor_meta.dtype for spec in outputs)
     return EmptyPieceResult(shapes, dtypes, call.structure == "single")

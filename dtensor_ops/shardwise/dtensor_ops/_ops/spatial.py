@@ -39,7 +39,14 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from .._rules import ArgPosition, OneDimStrategy, OpCall, ShardingRule, aten_overloads, register_rule
-from ._aligned import aligned_strategy, argument_location, empty_piece_kernel, outputs_on, replicated_strategy
+from ._aligned import (
+    aligned_strategy,
+    argument_location,
+    empty_piece_kernel,
+    outputs_on,
+    pieces_nonempty,
+    replicated_strategy,
+)
 
 __all__ = [
     "BATCH_NORM_BACKWARD_RULE",
@@ -258,6 +265,8 @@ def _convolution_backward_overrides(
 CONVOLUTION_BACKWARD_RULE = ShardingRule(
     family="convolution backward",
     one_dim_strategies=_convolution_backward_strategies,
+    # a rank with an empty piece cannot make up a replicated bias gradient: no empty pieces here
+    is_valid=pieces_nonempty,
     local_arg_overrides=_convolution_backward_overrides,
     local_kernel=empty_piece_kernel,
 )
