@@ -2,7 +2,8 @@
 
 Each distinct rank list gets one process group per default process group, however many meshes
 use it: the registry is keyed by (backend config, ordered ranks) and is dropped when the default
-process group changes (``destroy_process_group`` + ``init_process_group``).
+process group changes (``destroy_process_group`` + ``init_process_group``). It refers to the groups
+weakly: c10d owns them (see ``_GroupRegistry``).
 
 How groups are created (measured on gloo; see README.md):
 
