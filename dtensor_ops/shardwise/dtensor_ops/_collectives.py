@@ -135,7 +135,15 @@ def broadcast_along_mesh_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: i
 def scatter_along_mesh_dim(
     tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, tensor_dim: int, src: int, my_index: int
 ) -> torch.Tensor:
-    """This rank's torch.chunk piece (along ``tensor_dim``) of the tensor held at index ``src`` of ``mesh_dim``."""
+    """This rank's torch.chunk piece (along ``tensor_dim``) of the tensor held at index ``src`` of ``mesh_dim``.
+
+    Every rank must pass a tensor of the source's shape and dtype (``distribute_tensor`` agrees on
+    them first): the receive sizes come from it, and gloo fills a larger receive only partly and
+    aborts on a smaller one.  ``torch.ops._c10d_functional`` has no scatter, so this is an
+    ``all_to_all_single`` in which only the source sends: each rank receives exactly its piece.
+    (The aborts at exit once blamed on it came from meshes keeping gloo groups alive past
+    ``destroy_process_group``; see ``shardwise.mesh._process_groups``.)
+    """
     group_size = mesh.shape[mesh_dim]
     dim_size = tensor.size(tensor_dim)
     sizes = chunk_sizes(dim_size, group_size)
