@@ -21,7 +21,7 @@ import torch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
-from . import _conversions
+from . import _checkpoint, _conversions
 from ._redistribute import gradient_placements
 from ._wrapper import wrap_local_tensor
 
@@ -200,6 +200,17 @@ class DTensor(torch.Tensor):
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable; collectives as needed)."""
         return _conversions.full_tensor(self, grad_placements=grad_placements)
+
+    # -- torch.distributed.checkpoint (DCP) protocol: see _checkpoint -------------------------
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        return _checkpoint.create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return _checkpoint.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return _checkpoint.get_tensor_shard(self, index)
 
 
 def new_dtensor(

@@ -56,7 +56,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("propagation", ("_sharding_prop",)),
     ("collectives", ("_collectives",)),
     ("redistribution", ("_redistribute", "_src_data", "_strided_redistribute")),
-    ("DTensor class", ("_conversions", "_dtensor")),
+    ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
     ("API and factories", ("_api", "_factories", "experimental", "random", "debug", "_dtensor_spec", "_collective_utils", "_utils")),
