@@ -237,3 +237,44 @@ def test_state_dict_holds_the_sharded_parameters_and_loads_back() -> None:
     plain.load_state_dict(full)
     with torch.no_grad():
         torch.testing.assert_close(plain(tokens), model(tokens), rtol=1e-5, atol=1e-6)
+
+
+@multi_rank(world_size=4)
+def test_next_units_all_gather_is_in_flight_before_it_runs() -> None:
+    """Prefetch: once the first forward recorded the order, each unit starts the next unit's all-gather
+    (forward) or the previous one's (backward) before that unit needs it."""
+    torch.manual_seed(0)
+    model = _shard_model(Net(n_blocks=3), init_device_mesh("cpu", (4,)))
+    tokens, targets = _batch(0)
+    _loss(model, tokens, targets).backward()  # records the forward order
+    groups = [block._fsdp_state().group for block in model.blocks]
+    seen_in_flight: list[tuple[str, int]] = []
+
+    def note_forward(index: int) -> None:
+        if index + 1 < len(groups) and groups[index + 1]._pending_gather is not None:
+            seen_in_flight.append(("forward", index + 1))
+
+    in_backward: list[int] = []
+
+    def note_backward(index: int) -> None:
+        previous = groups[index - 1]
+        if previous._pending_gather is not None or previous.is_unsharded:
+            in_backward.append(index)
+
+    def hook_output(output: torch.Tensor, index: int) -> None:
+        output.register_hook(lambda grad: (note_backward(index), grad)[1])
+
+    for index, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda module, args, index=index: note_forward(index))
+        if index > 0:
+            # Runs after fully_shard's own output hook (registered first), i.e. once this block's
+            # backward is about to start and its prefetch has been issued.
+            block.register_forward_hook(lambda module, args, output, index=index: hook_output(output, index))
+    with CommDebugMode() as comm:
+        loss = _loss(model, tokens, targets)
+    assert seen_in_flight == [("forward", 1), ("forward", 2)]
+    assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 4  # still one per unit
+    with CommDebugMode() as comm:
+        loss.backward()
+    assert in_backward == [2, 1]  # blocks 2 and 1 found their predecessor's all-gather issued
+    assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 3
