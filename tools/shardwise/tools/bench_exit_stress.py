@@ -19,11 +19,15 @@ exactly as a user would, and does, with one stack's public API only:
    the plain tensor;
 3. three training steps of a two-layer MLP laid out with ``ColwiseParallel``/``RowwiseParallel``
    (``parallelize_module``), SGD;
-4. one more ``distribute_tensor(..., [Shard(0)])`` followed at once by ``destroy_process_group()``
-   and a normal return: the job of the bug report (issue 13), where a gloo process group that
-   outlives ``destroy_process_group`` made about half of the jobs abort at exit.  Without this
-   last step the job does enough Python work after its last collective that the abort almost
-   never shows (8 of 8 clean runs on the code that had the bug).
+4. one more ``distribute_tensor(..., [Shard(0)])``, then ``destroy_process_group()`` and a
+   normal return.
+
+That is the *full* job.  The *minimal* job is the one of the bug report (issue 13): only
+``distribute_tensor(t, mesh, [Shard(0)])`` and ``destroy_process_group()``; there a gloo process
+group kept alive past ``destroy_process_group`` made about half of the jobs abort at exit, while
+the full job, which does more Python work between its collectives and its exit, hid the same bug
+(no abort in 13 runs of the code that had it).  ``--jobs`` (default ``minimal,full``) lists the
+kinds, taken in turn run after run (both stacks run the same kind in a run).
 
 The jobs of the two stacks are interleaved (shardwise, pytorch, shardwise, ...), so machine load
 falls on both alike.  A job *fails* when the launcher exits non-zero, when it runs past
@@ -92,7 +96,23 @@ def _stack_api(stack: str) -> dict[str, Any]:
     }
 
 
-def _job(stack: str) -> None:
+def _minimal_job(stack: str) -> None:
+    """The job of the bug report, exactly: one scatter, then teardown."""
+    import torch
+    import torch.distributed as dist
+
+    api = _stack_api(stack)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = api["init_device_mesh"]("cpu", (world,))
+    full = torch.arange(8.0 * world).reshape(2 * world, 4)
+    sharded = api["distribute_tensor"](full, mesh, [api["Shard"](0)])
+    ok = torch.equal(sharded.to_local(), full.chunk(world)[rank])
+    print(f"exit-stress rank {rank} ok" if ok else f"{stack}: wrong shard on rank {rank}", flush=True)
+    dist.destroy_process_group()
+
+
+def _full_job(stack: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -133,13 +153,15 @@ def _job(stack: str) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    # Last, the job of the bug report: a scatter, then straight to teardown. Exiting right after a
-    # collective is what exposes a process group kept alive into interpreter shutdown (an abort).
+    # Last, as in the bug report: a scatter, then straight to teardown.
     last = api["distribute_tensor"](full, mesh, [Shard(0)])
-    dist.destroy_process_group()
     if not torch.equal(last.to_local(), full.chunk(world)[rank]):
         raise AssertionError(f"{stack}: the last distribute_tensor gave a wrong shard on rank {rank}")
     print(f"exit-stress rank {rank} ok", flush=True)
+    dist.destroy_process_group()
+
+
+JOBS = {"minimal": _minimal_job, "full": _full_job}
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -160,7 +182,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _run_job(stack: str, nproc: int, timeout_s: float) -> tuple[int | None, str, float]:
+def _run_job(stack: str, kind: str, nproc: int, timeout_s: float) -> tuple[int | None, str, float]:
     """(launcher exit status or None when it ran past the timeout, its output, seconds)."""
     command = [
         sys.executable,
@@ -173,6 +195,8 @@ def _run_job(stack: str, nproc: int, timeout_s: float) -> tuple[int | None, str,
         "shardwise.tools.bench_exit_stress",
         "--job",
         stack,
+        "--job-kind",
+        kind,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.perf_counter()
@@ -211,11 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per job")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per job before it counts as hung")
     parser.add_argument("--keep-logs", type=Path, default=None, help="folder for the output of failed jobs")
+    parser.add_argument(
+        "--jobs",
+        default="minimal,full",
+        help="job kinds, taken in turn run after run: minimal (the bug report's scatter + destroy), full",
+    )
     parser.add_argument("--job", choices=STACKS, help=argparse.SUPPRESS)
+    parser.add_argument("--job-kind", choices=tuple(JOBS), default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job is not None:
-        _job(args.job)
+        JOBS[args.job_kind](args.job)
         return 0
+    kinds = [kind.strip() for kind in args.jobs.split(",") if kind.strip()]
+    if not kinds or any(kind not in JOBS for kind in kinds):
+        parser.error(f"--jobs: expected a comma-separated subset of {tuple(JOBS)}, got {args.jobs!r}")
     stacks = [name.strip() for name in args.stacks.split(",") if name.strip()]
     unknown = [name for name in stacks if name not in STACKS]
     if unknown or not stacks:
@@ -226,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         args.keep_logs.mkdir(parents=True, exist_ok=True)
     tallies = {stack: StackTally() for stack in stacks}
     for run in range(1, args.runs + 1):
+        kind = kinds[(run - 1) % len(kinds)]
         for stack in stacks:
-            returncode, output, seconds = _run_job(stack, args.nproc, args.timeout)
+            returncode, output, seconds = _run_job(stack, kind, args.nproc, args.timeout)
             failed, aborted = _judge(returncode, output, args.nproc)
             tally = tallies[stack]
             tally.runs += 1
@@ -236,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             tally.aborts += aborted
             tally.hung += returncode is None
             if failed and args.keep_logs is not None:
-                (args.keep_logs / f"{stack}-{run}.log").write_text(output)
+                (args.keep_logs / f"{stack}-{run}-{kind}.log").write_text(output)
             status = "ok" if not failed else ("ABORT" if aborted else "FAILED")
-            print(f"run {run:>3} {stack:<10} {status:<6} exit={returncode} {seconds:5.1f}s", flush=True)
+            print(f"run {run:>3} {stack:<10} {kind:<8} {status:<6} exit={returncode} {seconds:5.1f}s", flush=True)
     print(_report(tallies), flush=True)
     return 1 if "shardwise" in tallies and tallies["shardwise"].failed else 0
 
