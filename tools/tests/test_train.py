@@ -117,3 +117,21 @@ def test_fsdp_times_tensor_parallel_on_a_2x2_mesh(tmp_path: pathlib.Path) -> Non
         "all_gather_into_tensor": 3 + 1, "all_reduce": 6, "all_to_all_single": 1, "reduce_scatter_tensor": 3 + 2,
     }
     assert per_phase["optimizer"] == {"all_reduce": 3}
+
+
+def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.Path) -> None:
+    """FSDP x TP 2x2 trains steps 1-3 and writes a checkpoint; TP over 4 ranks resumes it for steps 4-6.
+    The resumed losses and final parameters match an uninterrupted single-process run of 6 steps."""
+    model = [flag for flag in TINY_MODEL if flag not in ("--steps", "3")] + ["--batch-size", "4"]
+    checkpoint = tmp_path / "checkpoint"
+    first = _run_trainer([*model, "--steps", "3", "--dp", "2", "--tp", "2", "--checkpoint-dir", str(checkpoint)],
+                         tmp_path / "first")
+    _check_outputs(first, tmp_path / "first", steps=3)
+    assert (checkpoint / ".metadata").is_file()
+    resumed = _run_trainer([*model, "--steps", "6", "--tp", "4", "--resume", "--checkpoint-dir", str(checkpoint)],
+                           tmp_path / "resumed")
+    assert f"resumed from {checkpoint} at step 3" in resumed.stdout
+    assert "step 4/6" in resumed.stdout and "step 3/6" not in resumed.stdout.split("single-process reference")[0]
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed.returncode == 0 and summary["parity"]["verdict"] == "PASS", resumed.stdout[-3000:]
+    assert len(summary["losses"]) == 3 and summary["mesh"]["shape"] == [4]

@@ -61,6 +61,8 @@ class TrainConfig:
     node_rank: int = 0
     rdzv_endpoint: str = ""
     output_dir: str = ""
+    checkpoint_dir: str = ""
+    resume: bool = False
     log_every: int = 1
     parity_rtol: float | None = None  # None: PARITY_TOLERANCES[dtype]
     parity_atol: float | None = None
@@ -84,6 +86,13 @@ class TrainConfig:
     @property
     def atol(self) -> float:
         return PARITY_TOLERANCES[self.dtype][1] if self.parity_atol is None else self.parity_atol
+
+    def resolved_checkpoint_dir(self) -> pathlib.Path:
+        path = pathlib.Path(self.checkpoint_dir).expanduser()
+        if not path.is_absolute():
+            base = os.environ.get("BUILD_WORKING_DIRECTORY") or os.getcwd()
+            path = pathlib.Path(base) / path
+        return path
 
     def resolved_output_dir(self) -> pathlib.Path:
         if not self.output_dir:
@@ -131,6 +140,8 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be a multiple of --dp {self.dp}: each data-parallel rank "
                 "trains on an equal share of every batch"
             )
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir DIR, the checkpoint to continue from")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad_norm < 0:
@@ -238,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default=defaults.output_dir,
         help=f"where the loss plot and summary.json go (default: ./{DEFAULT_OUTPUT_FOLDER}; "
         "under `bazel run`, relative to the directory the command was typed in)",
+    )
+    output.add_argument(
+        "--checkpoint-dir", default=defaults.checkpoint_dir,
+        help="write a distributed checkpoint (torch.distributed.checkpoint: model and optimizer state, step) "
+        "here at the end; with --resume, first load it (written with any --dp/--tp) and continue after its step",
+    )
+    output.add_argument(
+        "--resume", action=argparse.BooleanOptionalAction, default=defaults.resume,
+        help="continue from the checkpoint in --checkpoint-dir up to --steps in total",
     )
     output.add_argument(
         "--parity-rtol", type=float, default=defaults.parity_rtol,

@@ -126,6 +126,7 @@ def train_loop(
     count_collectives_at: frozenset[int] = frozenset(),
     on_step: Callable[[StepRecord], None] = lambda record: None,
     data_parallel: tuple[int, int, Any] | None = None,
+    first_step: int = 1,
 ) -> list[StepRecord]:
     """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
 
@@ -133,13 +134,15 @@ def train_loop(
     ``count_collectives_at`` run each phase under its own ``CommDebugMode``; counting slows a
     step down, so callers keep those steps out of throughput figures.
 
+    ``first_step``: continue a run (from a checkpoint) at this step; the batches are those of
+    an uninterrupted run.
     ``data_parallel``: ``(dp rank, dp size, dp process group)``: this rank trains on its equal
     share of each batch (FSDP averages the gradients over dp), and the recorded loss is the mean
     of the ranks' losses (one all-reduce per step, after the step, for the log only).
     """
     model.train()
     records: list[StepRecord] = []
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         inputs, targets = corpus.batch(step, batch_size, seq_len, seed)
         if data_parallel is not None:
             dp_rank, dp_size, _ = data_parallel

@@ -16,6 +16,7 @@ from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.tp_styles import loss_parallel
 
+from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import ConfigError, TrainConfig
 from ._data import CharCorpus, load_default_corpus
 from ._loop import StepRecord, train_loop
@@ -142,6 +143,15 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
     if data_parallel:
         model = fully_shard_transformer(model, mesh["dp"])
     optimizer = build_optimizer(config, list(model.parameters()))
+    first_step = 1
+    if config.resume:
+        resumed_at = load_checkpoint(config.resolved_checkpoint_dir(), model, optimizer, config.optimizer)
+        first_step = resumed_at + 1
+        if first_step > config.steps:
+            raise ConfigError(
+                f"--resume: the checkpoint is at step {resumed_at} already; expected --steps above it "
+                "(the total number of steps, counting those before the checkpoint)"
+            )
     if is_reporter:
         _say(
             f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh "
@@ -155,6 +165,8 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
             f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, "
             f"{config.steps} steps"
         )
+        if config.resume:
+            _say(f"resumed from {config.resolved_checkpoint_dir()} at step {first_step - 1}")
         _say("collectives are counted with CommDebugMode on the first and the last step")
     loss_context: Callable[[], ContextManager[object]] = (
         loss_parallel if config.loss_parallel else contextlib.nullcontext
@@ -172,10 +184,15 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         dtype=_dtype(config),
         clip_grad_norm=config.clip_grad_norm,
         loss_context=loss_context,
-        count_collectives_at=frozenset({1, config.steps}),
+        count_collectives_at=frozenset({first_step, config.steps}),
+        first_step=first_step,
         on_step=progress if is_reporter else (lambda _: None),
         data_parallel=(mesh.get_local_rank("dp"), config.dp, mesh.get_group("dp")) if data_parallel else None,
     )
+    if config.checkpoint_dir:
+        save_checkpoint(config.resolved_checkpoint_dir(), model, optimizer, config.optimizer, config.steps)
+        if is_reporter:
+            _say(f"checkpoint at step {config.steps} written to {config.resolved_checkpoint_dir()}")
     tp_parameters = _full_parameters(model)
     if not is_reporter:
         return 0
@@ -209,6 +226,8 @@ def _reference_and_report(
         ),
     )
     reference_parameters = {name: p.detach().to("cpu").clone() for name, p in reference_model.named_parameters()}
+    # A resumed run is compared with the same steps of the uninterrupted reference run.
+    reference_records = reference_records[len(reference_records) - len(tp_records) :]
     parity = compare_runs(
         [record.loss for record in tp_records],
         [record.loss for record in reference_records],
