@@ -96,7 +96,7 @@ def _stack_api(stack: str) -> dict[str, Any]:
     }
 
 
-def _minimal_job(stack: str) -> None:
+def _minimal_job(stack: str) -> list[Any]:
     """The job of the bug report, exactly: one scatter, then teardown."""
     import torch
     import torch.distributed as dist
@@ -110,9 +110,10 @@ def _minimal_job(stack: str) -> None:
     ok = torch.equal(sharded.to_local(), full.chunk(world)[rank])
     print(f"exit-stress rank {rank} ok" if ok else f"{stack}: wrong shard on rank {rank}", flush=True)
     dist.destroy_process_group()
+    return [mesh, sharded]
 
 
-def _full_job(stack: str) -> None:
+def _full_job(stack: str) -> list[Any]:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -159,9 +160,16 @@ def _full_job(stack: str) -> None:
         raise AssertionError(f"{stack}: the last distribute_tensor gave a wrong shard on rank {rank}")
     print(f"exit-stress rank {rank} ok", flush=True)
     dist.destroy_process_group()
+    return [mesh, sharded, replicated, partial, model, optimizer, last]
 
 
 JOBS = {"minimal": _minimal_job, "full": _full_job}
+
+# What a job built stays referenced until the interpreter shuts down, as the module-level variables
+# of a user's script do: objects that still hold a process group then are only freed in interpreter
+# shutdown, which is where a gloo group kept alive aborts the process. (Objects freed when a
+# function returns are gone before that, which hides the bug.)
+_KEPT_UNTIL_EXIT: list[Any] = []
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-kind", choices=tuple(JOBS), default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job is not None:
-        JOBS[args.job_kind](args.job)
+        _KEPT_UNTIL_EXIT.extend(JOBS[args.job_kind](args.job))
         return 0
     kinds = [kind.strip() for kind in args.jobs.split(",") if kind.strip()]
     if not kinds or any(kind not in JOBS for kind in kinds):
