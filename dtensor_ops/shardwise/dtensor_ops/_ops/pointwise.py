@@ -71,7 +71,7 @@ _GRADIENT_SCALING_BACKWARDS = (
     "sigmoid_backward", "tanh_backward", "threshold_backward", "gelu_backward", "silu_backward",
     "hardtanh_backward", "leaky_relu_backward", "hardsigmoid_backward", "hardswish_backward",
     "softplus_backward", "mish_backward", "elu_backward", "logit_backward", "hardshrink_backward",
-    "softshrink_backward",
+    "softshrink_backward", "log_sigmoid_backward",
 )  # fmt: skip
 
 # Ops whose result is linear in all tensor operands together: operand positions.

@@ -21,6 +21,14 @@ job, which dispatch runs for every op in its random-op set.
   Replicate mask (the mask is equal along that mesh dim, so the parts still add
   up to the dropout of the sum).  ``native_dropout_backward`` is the same
   product: the gradient may be Partial with a replicated mask.
+* ``multinomial`` draws ``num_samples`` category indices per row of its probabilities: the
+  categories of a row are read together (a row is normalised by its own sum), so only the
+  rows of a 2-D input may be sharded (the samples of shard ``k`` come from shard ``k``'s
+  stream); a 1-D input is one row and runs replicated.
+* ``rrelu_with_noise`` (``F.rrelu`` in training) draws one slope per element into ``noise``
+  (written) and scales the negative inputs by it: element-wise, ``self`` and ``noise`` share
+  their shards and the slopes are drawn per shard.  Its backward is the same product with
+  the incoming gradient, linear in that gradient (a Partial gradient stays Partial).
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ __all__ = [
     "DROPOUT_RULE",
     "FUNCTIONAL_FILL_RULE",
     "INPLACE_FILL_RULE",
+    "MULTINOMIAL_RULE",
+    "RRELU_BACKWARD_RULE",
+    "RRELU_RULE",
 ]
 
 aten = torch.ops.aten
@@ -215,6 +226,66 @@ DROPOUT_BACKWARD_RULE = ShardingRule(
     output_meta=_dropout_backward_output_meta,
 )
 
+def _multinomial_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [OneDimStrategy((Replicate(),), (Replicate(),))]
+    if len(call.input_shape(0)) == 2:
+        strategies.insert(0, OneDimStrategy((Shard(0),), (Shard(0),)))
+    return strategies
+
+
+MULTINOMIAL_RULE = ShardingRule(
+    family="multinomial", random=RandomDraw.VALUES, one_dim_strategies=_multinomial_strategies
+)
+
+
+def _same_shape_inputs(call: OpCall, count: int) -> bool:
+    return all(call.input_shape(index) == call.input_shape(0) for index in range(1, count))
+
+
+def _rrelu_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``(self, noise)`` read and written element by element; outputs: the result (and the functional noise)."""
+    num_outputs = len(call.output_metas)
+    strategies = []
+    if len(call.input_specs) == 2 and _same_shape_inputs(call, 2):
+        strategies = [
+            OneDimStrategy((Shard(dim),) * num_outputs, (Shard(dim), Shard(dim)))
+            for dim in range(len(call.input_shape(0)))
+        ]
+    strategies.append(OneDimStrategy((Replicate(),) * num_outputs, (Replicate(),) * len(call.input_specs)))
+    return strategies
+
+
+RRELU_RULE = ShardingRule(family="rrelu", random=RandomDraw.VALUES, one_dim_strategies=_rrelu_strategies)
+
+
+def _rrelu_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``(grad_output, self, noise)``: element-wise, linear in ``grad_output``."""
+    count = len(call.input_specs)
+    strategies = [OneDimStrategy((Replicate(),), (Replicate(),) * count)]
+    if count == 3 and _same_shape_inputs(call, 3):
+        strategies += [
+            OneDimStrategy((Shard(dim),), (Shard(dim),) * 3) for dim in range(len(call.input_shape(0)))
+        ]
+        strategies += [
+            OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op), Replicate(), Replicate()))
+            for reduce_op in call.linear_reduce_ops()
+        ]
+    return strategies
+
+
+RRELU_BACKWARD_RULE = ShardingRule(family="rrelu-backward", one_dim_strategies=_rrelu_backward_strategies)
+
+register_rule((aten.multinomial.default, aten.multinomial.out), MULTINOMIAL_RULE)
+register_rule(
+    (
+        aten.rrelu_with_noise.default,
+        aten.rrelu_with_noise.out,
+        aten.rrelu_with_noise_.default,
+        aten.rrelu_with_noise_functional.default,
+    ),
+    RRELU_RULE,
+)
+register_rule((aten.rrelu_with_noise_backward.default, aten.rrelu_with_noise_backward.out), RRELU_BACKWARD_RULE)
 register_rule(
     (
         aten.uniform_.default,

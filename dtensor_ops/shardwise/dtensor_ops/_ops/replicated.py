@@ -37,7 +37,8 @@ def _replicated_strategies(call: OpCall) -> list[OneDimStrategy]:
 # metadata comes from one run on zeros of the global shapes (these ops run on the whole tensors anyway).
 _NO_META_KERNEL = frozenset(
     {"aten::geqrf", "aten::histogram", "aten::_histogramdd_from_bin_tensors", "aten::_histogramdd_bin_edges",
-     "aten::_histogramdd_from_bin_cts", "aten::_ctc_loss"}
+     "aten::_histogramdd_from_bin_cts", "aten::_ctc_loss", "aten::_ctc_loss_backward", "aten::multi_margin_loss_backward",
+     "aten::multilabel_margin_loss_backward"}
 )  # fmt: skip
 
 
@@ -66,6 +67,10 @@ _NAMES = (
     "_chunk_cat", "_embedding_bag_forward_only", "_embedding_bag", "_ctc_loss", "_unsafe_masked_index",
     "_unsafe_masked_index_put_accumulate", "multi_margin_loss", "multilabel_margin_loss_forward", "nonzero_static",
     "put", "linspace", "logspace",
+    # backward kernels of ops whose forward runs on replicated inputs (or reads whole rows/planes)
+    "_prelu_kernel_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward", "multi_margin_loss_backward",
+    "multilabel_margin_loss_backward", "_segment_reduce_backward", "_cdist_backward", "_ctc_loss_backward",
+    "_embedding_bag_per_sample_weights_backward", "unfold_backward",
 )  # fmt: skip
 
 REPLICATED_OPS = [

@@ -117,6 +117,21 @@ def _diagonal_strategies(call: OpCall) -> list[OneDimStrategy]:
     return strategies + [replicated_strategy(call)] + _moving_partials(call)
 
 
+def _diagonal_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``diagonal_backward(grad, input_sizes, offset, dim1, dim2)``: the gradient's leading dims are the
+    input's dims other than ``dim1``/``dim2`` (in order), its last dim the diagonal; the result holds
+    ``grad`` on that diagonal and zeros elsewhere, so it is linear in ``grad``."""
+    sizes = call.arg(1, "input_sizes")
+    assert isinstance(sizes, (list, tuple))
+    ndim = len(sizes)
+    taken = _diagonal_dims(call, ndim, 0, 1, position=3)
+    kept = [dim for dim in range(ndim) if dim not in taken]
+    strategies = [aligned_strategy(call, (position,), (dim,)) for position, dim in enumerate(kept)]
+    strategies.append(replicated_strategy(call))
+    strategies.extend(OneDimStrategy((Partial(kind),), (Partial(kind),)) for kind in call.linear_reduce_ops())
+    return strategies
+
+
 def _diag_embed_strategies(call: OpCall) -> list[OneDimStrategy]:
     in_ndim = len(call.input_shape(0))
     out_ndim = in_ndim + 1
@@ -196,8 +211,27 @@ def _glu_strategies(call: OpCall) -> list[OneDimStrategy]:
     return _one_dim_op_strategies(call, 1, "dim", -1, partials=False)
 
 
+def _glu_backward_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``glu_backward(grad_output, self, dim)``: both halves of ``self``'s ``dim`` are read together;
+    every other dim stays sharded in the gradient, ``self`` and the result alike."""
+    ndim = len(call.input_shape(1))
+    if ndim == 0:
+        return [replicated_strategy(call)]
+    worked = normalize_dim(_int_arg(call, 2, "dim", -1), ndim)
+    strategies = [aligned_strategy(call, (dim, dim), (dim,)) for dim in range(ndim) if dim != worked]
+    return strategies + [replicated_strategy(call)]
+
+
 def _narrow_copy_strategies(call: OpCall) -> list[OneDimStrategy]:
     return _one_dim_op_strategies(call, 1, "dim", 0, partials=True)
+
+
+def _view_as_real_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``view_as_real`` adds a last dim of 2 (real, imaginary): every input dim keeps its shard, and the
+    view is linear over the reals (a Partial sum or average stays one)."""
+    strategies = free_dim_strategies(call, range(len(call.input_shape(0))))
+    strategies.extend(OneDimStrategy((Partial(kind),), (Partial(kind),)) for kind in call.linear_reduce_ops())
+    return strategies
 
 
 def _view_as_complex_strategies(call: OpCall) -> list[OneDimStrategy]:
@@ -267,7 +301,14 @@ def _register(strategies: Any, family: str, ops: tuple[torch._ops.OpOverload, ..
     return rule
 
 
+# tril_/triu_ stay without a rule for now: the backward formulas that call them (householder_product,
+# ormqr) first write into a diagonal view, which a redistributed DTensor view does not alias.
 register_rule((aten.tril.default, aten.tril.out, aten.triu.default, aten.triu.out), TRIANGLE_RULE)
+_register(
+    _diagonal_backward_strategies, "diagonal_backward", (aten.diagonal_backward.default, aten.diagonal_backward.out)
+)
+_register(_glu_backward_strategies, "glu_backward", (aten.glu_backward.default, aten.glu_backward.grad_input))
+_register(_view_as_real_strategies, "view_as_real", (aten.view_as_real.default,))
 _register(_diagonal_strategies, "diagonal", (aten.diagonal.default, aten.diagonal_copy.default))
 _register(_diag_embed_strategies, "diag_embed", (aten.diag_embed.default, aten.diag_embed.out))
 _register(_diagonal_scatter_strategies, "diagonal_scatter", (aten.diagonal_scatter.default,))
