@@ -6,8 +6,9 @@
 
 ``--backward``: every call also back-propagates a fixed weighting of its outputs and compares the
 gradient of every input with plain torch's (samples drawn with ``requires_grad``; ops without
-autograd support are left out); the closing line then also says how many of the ops passing
-forward (in a forward run of the same selection) pass backward. ``--mesh 2x2``: a 2-D mesh of the
+autograd support are left out); the closing lines then also say how many of the ops passing
+forward (in a forward run of the same selection) pass backward, of all of them and of those backward
+mode tries. ``--mesh 2x2``: a 2-D mesh of the
 4 rank threads, with nested shardings (both mesh dims on one tensor dim) and mixed ones.
 
 Plans the sweep once (``shardwise.testing._opinfo_sweep``: float32 CPU samples, the first few a
@@ -35,6 +36,7 @@ from typing import Any
 
 from shardwise.testing._opinfo_sweep import (
     OUTCOMES,
+    TRIED_OUTCOMES,
     ShardwiseBackend,
     SweepBackend,
     SweepConfig,
@@ -178,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{report.backend}: backward passes for {len(backward_pass)} of the {len(forward_pass)} ops passing "
                 f"forward ({share:.1f} %)"
+            )
+            # Ops left out of backward mode (no autograd, integer-only, random) cannot pass it: the share among
+            # the forward-passing ops that the backward plan tried is the coverage of what can be differentiated.
+            tried_backward = {
+                key for key in forward_pass if key in report.results and report.results[key].outcome in TRIED_OUTCOMES
+            }
+            differentiable_share = 100.0 * len(backward_pass) / max(len(tried_backward), 1)
+            print(
+                f"{report.backend}: backward passes for {len(backward_pass)} of the {len(tried_backward)} ops passing "
+                f"forward that backward mode tries ({differentiable_share:.1f} %; the other "
+                f"{len(forward_pass) - len(tried_backward)} have no autograd or no differentiable sample)"
             )
     print(f"total {time.perf_counter() - started:.1f} s, {time.process_time() - started_cpu:.1f} s CPU")
     if args.json:

@@ -245,7 +245,8 @@ class ViewAsComplexOfPiece:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.stride(-1) != 1 or any(stride % 2 for stride in tensor.stride()[:-1]):
-            tensor = tensor.contiguous()
+            # Not .contiguous(): an empty piece counts as contiguous whatever its strides, and is returned as is.
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
         return aten.view_as_complex.default(tensor)
 
 
