@@ -27,6 +27,8 @@ ranks skip exactly the same calls and the world-wide counter stays in step.
 
 from __future__ import annotations
 
+import atexit
+import time
 import weakref
 from typing import Sequence
 
@@ -130,6 +132,21 @@ class _GroupRegistry:
 
 
 _registry = _GroupRegistry()
+
+# A gloo group that something else keeps alive past destroy_process_group (we found torch.optim's
+# step path doing so, through no Python-visible reference) still has worker threads at interpreter
+# shutdown. A worker finishing a collective must take the GIL to release the tensors' Python
+# objects; once finalisation has begun that kills the thread and aborts the process. atexit
+# handlers run before that point: waiting here with the GIL released lets such a worker finish.
+_WORKER_GRACE_AT_EXIT_S = 0.05
+
+
+def _let_collective_workers_finish() -> None:
+    if _registry._world is not None:  # only processes that built a mesh pay the wait
+        time.sleep(_WORKER_GRACE_AT_EXIT_S)
+
+
+atexit.register(_let_collective_workers_finish)
 
 
 def group_for_dim(sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:
