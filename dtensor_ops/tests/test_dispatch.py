@@ -275,3 +275,22 @@ def test_training_step_gradients_against_plain_torch() -> None:
     assert reference.weight.grad is not None and reference.bias.grad is not None
     assert torch.allclose(as_dtensor(weight.grad).full_tensor(), reference.weight.grad)
     assert torch.allclose(as_dtensor(bias.grad).full_tensor(), reference.bias.grad)
+
+
+@multi_rank
+def test_an_in_place_write_into_a_view_of_a_redistributed_input_raises_instead_of_being_lost() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(16.0).reshape(4, 4)
+    d = distribute_tensor(full, mesh, [Shard(0)])
+    # (4, 4) rows over 4 ranks viewed as (2, 8): no rank's rows form a row of the view, so the view op
+    # redistributes its input and returns a view of that copy.
+    merged = d.view(2, 8)
+    assert torch.equal(merged.full_tensor(), full.view(2, 8))
+    with pytest.raises(RuntimeError, match="view op had to redistribute its input"):
+        merged.fill_(-1.0)
+    with pytest.raises(RuntimeError, match="view op had to redistribute its input"):
+        merged[0].add_(1.0)  # a view of that view: same copy
+    assert torch.equal(d.full_tensor(), full)
+    # A view that keeps the shards aliases the DTensor: the write reaches it.
+    d.view(16).mul_(2.0)
+    assert torch.equal(d.full_tensor(), full * 2)

@@ -101,6 +101,7 @@ class OpDecision:
     wrap_kind: int = field(default=WRAP_PASSTHROUGH, init=False, compare=False, repr=False)
     out_names: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
     written: frozenset[int | str] = field(default=frozenset(), init=False, compare=False, repr=False)
+    views_first_argument: bool = field(default=False, init=False, compare=False, repr=False)
     output_spec: DTensorSpec[Any] | None = field(default=None, init=False, compare=False, repr=False)
     output_shape: torch.Size | None = field(default=None, init=False, compare=False, repr=False)
     output_stride: tuple[int, ...] | None = field(default=None, init=False, compare=False, repr=False)
@@ -116,6 +117,7 @@ class OpDecision:
         set_field(self, "call", getattr(op, "_op", op) if self.local_kernel is None else self.local_kernel)
         set_field(self, "out_names", facts.out_names)
         set_field(self, "written", facts.written)
+        set_field(self, "views_first_argument", facts.returns_view_of_first_argument)
         if facts.out_names:
             wrap_kind = WRAP_OUT
         elif facts.returns_nothing:

@@ -143,7 +143,11 @@ def _refuse_mutated_redistribute(
 def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     kind = prepared.wrap_kind
     if kind == WRAP_TENSOR:
-        return wrap_local_tensor(DTensor, result, prepared.output_spec)  # type: ignore[arg-type]
+        wrapped = wrap_local_tensor(DTensor, result, prepared.output_spec)  # type: ignore[arg-type]
+        if prepared.views_first_argument and args and isinstance(args[0], DTensor):
+            if prepared.input_specs[0] != args[0]._spec or _is_moved_view(args[0]):
+                _mark_moved_view(wrapped)
+        return wrapped
     if kind == WRAP_NESTED:
         return _wrap_nested(prepared.op, result, prepared.output_specs)  # type: ignore[arg-type]
     if kind == WRAP_PASSTHROUGH:
@@ -164,6 +168,41 @@ def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict
                 _adopt_spec(prepared.op, out, spec)  # type: ignore[arg-type]
         return outs[0] if len(outs) == 1 else tuple(outs)
     return None
+
+
+# -- views of redistributed inputs ---------------------------------------------------------------------
+
+# A view op whose input had to be redistributed returns a view of a *copy*: writing into it in place cannot
+# reach the DTensor it was taken from.  Such results are marked (and views of them, as they are taken), and
+# an in-place or out= write into a marked DTensor raises instead of being silently lost.  Views below
+# autograd carry no ``_base``, so the mark lives on the DTensor.  The count lets dispatch skip all of this
+# while no such view was ever made (the usual training step).
+_MOVED_VIEW_MARK = "_shardwise_views_a_redistributed_copy"
+_moved_view_copies = 0
+
+
+def _mark_moved_view(result: Any) -> None:
+    global _moved_view_copies
+    if isinstance(result, DTensor):
+        setattr(result, _MOVED_VIEW_MARK, True)
+        _moved_view_copies += 1
+
+
+def _is_moved_view(value: Any) -> bool:
+    return isinstance(value, DTensor) and bool(getattr(value, _MOVED_VIEW_MARK, False))
+
+
+def _refuse_writes_into_moved_views(prepared: OpDecision, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    for location in prepared.written:
+        value = args[location] if isinstance(location, int) and location < len(args) else kwargs.get(str(location))
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if any(_is_moved_view(item) for item in values):
+            raise RuntimeError(
+                f"{prepared.op} writes in place into a view of a DTensor whose view op had to redistribute its "
+                "input: the view holds a redistributed copy, so the write could not reach the original DTensor. "
+                "Redistribute the DTensor to placements the view keeps (e.g. Replicate()) before taking the view, "
+                "or write out of place"
+            )
 
 
 def _check_input_count(prepared: OpDecision, count: int) -> None:
@@ -281,7 +320,11 @@ def torch_dispatch(
         )
         wrapped._local_tensor = result
         wrapped._spec = prepared.output_spec  # type: ignore[assignment]
+        if _moved_view_copies and prepared.views_first_argument and _is_moved_view(args[0]):
+            _mark_moved_view(wrapped)
         return wrapped
+    if _moved_view_copies and prepared.written:
+        _refuse_writes_into_moved_views(prepared, args, {})
     if prepared.needs_redistribute:
         slot = 0
         input_specs = prepared.input_specs
@@ -394,6 +437,8 @@ def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs
             return handled
         prepared = _decide(func, key, tuple(spec_args), spec_kwargs)
 
+    if _moved_view_copies and prepared.written:
+        _refuse_writes_into_moved_views(prepared, args, kwargs)
     if prepared.needs_redistribute:
         # Slots in flattened order: positional args (into lists), then kwargs.
         slots: list[tuple[Any, Any, DTensorSpec[DeviceMesh], int | str]] = []

@@ -25,6 +25,8 @@ class SchemaFacts:
     ``returns_nothing``: the schema has no result.
     ``generator_argument``: where a ``generator`` is taken (position, or name when keyword-only).
     ``takes_tensor_list``: some argument is a list of tensors (``_foreach_*``, ``cat``).
+    ``returns_view_of_first_argument``: the first result aliases argument 0 without writing it (``view``,
+    ``diagonal``, ``select``, ``t``...).
     """
 
     writes_first_argument: bool
@@ -34,6 +36,7 @@ class SchemaFacts:
     returns_nothing: bool
     generator_argument: int | str | None
     takes_tensor_list: bool
+    returns_view_of_first_argument: bool
 
 
 _SCHEMA_FACTS: dict[torch._ops.OpOverload, SchemaFacts] = register_cache(
@@ -85,6 +88,14 @@ def _analyse(op: torch._ops.OpOverload) -> SchemaFacts:
         and returns[0].alias_info is not None
         and returns[0].alias_info.is_write
     )
+    first_alias = first.alias_info if first is not None else None
+    first_return_alias = returns[0].alias_info if returns else None
+    returns_view_of_first = (
+        first_alias is not None
+        and first_return_alias is not None
+        and not first_return_alias.is_write
+        and bool(set(first_alias.before_set) & set(first_return_alias.before_set))
+    )
     return SchemaFacts(
         writes_first_argument=bool(writes_first),
         returns_written_first_argument=bool(returns_written_first),
@@ -93,4 +104,5 @@ def _analyse(op: torch._ops.OpOverload) -> SchemaFacts:
         returns_nothing=not returns,
         generator_argument=generator_argument,
         takes_tensor_list=takes_tensor_list,
+        returns_view_of_first_argument=returns_view_of_first,
     )
