@@ -31,6 +31,7 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
 
+from ._caches import register_cache
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._caches import clear_all_caches
 from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision_cache_size, remember_decision
@@ -75,17 +76,18 @@ def propagate_op_sharding(
             f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
         ) from None
     if decision is None:
-        _PROPAGATION_COUNTS[1] += 1
+        _PROPAGATION_COUNTS["misses"] = _PROPAGATION_COUNTS.get("misses", 0) + 1
         decision = decide_op_sharding(op, args, kwargs)
         remember_decision(key, decision)
     else:
-        _PROPAGATION_COUNTS[0] += 1
+        _PROPAGATION_COUNTS["hits"] = _PROPAGATION_COUNTS.get("hits", 0) + 1
     return decision
 
 
 # [hits, misses] of propagate_op_sharding (dispatch calls it only when its own lookup missed, so this
 # is PyTorch's "python sharding propagation cache", not the dispatch fast path).
-_PROPAGATION_COUNTS = [0, 0]
+# Rank-local like the decisions it counts (ranks as threads each count their own).
+_PROPAGATION_COUNTS: dict[str, int] = register_cache({}, module=__name__, attribute="_PROPAGATION_COUNTS", rank_local=True)
 
 
 class PropagationCacheInfo(NamedTuple):
@@ -104,11 +106,13 @@ class _CachedPropagation:
         return propagate_op_sharding(op, args, kwargs or {})
 
     def cache_info(self) -> PropagationCacheInfo:
-        return PropagationCacheInfo(_PROPAGATION_COUNTS[0], _PROPAGATION_COUNTS[1], MAX_CACHED_DECISIONS, sharding_cache_size())
+        return PropagationCacheInfo(
+            _PROPAGATION_COUNTS.get("hits", 0), _PROPAGATION_COUNTS.get("misses", 0), MAX_CACHED_DECISIONS, sharding_cache_size()
+        )
 
     def cache_clear(self) -> None:
         DECISIONS.clear()
-        _PROPAGATION_COUNTS[0] = _PROPAGATION_COUNTS[1] = 0
+        _PROPAGATION_COUNTS.clear()
 
 
 class ShardingPropagator:
