@@ -1,17 +1,35 @@
-"""Whether plain tensors mixed with DTensors count as replicated (``experimental.implicit_replication``)."""
+"""Whether plain tensors mixed with DTensors count as replicated.
+
+Two cases: inside ``experimental.implicit_replication()`` (the user vouches that every rank holds
+the same value), and inside one of torch's built-in backward formulas. A built-in formula sees
+only DTensors from the user (saved inputs, incoming gradients) and makes its plain tensors itself,
+from global sizes and constants (``zeros``, ``ones``, ``arange``, index tensors...), identical on
+every rank: replicated by construction. A custom ``autograd.Function``'s backward is user code
+that could build rank-local plain tensors, so it gets the usual error.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
+import torch
+
 __all__ = ["implicit_replication", "is_implicit_replication_enabled"]
 
 _depth = 0
+_current_autograd_node = torch._C._current_autograd_node
+# Nodes of custom autograd.Functions are instances of this Python class; built-in nodes are not.
+_CustomFunctionNode: type = torch.autograd.function.BackwardCFunction
 
 
 def is_implicit_replication_enabled() -> bool:
-    return _depth > 0
+    return _depth > 0 or _in_builtin_backward_formula()
+
+
+def _in_builtin_backward_formula() -> bool:
+    node = _current_autograd_node()
+    return node is not None and not isinstance(node, _CustomFunctionNode)
 
 
 @contextlib.contextmanager

@@ -64,6 +64,7 @@ from shardwise.testing._rank_pool import MultiRankError
 from shardwise.testing._threaded import run_on_threads
 
 __all__ = [
+    "NOT_DIFFERENTIABLE_PREFIX",
     "OUTCOMES",
     "TRIED_OUTCOMES",
     "CallOutcome",
@@ -93,6 +94,8 @@ _UNINITIALISED_OUTPUT_OPS = frozenset(
     {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
 )
 _MESSAGE_LIMIT = 600
+# Backward mode: the start of the reason an op is left out when plain torch itself gives no gradient.
+NOT_DIFFERENTIABLE_PREFIX = "not differentiable: "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,8 @@ class SweepConfig:
     # The mesh the ranks form: (4,) by default, (2, 2) for the 2-D mode (nested and mixed shardings).
     mesh_shape: tuple[int, ...] = (4,)
     # Backward mode: each call also back-propagates a fixed weighting of its outputs and compares the
-    # gradient of every input with plain torch's (ops without autograd support are left out).
+    # gradient of every input with plain torch's (ops plain torch cannot differentiate on any sample are left
+    # out with a reason starting NOT_DIFFERENTIABLE_PREFIX).
     backward: bool = False
     samples_per_op: int = 4
     shardings_per_sample: int = 6
@@ -316,14 +320,28 @@ def _weighted_loss(outputs: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([term.real if term.is_complex() else term for term in terms]).sum()
 
 
-def _backward_of(result: Any, inputs: Any) -> tuple[torch.Tensor | None, ...] | None:
-    """Gradients of the weighted loss of ``result`` (plain tensors) for every input tensor requiring grad."""
+class _NotDifferentiable(Exception):
+    """Plain torch gives no gradient for this sample: no float output depends on an input requiring grad,
+    or torch has no derivative formula for the op."""
+
+
+def _backward_of(result: Any, inputs: Any) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of the weighted loss of ``result`` (plain tensors) for every input tensor requiring grad.
+
+    Raises ``_NotDifferentiable`` when plain torch cannot differentiate the sample."""
     outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
     loss = _weighted_loss(outputs)
     leaves = [leaf for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-    if loss is None or not leaves:
-        return None
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    if not leaves:
+        raise _NotDifferentiable("no input requires grad")
+    if loss is None:
+        raise _NotDifferentiable("no float output requires grad (integer, bool or constant outputs)")
+    try:
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except (RuntimeError, NotImplementedError) as error:
+        if "not implemented" in str(error) or "does not require grad" in str(error):
+            raise _NotDifferentiable(f"torch has no derivative: {_first_line(str(error))[:160]}") from error
+        raise
     return tuple(None if grad is None else grad.detach() for grad in grads)
 
 
@@ -341,14 +359,17 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
         return "no float32 support on CPU"
     call = opinfo.op
     metadata_only = opinfo.name in _UNINITIALISED_OUTPUT_OPS
-    if config.backward and (metadata_only or not getattr(opinfo, "supports_autograd", True)):
-        return "backward mode: the op does not support autograd" if not metadata_only else "backward mode: uninitialised output"
+    if config.backward and metadata_only:
+        return f"{NOT_DIFFERENTIABLE_PREFIX}uninitialised output"
     torch.manual_seed(_op_seed(key))
     shardable: list[PlannedSample] = []
     replicate_only: list[PlannedSample] = []
     seen = 0
     unconvertible = 0
     failing_reference = 0
+    # Backward mode: why plain torch gave no gradient for samples it ran (reason -> count). Whether an op
+    # can be differentiated is measured on its samples, not read from OpInfo's supports_autograd flag.
+    not_differentiable: dict[str, int] = {}
     random_ops: set[str] = set()
     try:
         samples = iter(opinfo.sample_inputs("cpu", torch.float32, requires_grad=config.backward))
@@ -373,10 +394,10 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
                     expected = call(*expected_args, **expected_kwargs)
                     if config.backward:
                         grads = _backward_of(expected, (expected_args, expected_kwargs))
-                        if grads is None:
-                            failing_reference += 1
-                            continue
                         expected = (_detached(expected), grads)
+            except _NotDifferentiable as why:
+                not_differentiable[str(why)] = not_differentiable.get(str(why), 0) + 1
+                continue
             except Exception:  # noqa: BLE001 - samples plain torch rejects are not DTensor's business
                 failing_reference += 1
                 continue
@@ -407,6 +428,9 @@ def _plan_op(opinfo: OpInfoLike, key: str, mesh: DeviceMesh, config: SweepConfig
             f"every convertible sample among the first {seen} draws random numbers "
             f"({', '.join(sorted(random_ops))}): no single expected value to compare with"
         )
+    if not kept and not_differentiable and not failing_reference:
+        reasons = "; ".join(f"{why} ({count})" for why, count in sorted(not_differentiable.items()))
+        return f"{NOT_DIFFERENTIABLE_PREFIX}every sample plain torch runs gives no gradient: {reasons}"
     if not kept:
         reason = (
             f"no convertible sample among the first {seen}: {unconvertible} with no tensor argument DTensor "

@@ -5,10 +5,11 @@
                                            [--backward] [--mesh 4 | 2x2]
 
 ``--backward``: every call also back-propagates a fixed weighting of its outputs and compares the
-gradient of every input with plain torch's (samples drawn with ``requires_grad``; ops without
-autograd support are left out); the closing lines then also say how many of the ops passing
-forward (in a forward run of the same selection) pass backward, of all of them and of those backward
-mode tries. ``--mesh 2x2``: a 2-D mesh of the
+gradient of every input with plain torch's (samples drawn with ``requires_grad``; an op plain torch
+gives no gradient for on any sample is left out as "not differentiable"); the closing lines then
+run the same selection forward and say how many of the forward-passing ops that plain torch can
+differentiate pass backward (the headline), how many of all forward-passing ops (strict), and name
+the differentiable ones that fail or were not tried. ``--mesh 2x2``: a 2-D mesh of the
 4 rank threads, with nested shardings (both mesh dims on one tensor dim) and mixed ones.
 
 Plans the sweep once (``shardwise.testing._opinfo_sweep``: float32 CPU samples, the first few a
@@ -35,6 +36,7 @@ import time
 from typing import Any
 
 from shardwise.testing._opinfo_sweep import (
+    NOT_DIFFERENTIABLE_PREFIX,
     OUTCOMES,
     TRIED_OUTCOMES,
     ShardwiseBackend,
@@ -128,6 +130,48 @@ def format_comparison(ours: SweepReport, theirs: SweepReport) -> str:
     )
 
 
+def format_backward_coverage(backward: SweepReport, forward: SweepReport) -> str:
+    """How many of the ops passing forward pass backward: the headline counts only those plain torch can
+    differentiate (on the backward samples); the strict share counts every forward-passing op."""
+    forward_pass = set(forward.ops_with("pass"))
+    backward_pass = set(backward.ops_with("pass")) & forward_pass
+    not_differentiable = {
+        key for key, reason in backward.excluded.items() if reason.startswith(NOT_DIFFERENTIABLE_PREFIX)
+    } & forward_pass
+    differentiable = forward_pass - not_differentiable
+    # Forward-passing ops that plain torch can differentiate but backward mode did not try (random samples
+    # only, no convertible sample...): shown by name so that a gap in the sweep itself cannot hide.
+    untried = sorted(
+        key
+        for key in differentiable
+        if key not in backward.results or backward.results[key].outcome not in TRIED_OUTCOMES
+    )
+    failing = sorted(differentiable - backward_pass - set(untried))
+    share = 100.0 * len(backward_pass) / max(len(differentiable), 1)
+    strict = 100.0 * len(backward_pass) / max(len(forward_pass), 1)
+    lines = [
+        f"{backward.backend}: backward passes for {len(backward_pass)} of the {len(differentiable)} ops passing "
+        f"forward that plain torch can differentiate ({share:.1f} %)",
+        f"{backward.backend}: strictly, {len(backward_pass)} of all {len(forward_pass)} ops passing forward "
+        f"({strict:.1f} %); {len(not_differentiable)} of them are not differentiable in plain torch (integer or "
+        "bool outputs, no derivative formula, constant outputs)",
+        f"forward-passing, differentiable, failing backward ({len(failing)}):",
+        _wrapped([f"{key} [{backward.results[key].outcome}]" for key in failing]),
+        f"forward-passing, differentiable, not tried backward ({len(untried)}):",
+    ]
+    lines += [
+        f"    {key}: {backward.excluded.get(key) or _first_failure(backward, key)}" for key in untried
+    ] or ["    (none)"]
+    lines.append(f"forward-passing, not differentiable in plain torch ({len(not_differentiable)}):")
+    lines.append(_wrapped(sorted(not_differentiable)))
+    return "\n".join(lines)
+
+
+def _first_failure(report: SweepReport, key: str) -> str:
+    result = report.results.get(key)
+    return result.first_failure if result is not None else "(not planned)"
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -169,29 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for report in reports:
         print(f"{report.backend}: {report.passing} ops passing out of {report.tried} tried")
+    forward_reports: dict[str, SweepReport] = {}
     if args.backward:
-        forward_config = dataclasses.replace(config, backward=False)
-        forward_plan = plan_sweep(forward_config)
+        forward_plan = plan_sweep(dataclasses.replace(config, backward=False))
         for backend, report in zip(backends, reports):
             forward = run_sweep(backend, forward_plan, progress=_progress)
-            forward_pass = set(forward.ops_with("pass"))
-            backward_pass = set(report.ops_with("pass")) & forward_pass
-            share = 100.0 * len(backward_pass) / max(len(forward_pass), 1)
-            print(
-                f"{report.backend}: backward passes for {len(backward_pass)} of the {len(forward_pass)} ops passing "
-                f"forward ({share:.1f} %)"
-            )
-            # Ops left out of backward mode (no autograd, integer-only, random) cannot pass it: the share among
-            # the forward-passing ops that the backward plan tried is the coverage of what can be differentiated.
-            tried_backward = {
-                key for key in forward_pass if key in report.results and report.results[key].outcome in TRIED_OUTCOMES
-            }
-            differentiable_share = 100.0 * len(backward_pass) / max(len(tried_backward), 1)
-            print(
-                f"{report.backend}: backward passes for {len(backward_pass)} of the {len(tried_backward)} ops passing "
-                f"forward that backward mode tries ({differentiable_share:.1f} %; the other "
-                f"{len(forward_pass) - len(tried_backward)} have no autograd or no differentiable sample)"
-            )
+            forward_reports[report.backend] = forward
+            print(format_backward_coverage(report, forward))
     print(f"total {time.perf_counter() - started:.1f} s, {time.process_time() - started_cpu:.1f} s CPU")
     if args.json:
         document: dict[str, Any] = {
@@ -203,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             },
             "backends": {report.backend: report.to_json() for report in reports},
         }
+        if forward_reports:
+            document["forward_of_backward_run"] = {name: report.to_json() for name, report in forward_reports.items()}
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(document, out, indent=1, sort_keys=False)
             out.write("\n")
