@@ -19,6 +19,7 @@ from shardwise.placement import Partial, Placement, Replicate, Shard
 from ._api import distribute_module, distribute_tensor
 from ._dispatch import torch_dispatch
 from ._dtensor import DTensor
+from ._extensions import load_extensions
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
@@ -44,6 +45,8 @@ def _wire() -> None:
 
 
 _wire()
+# Packages above this one that hook in when installed (shardwise.compile_support): found, not named.
+load_extensions()
 
 # DeviceMesh and init_device_mesh are importable from here but, as in torch.distributed.tensor,
 # not part of __all__.

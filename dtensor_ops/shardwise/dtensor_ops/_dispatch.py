@@ -298,7 +298,11 @@ def torch_dispatch(
     else:
         # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
         key = (func, *spec_args)
-    prepared = DECISIONS.get(key)
+    try:
+        prepared = DECISIONS.get(key)
+    except TypeError:
+        # Symbolic (SymInt) shapes while torch.compile traces: unhashable, so decided afresh (free in eager).
+        prepared = None
     if prepared is None:
         handled = _ask_on_miss(func, args, {})
         if handled is not NotImplemented:

@@ -102,6 +102,26 @@ class DTensor(torch.Tensor):
         meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), dtype)
         return DTensor(local_tensor, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad)
 
+    @classmethod
+    def __metadata_guard__(
+        cls, traced: tuple[DTensorSpec[DeviceMesh], bool], current: tuple[DTensorSpec[DeviceMesh], bool]
+    ) -> bool:
+        """Whether a compiled graph traced for ``traced`` (flatten metadata) fits a DTensor with ``current``.
+
+        Shapes and strides are left out: torch.compile guards them on the tensor itself (so dynamic shapes
+        do not recompile per shape).  The mesh's process-group names are compared besides the mesh: a
+        graph names the groups its collectives run on, and a mesh rebuilt over new groups must not reuse it.
+        """
+        traced_spec, traced_requires_grad = traced
+        spec, requires_grad = current
+        if traced_requires_grad != requires_grad or traced_spec.placements != spec.placements:
+            return False
+        traced_meta, meta = traced_spec.tensor_meta, spec.tensor_meta
+        if traced_meta is None or meta is None or traced_meta.dtype != meta.dtype:
+            return traced_meta is meta
+        traced_mesh, mesh = traced_spec.mesh, spec.mesh
+        return traced_mesh == mesh and traced_mesh._dim_group_names == mesh._dim_group_names
+
     def __coerce_tangent_metadata__(self) -> DTensor:
         """A tangent must not be Partial (compiled backward graphs expect reduced values)."""
         placements = self._spec.placements

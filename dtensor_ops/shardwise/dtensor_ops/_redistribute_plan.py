@@ -621,7 +621,10 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     Both specs need ``tensor_meta`` and the same mesh and global shape.  Cached.
     """
     key = (src, dst)
-    plan = _plans_by_specs.get(key)
+    try:
+        plan = _plans_by_specs.get(key)
+    except TypeError:
+        return _plan_for_symbolic_shape(src, dst)
     if plan is not None:
         return plan
     global_shape = check_redistribute_specs(src, dst)
@@ -635,6 +638,22 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
         _remember(_plans_by_problem, problem, plan)
     _remember(_plans_by_specs, key, plan)
     return plan
+
+
+def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
+    """The plan for specs with symbolic (SymInt) global shapes, while torch.compile traces with dynamic shapes.
+
+    Planned (uncached) for the traced example's sizes, which adds no guard: every plan is correct for any
+    shape (execution pads and trims by the actual sizes), only its cost ranking used the example.
+    """
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    global_shape = check_redistribute_specs(src, dst)
+    assert src.tensor_meta is not None
+    example_shape = tuple(optimization_hint(size) for size in global_shape)
+    return find_cheapest_plan(
+        example_shape, tuple(src.mesh.shape), src.placements, dst.placements, src.tensor_meta.dtype.itemsize
+    )
 
 
 def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:

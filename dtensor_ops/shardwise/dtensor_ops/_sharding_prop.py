@@ -72,9 +72,12 @@ def propagate_op_sharding(
     try:
         decision = DECISIONS.get(key)
     except TypeError:
-        raise TypeError(
-            f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
-        ) from None
+        if not _has_symbolic_value(key):
+            raise TypeError(
+                f"{op}: an argument is not hashable, so its sharding decision cannot be cached: {key!r}"
+            ) from None
+        # Symbolic shapes or sizes (torch.compile tracing with dynamic shapes): decided afresh, not cached.
+        return decide_op_sharding(op, args, kwargs)
     if decision is None:
         _PROPAGATION_COUNTS["misses"] = _PROPAGATION_COUNTS.get("misses", 0) + 1
         decision = decide_op_sharding(op, args, kwargs)
@@ -82,6 +85,18 @@ def propagate_op_sharding(
     else:
         _PROPAGATION_COUNTS["hits"] = _PROPAGATION_COUNTS.get("hits", 0) + 1
     return decision
+
+
+def _has_symbolic_value(key_part: object) -> bool:
+    """Whether a cache key holds a SymInt/SymFloat/SymBool (directly, in a spec's metadata or in a list)."""
+    if isinstance(key_part, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(key_part, DTensorSpec):
+        meta = key_part.tensor_meta
+        return meta is not None and _has_symbolic_value((*meta.shape, *meta.stride))
+    if isinstance(key_part, (tuple, list)):
+        return any(_has_symbolic_value(item) for item in key_part)
+    return False
 
 
 # [hits, misses] of propagate_op_sharding (dispatch calls it only when its own lookup missed, so this

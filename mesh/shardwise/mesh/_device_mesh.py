@@ -50,6 +50,10 @@ class DeviceMesh:
     of the view, the names, the device type), so they are the same on all ranks.
     """
 
+    device_type: str
+    mesh_dim_names: tuple[str, ...] | None
+    ndim: int
+    shape: tuple[int, ...]
     _device_type: str
     _layout: MeshLayout
     _mesh_dim_names: tuple[str, ...] | None
@@ -97,6 +101,10 @@ class DeviceMesh:
         self._device_type = device_type
         self._layout = layout
         self._mesh_dim_names = names
+        self.device_type = device_type
+        self.mesh_dim_names = names
+        self.ndim = layout.ndim
+        self.shape = layout.shape
         self._root = root
         # Weak: c10d owns the groups until destroy_process_group, and a mesh (or a DTensor holding
         # one) that outlives that must not keep a gloo group's worker threads running into
@@ -113,6 +121,7 @@ class DeviceMesh:
         # the same on every rank.
         self._stable_digest = hashlib.blake2b(repr(self._key).encode(), digest_size=16).digest()
         self._hash = int.from_bytes(self._stable_digest[:8], "little", signed=True)
+        _LATEST_MESH_BY_DIGEST[self._stable_digest.hex()] = self
 
     @classmethod
     def _view(
@@ -128,21 +137,9 @@ class DeviceMesh:
 
     # ----------------------------------------------------------------------------------- shape
 
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...] | None:
-        return self._mesh_dim_names
-
-    @property
-    def ndim(self) -> int:
-        return self._layout.ndim
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._layout.shape
+    # ``device_type``, ``mesh_dim_names``, ``ndim`` and ``shape`` are plain attributes set once in ``_setup``,
+    # not properties: torch.compile (2.13) reads a registered member of an opaque value type through its
+    # class MRO and fails on Python properties, while plain attributes trace (compile_support's README).
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Number of ranks in the mesh, or along ``mesh_dim`` (index or name)."""
@@ -403,6 +400,14 @@ class DeviceMesh:
         """A hex digest equal on every rank and in every process (for compile caches)."""
         return self._stable_digest.hex()
 
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """Source text naming this mesh in a compiled graph, and the globals it uses (torch.compile's FX codegen).
+
+        A mesh holds communicators, so a graph cannot rebuild it: it looks it up by its stable
+        digest among the live meshes (the most recently built of equal meshes).
+        """
+        return f"_live_mesh_by_digest({self._stable_digest.hex()!r})", {"_live_mesh_by_digest": _live_mesh_by_digest}
+
     def __repr__(self) -> str:
         if self._mesh_dim_names:
             sizes = "(" + ", ".join(f"{name}={size}" for name, size in zip(self._mesh_dim_names, self.shape)) + ")"
@@ -457,6 +462,21 @@ class DeviceMesh:
 
     def __exit__(self, *exc_info: object) -> None:
         _active_meshes.meshes.pop()
+
+
+# The most recently built mesh per stable digest (weakly held): what a compiled graph's mesh constant names.
+_LATEST_MESH_BY_DIGEST: weakref.WeakValueDictionary[str, DeviceMesh] = weakref.WeakValueDictionary()
+
+
+def _live_mesh_by_digest(digest: str) -> DeviceMesh:
+    """The live mesh whose ``_stable_hash()`` is ``digest`` (see ``DeviceMesh.__fx_repr__``)."""
+    mesh = _LATEST_MESH_BY_DIGEST.get(digest)
+    if mesh is None:
+        raise MeshError(
+            f"a compiled graph names a DeviceMesh (digest {digest}) that no longer exists; "
+            "expected the mesh it was compiled with (or an equal one) to be alive"
+        )
+    return mesh
 
 
 def _member_groups(groups: Sequence[dist.ProcessGroup | None]) -> tuple[dist.ProcessGroup, ...]:

@@ -274,7 +274,9 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     running = 1
     for dim in range(len(shape) - 1, -1, -1):
         strides[dim] = running
-        running *= max(int(shape[dim]), 1)
+        size = shape[dim]
+        # A symbolic size (torch.compile, dynamic shapes) stays symbolic: int() would pin it to one value.
+        running *= max(size, 1) if type(size) is int else torch.sym_max(size, 1)
     return tuple(strides)
 
 

@@ -41,6 +41,17 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """Source text that rebuilds this placement, and the globals it names (torch.compile's FX codegen).
+
+        Built from ``__reduce__`` (every placement pickles by value), so a placement baked into a
+        compiled graph as a constant is printed as the call that recreates it.
+        """
+        reduced: Any = self.__reduce__()
+        rebuild, args = reduced
+        name = rebuild.__name__
+        return f"{name}{args!r}", {name: rebuild}
+
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(
             f"{type(self).__name__} is immutable; cannot set attribute {name!r}. "

@@ -63,7 +63,7 @@ class DTensorSpec(Generic[MeshT]):
     mesh: MeshT
     placements: tuple[Placement, ...]
     tensor_meta: TensorMeta | None
-    _hash: int
+    _hash: int | None
     _num_shards: int
     _partial_mesh_dims: tuple[int, ...]
     _num_shards_per_dim: tuple[int, ...] | None
@@ -116,7 +116,13 @@ class DTensorSpec(Generic[MeshT]):
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "tensor_meta", tensor_meta)
-        object.__setattr__(self, "_hash", hash((mesh, placements, tensor_meta)))
+        try:
+            spec_hash: int | None = hash((mesh, placements, tensor_meta))
+        except TypeError:
+            # Symbolic (SymInt) shapes while torch.compile traces: unhashable by design.  Such a spec
+            # is compared field by field and never keys a cache (dispatch bypasses it while tracing).
+            spec_hash = None
+        object.__setattr__(self, "_hash", spec_hash)
         object.__setattr__(self, "_num_shards", num_shards)
         object.__setattr__(self, "_partial_mesh_dims", tuple(partial_mesh_dims))
         object.__setattr__(self, "_num_shards_per_dim", None)
@@ -132,6 +138,13 @@ class DTensorSpec(Generic[MeshT]):
         raise AttributeError(f"DTensorSpec is immutable; cannot delete {name!r}")
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            raise TypeError(
+                # No repr of the mesh here: this is raised (and caught) while torch.compile traces, where
+                # building a mesh's text would run tensor code under fake tensors.
+                f"a DTensorSpec with placements {self.placements} has symbolic (traced) shapes and is not "
+                "hashable; expected concrete shapes (symbolic specs are compared, never used as cache keys)"
+            )
         return self._hash
 
     def __eq__(self, other: object) -> bool:

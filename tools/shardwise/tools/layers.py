@@ -49,6 +49,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_placement_args",
             "_wrapper",
             "_strided_specs",
+            "_extensions",
         ),
     ),
     ("planner", ("_redistribute_plan",)),

@@ -1,0 +1,14 @@
+"""The hook ``import shardwise.dtensor_ops`` runs when this package is installed (see dtensor_ops ``_extensions``)."""
+
+from __future__ import annotations
+
+from ._dynamo_hook import after_dynamo_import
+from ._registration import allow_conversions_in_graph, register_opaque_types
+
+__all__ = ["install"]
+
+
+def install() -> None:
+    """Make DTensor, meshes and placements traceable by torch.compile (dynamo's part once it is imported)."""
+    register_opaque_types()
+    after_dynamo_import(allow_conversions_in_graph)

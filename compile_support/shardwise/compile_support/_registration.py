@@ -1,0 +1,91 @@
+"""What torch.compile needs to know about shardwise's types, told through torch's public extension points.
+
+* Placements (``Shard``, ``Replicate``, ``Partial``, ``_StridedShard``) are opaque *value* types: dynamo
+  treats them as constants, guards on ``__eq__`` and prints them in graphs with ``__fx_repr__``.
+* ``DeviceMesh`` is an opaque *value* type too: a mesh is fixed for the life of a compiled graph, so the
+  graph specialises on it (its shape, coordinate and group names become constants) and names it with
+  ``DeviceMesh.__fx_repr__``.
+* ``DTensor.from_local`` is written into the graph as a call (``torch.compiler.allow_in_graph``): dynamo
+  cannot build a wrapper subclass itself, AOTAutograd then traces through the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
+
+from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Partial, Placement, Replicate, Shard, _StridedShard
+
+__all__ = ["register_opaque_types", "allow_conversions_in_graph", "IN_GRAPH_FUNCTIONS"]
+
+_PLACEMENT_QUERIES = {
+    "is_shard": MemberType.USE_REAL,
+    "is_replicate": MemberType.USE_REAL,
+    "is_partial": MemberType.USE_REAL,
+    "__eq__": MemberType.USE_REAL,
+    "__ne__": MemberType.USE_REAL,
+    "__hash__": MemberType.USE_REAL,
+    "__repr__": MemberType.USE_REAL,
+    "__str__": MemberType.USE_REAL,
+}
+
+_PLACEMENT_MEMBERS: dict[type[Placement], dict[str, MemberType]] = {
+    Shard: _PLACEMENT_QUERIES | {"dim": MemberType.USE_REAL},
+    _StridedShard: _PLACEMENT_QUERIES | {"dim": MemberType.USE_REAL, "split_factor": MemberType.USE_REAL},
+    Replicate: _PLACEMENT_QUERIES,
+    Partial: _PLACEMENT_QUERIES | {"reduce_op": MemberType.USE_REAL},
+}
+
+# What user code inside a compiled function may read from a mesh; each is answered with the real mesh
+# at trace time and baked into the graph as a constant (the graph is specialised on the mesh).
+_MESH_MEMBERS = {
+    name: MemberType.USE_REAL
+    for name in (
+        "size",
+        "shape",
+        "ndim",
+        "device_type",
+        "mesh_dim_names",
+        "get_rank",
+        "get_coordinate",
+        "get_local_rank",
+        "get_group",
+        "get_group_name",
+        "__getitem__",
+        "_flatten",
+        "__eq__",
+        "__ne__",
+        "__hash__",
+        "__repr__",
+        "_dim_group_names",
+        "_get_root_mesh",
+    )
+}
+
+
+_registered = False
+
+
+def register_opaque_types() -> None:
+    """Register placements and ``DeviceMesh`` with torch.compile (once per process)."""
+    global _registered
+    if _registered:
+        return
+    for cls, members in _PLACEMENT_MEMBERS.items():
+        register_opaque_type(cls, typ="value", members=members)
+    register_opaque_type(DeviceMesh, typ="value", members=_MESH_MEMBERS)
+    _registered = True
+
+
+# The conversions dynamo writes into the graph as calls instead of tracing their bodies.
+IN_GRAPH_FUNCTIONS: tuple[Callable[..., Any], ...] = (DTensor.from_local,)
+
+
+def allow_conversions_in_graph() -> None:
+    """Mark ``IN_GRAPH_FUNCTIONS`` for dynamo (imports ``torch._dynamo``, about a second)."""
+    for function in IN_GRAPH_FUNCTIONS:
+        torch.compiler.allow_in_graph(function)

@@ -1,0 +1,232 @@
+"""DTensor under torch.compile on 2 gloo ranks: fullgraph, one frame, values and gradients equal to eager.
+
+Each test resets dynamo, compiles with a counting backend (``eager`` or ``aot_eager``: inductor is
+exercised by the Transformer test and the benchmark) and compares against the same function run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardwise.testing import multi_rank
+
+WORLD = 2
+
+
+def _compile(fn: Callable[..., Any], backend: str | Any = "eager", **options: Any) -> tuple[Callable[..., Any], Any]:
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend) if isinstance(backend, str) else backend
+    return torch.compile(fn, backend=counter, fullgraph=True, **options), counter
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (WORLD,))
+
+
+@multi_rank(world_size=WORLD)
+def test_ops_on_dtensors_compile_into_one_frame() -> None:
+    mesh = _mesh()
+    torch.manual_seed(0)
+    full = torch.randn(6, 4)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    w = distribute_tensor(torch.randn(4, 3), mesh, [Replicate()])
+
+    def fn(a: DTensor, b: DTensor) -> torch.Tensor:
+        return torch.relu(a @ b * 2 + 1).sum(0)
+
+    compiled, counter = _compile(fn)
+    out = compiled(x, w)
+    assert counter.frame_count == 1
+    assert isinstance(out, DTensor) and out.placements == (Partial(),)
+    torch.testing.assert_close(out.full_tensor(), fn(x, w).full_tensor())
+    torch.testing.assert_close(out.full_tensor(), torch.relu(full @ w.full_tensor() * 2 + 1).sum(0))
+
+
+@multi_rank(world_size=WORLD)
+def test_new_shapes_do_not_crash_or_recompile_every_time() -> None:
+    mesh = _mesh()
+
+    def fn(a: DTensor) -> DTensor:
+        return (a * 2 + 1).sum(0)
+
+    compiled, counter = _compile(fn)
+    for rows in (4, 6, 8, 10):
+        full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+        out = compiled(distribute_tensor(full, mesh, [Shard(0)]))
+        torch.testing.assert_close(out.full_tensor(), (full * 2 + 1).sum(0))
+    # The first shape, then one dynamic graph for every later shape (automatic dynamic shapes).
+    assert counter.frame_count == 2
+
+
+@multi_rank(world_size=WORLD)
+def test_conversions_inside_the_graph() -> None:
+    mesh = _mesh()
+    rank = dist.get_rank()
+
+    def fn(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DTensor]:
+        dt = DTensor.from_local(local, mesh, [Shard(0)])
+        doubled = dt * 2
+        whole = doubled.redistribute(mesh, [Replicate()])
+        return doubled.to_local(), whole.full_tensor(), whole
+
+    compiled, counter = _compile(fn)
+    local = torch.full((2, 3), float(rank))
+    piece, whole, built = compiled(local)
+    assert counter.frame_count == 1
+    expected = torch.cat([torch.full((2, 3), float(r)) for r in range(WORLD)]) * 2
+    torch.testing.assert_close(piece, local * 2)
+    torch.testing.assert_close(whole, expected)
+    assert isinstance(built, DTensor) and built.placements == (Replicate(),) and built.shape == (4, 3)
+
+
+@multi_rank(world_size=WORLD)
+def test_placements_and_mesh_are_usable_inside_the_graph() -> None:
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+
+    def fn(a: DTensor) -> DTensor:
+        tmp = a + 1
+        placement = tmp.placements[0]
+        m = tmp.device_mesh
+        scale = m.size() * 10 + m.get_local_rank() + m.ndim + len(m.device_type)
+        coordinate = m.get_coordinate()
+        assert coordinate is not None
+        scale = scale + coordinate[0] + m["tp"].size(0)
+        if placement.is_shard() and isinstance(placement, Shard) and placement.dim == 0:
+            return tmp * scale
+        return tmp
+
+    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    compiled, counter = _compile(fn)
+    out = compiled(x)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out.to_local(), fn(x).to_local())
+
+
+@multi_rank(world_size=WORLD)
+def test_gradients_through_a_compiled_function_equal_eager() -> None:
+    mesh = _mesh()
+    torch.manual_seed(1)
+    full_x, full_w = torch.randn(4, 6), torch.randn(6, 5)
+
+    def fn(x: DTensor, w: DTensor) -> torch.Tensor:
+        y = torch.nn.functional.gelu(x @ w)
+        return y.redistribute(mesh, [Replicate()]).to_local().pow(2).sum()
+
+    def leaves() -> tuple[DTensor, DTensor]:
+        x = distribute_tensor(full_x, mesh, [Shard(1)]).requires_grad_()
+        w = distribute_tensor(full_w, mesh, [Shard(0)]).requires_grad_()
+        return x, w
+
+    eager_x, eager_w = leaves()
+    fn(eager_x, eager_w).backward()
+    compiled, counter = _compile(fn, "aot_eager")
+    x, w = leaves()
+    loss = compiled(x, w)
+    loss.backward()
+    assert counter.frame_count == 1
+    assert x.grad is not None and w.grad is not None and eager_x.grad is not None and eager_w.grad is not None
+    assert x.grad.placements == eager_x.grad.placements
+    torch.testing.assert_close(x.grad.full_tensor(), eager_x.grad.full_tensor())
+    torch.testing.assert_close(w.grad.full_tensor(), eager_w.grad.full_tensor())
+
+
+def _recording_aot_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torch.fx.GraphModule]]:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_graphs: list[torch.fx.GraphModule] = []
+    backward_graphs: list[torch.fx.GraphModule] = []
+
+    def record(into: list[torch.fx.GraphModule]) -> Any:
+        def compiler(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            into.append(graph)
+            return make_boxed_func(graph.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=record(forward_graphs), bw_compiler=record(backward_graphs))
+    return backend, forward_graphs, backward_graphs
+
+
+def _targets(graph: torch.fx.GraphModule) -> list[str]:
+    return [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+
+
+@multi_rank(world_size=WORLD)
+def test_aot_graphs_hold_functional_collectives_and_their_waits() -> None:
+    mesh = _mesh()
+
+    def fn(x: DTensor) -> torch.Tensor:
+        return (x.redistribute(mesh, [Replicate()]) * 3).to_local().sum()
+
+    backend, forward_graphs, backward_graphs = _recording_aot_backend()
+    compiled, counter = _compile(fn, CompileCounterWithBackend(backend))
+    x = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]).requires_grad_()
+    compiled(x).backward()
+    assert counter.frame_count == 1
+    forward = _targets(forward_graphs[0])
+    assert forward.count("_c10d_functional.all_gather_into_tensor.default") == 1
+    assert forward.count("_c10d_functional.wait_tensor.default") >= 1
+    # The gradient of an all-gather from Shard(0) goes back Shard(0) locally: no collective in backward.
+    backward = _targets(backward_graphs[0])
+    assert not [t for t in backward if t.startswith("_c10d_functional.") and "wait" not in t]
+
+    def partial_to_replicate(x: DTensor) -> torch.Tensor:
+        return (x @ x.t()).redistribute(mesh, [Replicate()]).to_local().sum()
+
+    backend, forward_graphs, backward_graphs = _recording_aot_backend()
+    compiled, counter = _compile(partial_to_replicate, CompileCounterWithBackend(backend))
+    y = distribute_tensor(torch.randn(3, 4), mesh, [Shard(1)]).requires_grad_()
+    compiled(y).backward()
+    forward = _targets(forward_graphs[0])
+    assert forward.count("_c10d_functional.all_reduce.default") == 1
+    assert forward.count("_c10d_functional.wait_tensor.default") >= 1
+    assert y.grad is not None and y.grad.placements == (Shard(1),)
+
+
+@multi_rank(world_size=WORLD)
+def test_async_redistribution_compiles_and_waits_before_use() -> None:
+    mesh = _mesh()
+
+    def fn(x: DTensor) -> torch.Tensor:
+        gathered = x.redistribute(mesh, [Replicate()], async_op=True)
+        return gathered.to_local() + 1
+
+    backend, forward_graphs, _ = _recording_aot_backend()
+    compiled, counter = _compile(fn, CompileCounterWithBackend(backend))
+    full = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    out = compiled(distribute_tensor(full, mesh, [Shard(0)]))
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out, full + 1)
+    targets = _targets(forward_graphs[0])
+    assert targets.index("_c10d_functional.all_gather_into_tensor.default") < targets.index(
+        "_c10d_functional.wait_tensor.default"
+    )
+
+
+@multi_rank(world_size=WORLD)
+def test_a_mesh_rebuilt_over_new_groups_does_not_reuse_the_graph_of_the_old_ones() -> None:
+    mesh = _mesh()
+
+    def fn(a: DTensor) -> DTensor:
+        return a.redistribute(a.device_mesh, [Replicate()]) * 2
+
+    compiled, counter = _compile(fn)
+    full = torch.arange(4, dtype=torch.float32).reshape(4, 1)
+    compiled(distribute_tensor(full, mesh, [Shard(0)]))
+    first_groups = mesh._dim_group_names
+    # New groups for the same ranks: an equal mesh (same ranks, dims, names) over other communicators.
+    rebuilt = init_device_mesh("cpu", (WORLD,))
+    if rebuilt._dim_group_names == first_groups:
+        # Group creation is cached per rank set; ask for a fresh group explicitly.
+        rebuilt = type(mesh).from_group(dist.new_group(list(range(WORLD))), "cpu")
+    assert rebuilt == mesh and rebuilt._dim_group_names != first_groups
+    out = compiled(distribute_tensor(full, rebuilt, [Shard(0)]))
+    torch.testing.assert_close(out.to_local(), full * 2)
+    assert counter.frame_count == 2
