@@ -7,6 +7,17 @@ and works with shardwise's tensor parallelism on a 2-D ``(dp, tp)`` mesh.
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+
+def __getattr__(name: str) -> object:
+    # DTensorExtensions builds on torch.distributed.fsdp (FSDP1), which loads PyTorch's DTensor:
+    # imported on first use only, so that fully_shard users never pay for it.
+    if name == "DTensorExtensions":
+        from ._fsdp1_extensions import DTensorExtensions
+
+        return DTensorExtensions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "fully_shard",
     "FSDPModule",
@@ -14,4 +25,5 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DTensorExtensions",
 ]
