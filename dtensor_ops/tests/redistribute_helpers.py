@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardwise.dtensor_ops._redistribute_plan import StepKind
 from shardwise.placement import Partial, Placement, Replicate, Shard, select_local_shard
 
 Coordinate = tuple[int, ...]
@@ -158,6 +159,13 @@ _COLLECTIVE_NAMES = {
     _functional.all_to_all_single: "all_to_all",
     _functional.wait_tensor: "wait",
 }
+
+
+def collective_name(kind: StepKind) -> str:
+    """The collective a plan step issues, as CollectiveLog names it (a joint step's runs over its joint group)."""
+    return {StepKind.JOINT_ALL_TO_ALL: "all_to_all", StepKind.JOINT_REDUCE_SCATTER: "reduce_scatter"}.get(
+        kind, kind.value
+    )
 
 
 class CollectiveLog(TorchDispatchMode):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from redistribute_helpers import CollectiveLog, describe, full_tensor, source_locals
+from redistribute_helpers import CollectiveLog, collective_name, describe, full_tensor, source_locals
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor
 from shardwise.dtensor_ops._redistribute import grad_target_spec, plan_redistribute
@@ -54,7 +54,7 @@ def _check_gradients(
             got = None if leaf.grad is None else leaf.grad.tolist()
             problems.append(f"{name}: gradient {got}, expected {expected_grad.tolist()}")
         mirrored = plan_redistribute(_spec(mesh, dst, shape), _spec(mesh, grad_placements, shape))
-        planned = [step.kind.value for step in mirrored if step.kind.is_collective]
+        planned = [collective_name(step.kind) for step in mirrored if step.kind.is_collective]
         if log.collectives != planned:
             problems.append(f"{name}: backward ran {log.collectives}, the mirrored plan has {planned}")
     return problems

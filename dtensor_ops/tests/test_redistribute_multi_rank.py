@@ -19,6 +19,7 @@ from redistribute_helpers import (
     PLACEMENTS_1D,
     CollectiveLog,
     check_locals,
+    collective_name,
     describe,
     full_tensor,
     placement_tuples,
@@ -67,10 +68,12 @@ def run_cases(
         local = source_locals(full, mesh_shape, src, index + 1)[coordinate]
         src_spec, dst_spec = make_spec(mesh, src, shape), make_spec(mesh, dst, shape)
         plan = plan_redistribute(src_spec, dst_spec)
-        planned = [step.kind.value for step in plan if step.kind.is_collective]
+        planned = [collective_name(step.kind) for step in plan if step.kind.is_collective]
         # A group whose padded pieces are all empty skips its collective (other groups may not).
         program = _program_for(src_spec, dst_spec)
-        issued = [step.kind.value for step in program.steps if step.kind.is_collective and not step.sends_nothing]
+        issued = [
+            collective_name(step.kind) for step in program.steps if step.kind.is_collective and not step.sends_nothing
+        ]
         if [step.kind for step in program.steps] != [step.kind for step in plan] or (
             issued != planned and min(shape) >= 4
         ):

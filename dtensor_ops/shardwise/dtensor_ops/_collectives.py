@@ -39,6 +39,7 @@ __all__ = [
     "launch_reduce_scatter",
     "launch_all_reduce",
     "launch_all_to_all",
+    "launch_all_to_all_exact",
     "wait",
     "wait_local_tensor",
     "c10d_reduce_op",
@@ -101,6 +102,17 @@ def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) ->
     piece = tensor.size(0) // group_size
     splits = [piece] * group_size
     return _functional.all_to_all_single(tensor.contiguous(), splits, splits, group_name)
+
+
+def launch_all_to_all_exact(
+    flat: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group_name: str
+) -> torch.Tensor:
+    """Send the next ``input_splits[i]`` elements of the 1-D ``flat`` to member ``i`` (unwaited).
+
+    The result holds, in member order, the ``output_splits[i]`` elements member ``i`` sent: pieces
+    of any sizes, so nothing is padded.
+    """
+    return _functional.all_to_all_single(flat.contiguous(), list(output_splits), list(input_splits), group_name)
 
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from itertools import product as _product
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -55,6 +56,7 @@ from ._collectives import (
     launch_all_gather,
     launch_all_reduce,
     launch_all_to_all,
+    launch_all_to_all_exact,
     launch_reduce_scatter,
     mesh_group_names,
     wait,
@@ -64,6 +66,7 @@ from ._redistribute_plan import (
     RedistributeStep,
     StepKind,
     check_redistribute_specs,
+    joint_collective_dims,
     plan_bytes_per_rank,
     plan_redistribute,
     plan_states,
@@ -139,6 +142,26 @@ def grad_target_spec(
 # -- per-rank programs -----------------------------------------------------------------------
 
 
+_Region = tuple[tuple[int, ...], tuple[int, ...]]  # (start, size) per tensor dim
+
+
+@dataclass(frozen=True, slots=True)
+class _JointLayout:
+    """This rank's part in a joint step (one collective over the joint group of several mesh dims).
+
+    All-to-all: ``send_regions[i]`` is the part of the local piece sent to group member ``i`` and
+    ``receive_regions[i]`` where member ``i``'s part lands in the new piece (None: nothing);
+    ``input_splits``/``output_splits`` their element counts.  Reduce-scatter: ``send_regions[i]``
+    is member ``i``'s new piece inside the local block, every piece padded to ``padded_shape``.
+    """
+
+    send_regions: tuple[_Region | None, ...]
+    receive_regions: tuple[_Region | None, ...]
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    padded_shape: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class _ExecStep:
     """One plan step with everything this rank needs to run it, precomputed.
@@ -167,6 +190,7 @@ class _ExecStep:
     sends_nothing: bool
     shape_before: tuple[int, ...]
     shape_after: tuple[int, ...]
+    joint: _JointLayout | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +205,7 @@ class _Program:
     # it was compiled for, or one with the same group names.
     mesh: Any
     group_names: tuple[str, ...]
+    joint_groups: tuple[tuple[tuple[int, ...], tuple[str, tuple[int, ...]]], ...] = ()
 
 
 _programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], _Program] = register_cache(
@@ -211,7 +236,13 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
 
     states = plan_states(src.placements, plan)
     steps: list[_ExecStep] = []
+    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]] = {}
     for step, before_state, after_state in zip(plan, states, states[1:]):
+        if step.joint:
+            steps.append(
+                _compile_joint_step(step, before_state, after_state, global_shape, mesh, coordinate, joint_groups)
+            )
+            continue
         mesh_dim = step.mesh_dim
         group_size = mesh_shape[mesh_dim]
         index_in_group = coordinate[mesh_dim]
@@ -281,6 +312,120 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
         participating=True,
         mesh=mesh,
         group_names=tuple(group_names),
+        joint_groups=tuple(joint_groups.items()),
+    )
+
+
+def _intersection(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[
+    tuple[int, ...], tuple[int, ...]
+] | None:
+    """The global (start, size) box shared by pieces ``a`` and ``b`` ((shape, offset) each), None when empty."""
+    starts, sizes = [], []
+    for size_a, start_a, size_b, start_b in zip(a[0], a[1], b[0], b[1]):
+        start = max(start_a, start_b)
+        extent = min(start_a + size_a, start_b + size_b) - start
+        if extent <= 0:
+            return None
+        starts.append(start)
+        sizes.append(extent)
+    return tuple(starts), tuple(sizes)
+
+
+def _relative(box: tuple[tuple[int, ...], tuple[int, ...]], origin: tuple[int, ...]) -> _Region:
+    return tuple(start - base for start, base in zip(box[0], origin)), box[1]
+
+
+def _compile_joint_step(
+    step: RedistributeStep,
+    before_state: Placements,
+    after_state: Placements,
+    global_shape: tuple[int, ...],
+    mesh: Any,
+    coordinate: tuple[int, ...],
+    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]],
+) -> _ExecStep:
+    mesh_shape = tuple(mesh.shape)
+    group_dims = joint_collective_dims(step.kind, before_state, step.mesh_dims)
+    joint_group = mesh._joint_group(group_dims)
+    if joint_group is None:
+        raise AssertionError(f"the plan uses a joint step over mesh dims {group_dims} but {mesh!r} has no group for them")
+    joint_groups[group_dims] = joint_group
+    group_name, member_of_group_rank = joint_group
+
+    def members(dims: Sequence[int], around: tuple[int, ...]) -> list[tuple[int, ...]]:
+        found = []
+        for values in _product(*(range(mesh_shape[d]) for d in dims)):
+            member = list(around)
+            for mesh_dim, value in zip(dims, values):
+                member[mesh_dim] = value
+            found.append(tuple(member))
+        return found
+
+    def box(state: Placements, at: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return compute_local_shape_and_global_offset(global_shape, mesh_shape, at, state)
+
+    # In group rank order: the collectives' pieces are ordered by group rank.
+    row_major = members(group_dims, coordinate)
+    group = [row_major[member] for member in member_of_group_rank]
+    index_in_group = group.index(coordinate)
+    mine_before, mine_after = box(before_state, coordinate), box(after_state, coordinate)
+    send: list[_Region | None] = []
+    receive: list[_Region | None] = []
+    input_splits: list[int] = []
+    output_splits: list[int] = []
+    padded = [0] * len(global_shape)
+    moves_anything = False
+    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+        # A Replicate source dim has many holders: the one at the receiver's coordinate there sends.
+        replicated = [d for d in group_dims if not isinstance(before_state[d], Shard)]
+        for member in group:
+            same_replica = all(member[d] == coordinate[d] for d in replicated)
+            outgoing = _intersection(box(after_state, member), mine_before) if same_replica else None
+            incoming = _intersection(box(before_state, member), mine_after) if same_replica else None
+            send.append(None if outgoing is None else _relative(outgoing, mine_before[1]))
+            receive.append(None if incoming is None else _relative(incoming, mine_after[1]))
+            input_splits.append(0 if outgoing is None else math.prod(outgoing[1]))
+            output_splits.append(0 if incoming is None else math.prod(incoming[1]))
+        # Every member must agree on skipping: look at the whole group's traffic.
+        for sender in group:
+            for receiver in group:
+                if all(sender[d] == receiver[d] for d in replicated) and _intersection(
+                    box(before_state, sender), box(after_state, receiver)
+                ):
+                    moves_anything = True
+    else:
+        for member in group:
+            piece = box(after_state, member)
+            padded = [max(a, b) for a, b in zip(padded, piece[0])]
+            region = (tuple(o - b for o, b in zip(piece[1], mine_before[1])), piece[0])
+            send.append(region if math.prod(piece[0]) else None)
+            receive.append(None)
+        moves_anything = math.prod(padded) > 0
+    reducing = [before_state[d] for d in group_dims]
+    reduce_op = reducing[0].reduce_op if isinstance(reducing[0], Partial) else ""
+    return _ExecStep(
+        kind=step.kind,
+        group_name=group_name,
+        group_size=len(group),
+        index_in_group=index_in_group,
+        reduce_op=reduce_op,
+        from_dim=-1,
+        to_dim=-1,
+        piece=0,
+        to_piece=0,
+        joined=0,
+        kept=0,
+        offset=0,
+        sends_nothing=not moves_anything,
+        shape_before=mine_before[0],
+        shape_after=mine_after[0],
+        joint=_JointLayout(
+            send_regions=tuple(send),
+            receive_regions=tuple(receive),
+            input_splits=tuple(input_splits),
+            output_splits=tuple(output_splits),
+            padded_shape=tuple(padded),
+        ),
     )
 
 
@@ -308,9 +453,44 @@ def _reduction_identity(dtype: torch.dtype, reduce_op: str) -> float | int | boo
     return info.min if reduce_op == "max" else info.max
 
 
+def _cut(tensor: torch.Tensor, region: _Region) -> torch.Tensor:
+    for dim, (start, size) in enumerate(zip(*region)):
+        tensor = tensor.narrow(dim, start, size)
+    return tensor
+
+
+def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
+    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+        parts = [_cut(local, region).reshape(-1) for region in layout.send_regions if region is not None]
+        flat = torch.cat(parts) if parts else local.new_empty((0,))
+        return launch_all_to_all_exact(flat, layout.output_splits, layout.input_splits, step.group_name)
+    # reduce-scatter: member i's piece, padded, is dim-0 block i (padding is reduced and dropped)
+    buffer = local.new_zeros((step.group_size, *layout.padded_shape))
+    for member, region in enumerate(layout.send_regions):
+        if region is not None:
+            _cut(buffer[member], ((0,) * len(region[1]), region[1])).copy_(_cut(local, region))
+    return launch_reduce_scatter(buffer.flatten(0, 1), step.reduce_op, step.group_size, step.group_name)
+
+
+def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
+    if step.kind is StepKind.JOINT_REDUCE_SCATTER:
+        if step.reduce_op == "avg":
+            received = _divide(received, step.group_size)
+        return _cut(received, ((0,) * len(step.shape_after), step.shape_after)).contiguous()
+    result = received.new_empty(step.shape_after)
+    start = 0
+    for region, count in zip(layout.receive_regions, layout.output_splits):
+        if region is not None:
+            _cut(result, region).copy_(received.narrow(0, start, count).view(region[1]))
+        start += count
+    return result
+
+
 def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     """Pad and lay out ``local`` for the step's collective and start it (unwaited)."""
     kind, group_size = step.kind, step.group_size
+    if step.joint is not None:
+        return _launch_joint(local, step, step.joint)
     if kind is StepKind.ALL_REDUCE:
         return launch_all_reduce(local, step.reduce_op, step.group_name)
     if kind is StepKind.ALL_GATHER:
@@ -332,6 +512,8 @@ def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
 def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     """Turn a waited collective result into the step's local tensor (trim, regroup, scale)."""
     kind, group_size = step.kind, step.group_size
+    if step.joint is not None:
+        return _finish_joint(received, step, step.joint)
     if kind is StepKind.ALL_REDUCE:
         return _divide(received, group_size) if step.reduce_op == "avg" else received
     if kind is StepKind.REDUCE_SCATTER:
@@ -405,7 +587,11 @@ class _Continuation:
 
 def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
     key = (src, dst)
-    program = _programs.get(key)
+    try:
+        program = _programs.get(key)
+    except TypeError:
+        # Symbolic (SymInt) shapes while torch.compile traces: built for this trace, never cached.
+        return _compile_program(src, dst, plan_redistribute(src, dst))
     if program is not None and program.mesh is not src.mesh and _same_groups(program, src.mesh):
         program = dataclasses.replace(program, mesh=src.mesh)
         _programs[key] = program
@@ -418,7 +604,9 @@ def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
 
 
 def _same_groups(program: _Program, mesh: Any) -> bool:
-    return not program.group_names or program.group_names == mesh_group_names(mesh)
+    if program.group_names and program.group_names != mesh_group_names(mesh):
+        return False
+    return all(mesh._joint_group(dims) == group for dims, group in program.joint_groups)
 
 
 def redistribute_local_tensor(
@@ -440,7 +628,10 @@ def redistribute_local_tensor(
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
-    program = _programs.get((src, dst))
+    try:
+        program = _programs.get((src, dst))
+    except TypeError:
+        program = None  # symbolic shapes (torch.compile): _program_for builds it uncached
     if program is None and involves_strided_shard(src, dst):
         # FSDP-over-TP layouts: through the whole tensor (see _strided_redistribute), synchronously.
         return redistribute_with_strided_shards(local, src, dst, redistribute_local_tensor)

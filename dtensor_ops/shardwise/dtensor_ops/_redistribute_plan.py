@@ -49,10 +49,35 @@ dim is reduced first.  Reducing mesh dim ``d`` before the partial dims after it 
 therefore valid only when its op commutes with theirs (equal ops, or both linear:
 sum/avg).  Creating a Partial (R->P, S->P) is valid in any state.
 
+Joint steps (``allow_joint_steps``, when the mesh has a process group for every set of
+its dims): one collective over the joint group of several mesh dims ``D`` (group rank =
+row-major index over ``D``) changes all of them at once.
+
+* joint all-to-all: every dim of ``D`` is Shard or Replicate before and after (some may
+  keep their placement: a nested shard's pieces still move when an outer dim changes).  Each rank sends
+  each group member exactly the part of its piece that the member's new piece needs
+  (``all_to_all_single`` with per-peer sizes: no padding, so uneven and nested shards
+  cost what they move); where the source is Replicate on a dim of ``D``, the member with
+  the receiver's coordinate on that dim sends.  Valid when, for every rank, those
+  senders' pieces cover its new piece.  Cost: the most elements a rank needs and does
+  not hold — the lower bound of the step.
+* joint reduce-scatter: every dim of ``D`` is Partial (one reduce op) or Replicate, at
+  least one Partial, and becomes Shard or Replicate (at least one Shard).  The
+  reduce-scatter runs over the joint group of the Partial dims; every member's new piece
+  is cut out of the local block (the Replicate dims of ``D`` only pick pieces locally) and
+  padded to the group's largest piece.  Valid when every new piece lies inside the block
+  and the reduction may go first (the mixed-Partial rule above).  Cost:
+  ``(|group| - 1) *`` the padded piece.
+
+Joint steps are searched only on meshes of at most ``_JOINT_SEARCH_MAX_RANKS`` ranks (their
+cost looks at every rank's piece) and chosen only when they move strictly fewer bytes: a
+tie keeps the one-dim plan (and its collective counts).
+
 The search is uniform-cost (Dijkstra) over states; the state space is small because
-mesh ndim is small.  Costs are compared as ``(bytes, collectives, steps)`` so that
-among equally cheap plans the one with fewer collectives, then fewer steps, wins.
-Ties are broken by a fixed exploration order, so every rank computes the same plan.
+mesh ndim is small.  Costs are compared as ``(bytes, joint steps, collectives, steps)`` so
+that among equally cheap plans the one without joint steps, then with fewer collectives,
+then fewer steps, wins.  Ties are broken by a fixed exploration order, so every rank
+computes the same plan.
 """
 
 from __future__ import annotations
@@ -81,6 +106,10 @@ __all__ = [
     "Placements",
     "transition_kind",
     "step_bytes_per_rank",
+    "joint_transition_kind",
+    "joint_step_bytes_per_rank",
+    "joint_collective_dims",
+    "mesh_supports_joint_steps",
     "find_cheapest_plan",
     "naive_greedy_plan",
     "plan_bytes_per_rank",
@@ -109,6 +138,9 @@ class StepKind(enum.Enum):
     LOCAL_PARTIAL = "local_partial"  # R -> P
     SHARD_TO_PARTIAL = "shard_to_partial"  # S(i) -> P
     RELABEL = "relabel"  # any change on a mesh dim of size 1
+    # Several mesh dims at once, one collective over their joint group (see "Joint steps" above):
+    JOINT_ALL_TO_ALL = "joint_all_to_all"  # Shard/Replicate -> Shard/Replicate, exact per-peer pieces
+    JOINT_REDUCE_SCATTER = "joint_reduce_scatter"  # Partial (one op) -> Shard/Replicate, at least one Shard
 
     @property
     def is_collective(self) -> bool:
@@ -116,7 +148,14 @@ class StepKind(enum.Enum):
 
 
 _COLLECTIVE_KINDS = frozenset(
-    {StepKind.ALL_GATHER, StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL}
+    {
+        StepKind.ALL_GATHER,
+        StepKind.ALL_REDUCE,
+        StepKind.REDUCE_SCATTER,
+        StepKind.ALL_TO_ALL,
+        StepKind.JOINT_ALL_TO_ALL,
+        StepKind.JOINT_REDUCE_SCATTER,
+    }
 )
 
 
@@ -125,6 +164,9 @@ class RedistributeStep:
     """Change mesh dim ``mesh_dim`` from ``before`` to ``after``.
 
     ``bytes_per_rank`` is what the most loaded rank receives in this step (0 for local steps).
+    A joint step changes several mesh dims with one collective over their joint group:
+    ``joint`` lists every ``(mesh dim, before, after)`` it changes, in mesh dim order
+    (``mesh_dim``/``before``/``after`` are its first entry); ``()`` for a one-dim step.
     """
 
     mesh_dim: int
@@ -132,8 +174,21 @@ class RedistributeStep:
     after: Placement
     kind: StepKind
     bytes_per_rank: int
+    joint: tuple[tuple[int, Placement, Placement], ...] = ()
+
+    @property
+    def changes(self) -> tuple[tuple[int, Placement, Placement], ...]:
+        """Every ``(mesh dim, before, after)`` the step changes."""
+        return self.joint or ((self.mesh_dim, self.before, self.after),)
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return tuple(mesh_dim for mesh_dim, _, _ in self.changes)
 
     def __str__(self) -> str:
+        if self.joint:
+            moves = ", ".join(f"{before} -> {after}" for _, before, after in self.joint)
+            return f"mesh dims {self.mesh_dims}: {moves} ({self.kind.value}, {self.bytes_per_rank} B)"
         return f"mesh dim {self.mesh_dim}: {self.before} -> {self.after} ({self.kind.value}, {self.bytes_per_rank} B)"
 
 
@@ -196,6 +251,151 @@ def transition_kind(
     if isinstance(before, Partial):
         return StepKind.ALL_REDUCE if isinstance(after, Replicate) else StepKind.REDUCE_SCATTER
     raise TypeError(f"unsupported placement {before!r} on mesh dim {mesh_dim}; expected Shard, Replicate or Partial")
+
+
+# -- joint steps ---------------------------------------------------------------------------
+
+# Joint steps are searched on meshes up to this many ranks: their cost and validity look at
+# every rank's piece and every group member's, which grows with the square of the mesh.
+_JOINT_SEARCH_MAX_RANKS = 16
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, global offset) of one rank's piece
+
+
+def _overlap(a: _Box, b: _Box) -> int:
+    elements = 1
+    for size_a, start_a, size_b, start_b in zip(a[0], a[1], b[0], b[1]):
+        extent = min(start_a + size_a, start_b + size_b) - max(start_a, start_b)
+        if extent <= 0:
+            return 0
+        elements *= extent
+    return elements
+
+
+def _group_coordinates(
+    coordinate: Sequence[int], mesh_shape: Sequence[int], mesh_dims: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """The coordinates that differ from ``coordinate`` only on ``mesh_dims``, row-major over them."""
+    members = []
+    for values in itertools.product(*(range(mesh_shape[d]) for d in mesh_dims)):
+        member = list(coordinate)
+        for mesh_dim, value in zip(mesh_dims, values):
+            member[mesh_dim] = value
+        members.append(tuple(member))
+    return members
+
+
+def joint_transition_kind(
+    state: Placements, mesh_shape: Sequence[int], mesh_dims: Sequence[int], afters: Sequence[Placement]
+) -> StepKind | None:
+    """The kind of the joint step setting ``state[mesh_dims[i]]`` to ``afters[i]``, or None.
+
+    Only the placements are checked here; whether the pieces fit (coverage) is part of the cost
+    (:func:`joint_step_bytes_per_rank`).
+    """
+    if len(mesh_dims) < 2 or any(mesh_shape[d] == 1 for d in mesh_dims):
+        return None
+    befores = [state[d] for d in mesh_dims]
+    if all(before == after for before, after in zip(befores, afters)):
+        return None
+    if all(isinstance(p, (Shard, Replicate)) for p in (*befores, *afters)):
+        return StepKind.JOINT_ALL_TO_ALL
+    partials = [p for p in befores if isinstance(p, Partial)]
+    if (
+        partials
+        and all(isinstance(p, (Partial, Replicate)) for p in befores)
+        and len({p.reduce_op for p in partials}) == 1
+        and all(isinstance(p, (Shard, Replicate)) for p in afters)
+        and any(isinstance(p, Shard) for p in afters)
+    ):
+        first_partial = min(d for d in mesh_dims if isinstance(state[d], Partial))
+        if _reduction_is_valid(state, mesh_shape, first_partial, partials[0].reduce_op):
+            return StepKind.JOINT_REDUCE_SCATTER
+    return None
+
+
+def joint_collective_dims(kind: StepKind, state: Placements, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+    """The mesh dims whose joint group runs a joint step's collective.
+
+    An all-to-all runs over all of ``mesh_dims``; a reduce-scatter over its Partial dims only (its
+    Replicate dims just pick, locally, which pieces a rank's group reduces).
+    """
+    if kind is StepKind.JOINT_REDUCE_SCATTER:
+        return tuple(d for d in mesh_dims if isinstance(state[d], Partial))
+    return tuple(mesh_dims)
+
+
+def _all_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], state: Placements) -> dict[tuple[int, ...], _Box]:
+    return {
+        coordinate: compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, state)
+        for coordinate in _all_coordinates(mesh_shape)
+    }
+
+
+def _joint_elements(
+    kind: StepKind,
+    state: Placements,
+    mesh_shape: Sequence[int],
+    mesh_dims: Sequence[int],
+    before_boxes: dict[tuple[int, ...], _Box],
+    after_boxes: dict[tuple[int, ...], _Box],
+) -> int | None:
+    """Elements the most loaded rank receives in a joint step; None when the pieces do not fit."""
+    worst = 0
+    if kind is StepKind.JOINT_ALL_TO_ALL:
+        sending_dims = [d for d in mesh_dims if isinstance(state[d], Shard)]
+        for coordinate, wanted in after_boxes.items():
+            needed = math.prod(wanted[0])
+            if needed == 0:
+                continue
+            senders = _group_coordinates(coordinate, mesh_shape, sending_dims)
+            if sum(_overlap(before_boxes[sender], wanted) for sender in senders) != needed:
+                return None
+            worst = max(worst, needed - _overlap(before_boxes[coordinate], wanted))
+        return worst
+    reducing_dims = joint_collective_dims(kind, state, mesh_dims)
+    group_size = math.prod(mesh_shape[d] for d in reducing_dims)
+    for coordinate, block in before_boxes.items():
+        padded = [0] * len(block[0])
+        for member in _group_coordinates(coordinate, mesh_shape, reducing_dims):
+            piece = after_boxes[member]
+            elements = math.prod(piece[0])
+            if elements and _overlap(block, piece) != elements:
+                return None
+            padded = [max(a, b) for a, b in zip(padded, piece[0])]
+        worst = max(worst, (group_size - 1) * math.prod(padded))
+    return worst
+
+
+def joint_step_bytes_per_rank(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    state: Placements,
+    mesh_dims: Sequence[int],
+    afters: Sequence[Placement],
+    itemsize: int,
+) -> int | None:
+    """Bytes the most loaded rank receives in the joint step, or None when it is not a valid joint step."""
+    kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
+    if kind is None:
+        return None
+    new_state = list(state)
+    for mesh_dim, after in zip(mesh_dims, afters):
+        new_state[mesh_dim] = after
+    elements = _joint_elements(
+        kind,
+        state,
+        mesh_shape,
+        mesh_dims,
+        _all_boxes(global_shape, mesh_shape, state),
+        _all_boxes(global_shape, mesh_shape, tuple(new_state)),
+    )
+    return None if elements is None else elements * itemsize
+
+
+def _joint_dim_sets(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    splitting = [d for d, size in enumerate(mesh_shape) if size > 1]
+    return [dims for count in range(2, len(splitting) + 1) for dims in itertools.combinations(splitting, count)]
 
 
 # -- cost ----------------------------------------------------------------------------------
@@ -271,13 +471,15 @@ def plan_states(src: Placements, plan: Sequence[RedistributeStep]) -> list[Place
     """The states a plan goes through, ``src`` first; checks that each step starts where the last ended."""
     states = [tuple(src)]
     for index, step in enumerate(plan):
-        current = states[-1]
-        if current[step.mesh_dim] != step.before:
-            raise ValueError(
-                f"step {index} ({step}) expects {step.before} on mesh dim {step.mesh_dim} but the plan has "
-                f"reached {_fmt(current)}"
-            )
-        states.append(current[: step.mesh_dim] + (step.after,) + current[step.mesh_dim + 1 :])
+        current = list(states[-1])
+        for mesh_dim, before, after in step.changes:
+            if current[mesh_dim] != before:
+                raise ValueError(
+                    f"step {index} ({step}) expects {before} on mesh dim {mesh_dim} but the plan has "
+                    f"reached {_fmt(states[-1])}"
+                )
+            current[mesh_dim] = after
+        states.append(tuple(current))
     return states
 
 
@@ -337,13 +539,33 @@ def find_cheapest_plan(
     src: Placements,
     dst: Placements,
     itemsize: int,
+    *,
+    allow_joint_steps: bool = False,
 ) -> tuple[RedistributeStep, ...]:
-    """The plan from ``src`` to ``dst`` moving the fewest bytes per rank (then fewest collectives, steps)."""
+    """The plan from ``src`` to ``dst`` moving the fewest bytes per rank (then fewest collectives, steps).
+
+    ``allow_joint_steps``: also consider steps changing several mesh dims with one collective over
+    their joint group (the mesh must have those groups); used only where they move fewer bytes.
+    """
     src, dst = tuple(src), tuple(dst)
     _check_problem(global_shape, mesh_shape, src, dst, itemsize)
     if src == dst:
         return ()
     candidates = _candidates(src, dst, len(global_shape))
+    joint_dim_sets = (
+        _joint_dim_sets(mesh_shape)
+        if allow_joint_steps and math.prod(mesh_shape) <= _JOINT_SEARCH_MAX_RANKS
+        else []
+    )
+    all_boxes: dict[Placements, dict[tuple[int, ...], _Box]] = {}
+
+    def boxes(state: Placements) -> dict[tuple[int, ...], _Box]:
+        found = all_boxes.get(state)
+        if found is None:
+            found = _all_boxes(global_shape, mesh_shape, state)
+            all_boxes[state] = found
+        return found
+
     largest_shapes: dict[Placements, tuple[int, ...]] = {}
 
     def largest(state: Placements) -> tuple[int, ...]:
@@ -353,12 +575,26 @@ def find_cheapest_plan(
             largest_shapes[state] = shape
         return shape
 
-    Cost = tuple[int, int, int]
-    best: dict[Placements, Cost] = {src: (0, 0, 0)}
+    Cost = tuple[int, int, int, int]  # bytes, joint steps, collectives, steps
+    best: dict[Placements, Cost] = {src: (0, 0, 0, 0)}
     came_from: dict[Placements, tuple[Placements, RedistributeStep]] = {}
     order = itertools.count()
-    frontier: list[tuple[Cost, int, Placements]] = [((0, 0, 0), next(order), src)]
+    frontier: list[tuple[Cost, int, Placements]] = [((0, 0, 0, 0), next(order), src)]
     done: set[Placements] = set()
+
+    def relax(state: Placements, cost: Cost, new_state: Placements, step: RedistributeStep) -> None:
+        new_cost = (
+            cost[0] + step.bytes_per_rank,
+            cost[1] + int(bool(step.joint)),
+            cost[2] + int(step.kind.is_collective),
+            cost[3] + 1,
+        )
+        known = best.get(new_state)
+        if known is None or new_cost < known:
+            best[new_state] = new_cost
+            came_from[new_state] = (state, step)
+            heapq.heappush(frontier, (new_cost, next(order), new_state))
+
     while frontier:
         cost, _, state = heapq.heappop(frontier)
         if state in done:
@@ -377,12 +613,25 @@ def find_cheapest_plan(
                 moved = _kind_bytes(
                     kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after
                 )
-                new_cost = (cost[0] + moved, cost[1] + int(kind.is_collective), cost[2] + 1)
-                known = best.get(new_state)
-                if known is None or new_cost < known:
-                    best[new_state] = new_cost
-                    came_from[new_state] = (state, RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
-                    heapq.heappush(frontier, (new_cost, next(order), new_state))
+                relax(state, cost, new_state, RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
+        for mesh_dims in joint_dim_sets:
+            for afters in itertools.product(*(candidates[d] for d in mesh_dims)):
+                kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
+                if kind is None:
+                    continue
+                changed = list(state)
+                for mesh_dim, after in zip(mesh_dims, afters):
+                    changed[mesh_dim] = after
+                new_state = tuple(changed)
+                if new_state in done:
+                    continue
+                elements = _joint_elements(kind, state, mesh_shape, mesh_dims, boxes(state), boxes(new_state))
+                if not elements:
+                    continue  # pieces that do not fit, or nothing to move (a local step does that)
+                joint = tuple((d, state[d], after) for d, after in zip(mesh_dims, afters))
+                first_dim, first_before, first_after = joint[0]
+                step = RedistributeStep(first_dim, first_before, first_after, kind, elements * itemsize, joint)
+                relax(state, cost, new_state, step)
     if dst not in came_from:
         # Every state reaches all-Replicate and all-Replicate reaches every state, so this
         # means a bug in the transition rules, not bad input.
@@ -572,11 +821,11 @@ def lower_bound_bytes_per_rank(
 # training loop uses a handful of layouts, so eviction order does not matter.
 _MAX_CACHE_ENTRIES = 8192
 
-_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements]
+_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements, bool]
 _plans_by_problem: dict[_ProblemKey, tuple[RedistributeStep, ...]] = register_cache(
     {}, module=__name__, attribute="_plans_by_problem", rank_local=False
 )
-_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], tuple[RedistributeStep, ...]] = register_cache(
+_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any], bool], tuple[RedistributeStep, ...]] = register_cache(
     {}, module=__name__, attribute="_plans_by_specs", rank_local=False
 )
 
@@ -615,12 +864,21 @@ def check_redistribute_specs(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
     return src_shape
 
 
+def mesh_supports_joint_steps(mesh: Any) -> bool:
+    """Whether ``mesh`` has a process group for every set of its dims (so joint steps can run on it)."""
+    supports = getattr(mesh, "_supports_joint_groups", None)
+    return bool(supports()) if supports is not None else False
+
+
 def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
     """The cheapest plan (by bytes moved per rank) from ``src`` to ``dst``; ``()`` when they match.
 
-    Both specs need ``tensor_meta`` and the same mesh and global shape.  Cached.
+    Both specs need ``tensor_meta`` and the same mesh and global shape.  Joint steps are
+    considered when the mesh has a process group for every set of its dims
+    (``DeviceMesh._supports_joint_groups()``) and the shape is concrete.  Cached.
     """
-    key = (src, dst)
+    joint = mesh_supports_joint_steps(src.mesh)
+    key = (src, dst, joint)
     try:
         plan = _plans_by_specs.get(key)
     except TypeError:
@@ -631,10 +889,12 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     assert src.tensor_meta is not None
     mesh_shape = tuple(src.mesh.shape)
     itemsize = src.tensor_meta.dtype.itemsize
-    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements)
+    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements, joint)
     plan = _plans_by_problem.get(problem)
     if plan is None:
-        plan = find_cheapest_plan(global_shape, mesh_shape, src.placements, dst.placements, itemsize)
+        plan = find_cheapest_plan(
+            global_shape, mesh_shape, src.placements, dst.placements, itemsize, allow_joint_steps=joint
+        )
         _remember(_plans_by_problem, problem, plan)
     _remember(_plans_by_specs, key, plan)
     return plan

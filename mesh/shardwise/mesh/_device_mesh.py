@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import threading
@@ -63,6 +64,8 @@ class DeviceMesh:
     _rank: int
     _coordinate: tuple[int, ...] | None
     _flatten_mapping: dict[str, DeviceMesh]
+    _joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]]
+    _has_joint_groups: bool
     _slices: dict[tuple[str, ...], DeviceMesh]
     _key: tuple[Any, ...]
     _stable_digest: bytes
@@ -87,6 +90,7 @@ class DeviceMesh:
             for dim in range(layout.ndim)
         ]
         self._setup(device_type, layout, names, root=None, groups=_member_groups(groups), rank=rank)
+        self._create_joint_groups()
 
     def _setup(
         self,
@@ -115,6 +119,8 @@ class DeviceMesh:
         self._rank = rank
         self._coordinate = layout.coordinate(rank)
         self._flatten_mapping = {}
+        self._joint_groups = {}
+        self._has_joint_groups = False
         self._slices = {}
         self._key = (device_type, layout.root_shape, layout.root_ranks, layout.dims, names)
         # Python's str hash differs between processes; a digest of the key does not, so the hash is
@@ -244,6 +250,61 @@ class DeviceMesh:
                 "(destroy_process_group); build a new mesh after init_process_group"
             )
         return cast(tuple[dist.ProcessGroup, ...], groups)
+
+    # ---------------------------------------------------------------------------- joint groups
+
+    def _create_joint_groups(self) -> None:
+        """One process group for every set of two or more root dims (of size > 1), made at construction.
+
+        A redistribution may change several mesh dims with one collective over their joint group.
+        Groups are created collectively by every rank of the world, so they cannot be made on demand
+        inside a redistribution, which only the mesh's ranks run: they are made here, where every
+        rank takes part. Each group is over its ranks in increasing order, whatever the mesh's order
+        (the caller learns the order from ``_joint_group``), so rank sets that have a group already
+        reuse it: a 2-D mesh over the world, in any order, creates none.
+        """
+        splitting = [dim for dim, size in enumerate(self._layout.root_shape) if size > 1]
+        for count in range(2, len(splitting) + 1):
+            for root_dims in itertools.combinations(splitting, count):
+                row_major = self._layout.view((root_dims,)).groups_along(0)
+                in_order = tuple(tuple(sorted(ranks)) for ranks in row_major)
+                group = process_groups.group_for_dim(in_order, self._rank, f"mesh_joint_{root_dims}")
+                if group is None:
+                    continue
+                mine = next(ranks for ranks in row_major if self._rank in ranks)
+                member_of_group_rank = tuple(sorted(range(len(mine)), key=lambda index: mine[index]))
+                self._joint_groups[root_dims] = (group.group_name, member_of_group_rank)
+        self._has_joint_groups = True
+
+    def _supports_joint_groups(self) -> bool:
+        """Whether every set of this mesh's dims has a joint process group (see ``_joint_group``).
+
+        True for meshes built by ``DeviceMesh(...)``/``init_device_mesh`` and their slices; False for
+        ``from_group`` meshes and unpickled ones. The same answer on every rank.
+        """
+        return self._get_root_mesh()._has_joint_groups
+
+    def _joint_group(self, mesh_dims: Sequence[int]) -> tuple[str, tuple[int, ...]] | None:
+        """The group spanning ``mesh_dims`` (increasing) together, or None where there is none.
+
+        Returns its c10d name and, for each group rank, the member's row-major index over those
+        dims' coordinates (the group orders its ranks by rank, not by coordinate). Dims of size 1
+        are left out; a single remaining dim gives that dim's own group (group rank = coordinate).
+        """
+        if self._coordinate is None or len(self._dim_group_names) != self.ndim:
+            return None
+        root = self._get_root_mesh()
+        root_dims = tuple(
+            root_dim
+            for mesh_dim in mesh_dims
+            for root_dim in self._layout.dims[mesh_dim]
+            if self._layout.root_shape[root_dim] > 1
+        )
+        if len(root_dims) == 1:
+            for dim, dims in enumerate(self._layout.dims):
+                if root_dims[0] in dims and len(dims) == 1:
+                    return self._dim_group_names[dim], tuple(range(self._layout.root_shape[root_dims[0]]))
+        return root._joint_groups.get(root_dims)
 
     # ------------------------------------------------------------------------ slicing, flatten
 
@@ -440,6 +501,9 @@ class DeviceMesh:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._slices = {}
+        # Joint groups are not looked up again: redistribution then keeps to one mesh dim per step.
+        self._joint_groups = {}
+        self._has_joint_groups = False
         groups: list[dist.ProcessGroup] = []
         if dist.is_initialized():
             self._rank = dist.get_rank()
