@@ -125,6 +125,48 @@ def test_training_matches_one_process_with_exact_collectives(reshard_after_forwa
 
 
 @multi_rank(world_size=4)
+def test_a_list_of_modules_is_one_unit() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (4,))
+    blocks = [model.blocks[0], model.blocks[1]]
+    assert fully_shard(blocks, mesh=mesh) is blocks
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(block, FSDPModule) for block in blocks)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for step in range(2):
+        tokens, targets = _batch(step)
+        ref_loss = _loss(reference, tokens, targets)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        local = slice(rank * 2, rank * 2 + 2)
+        with CommDebugMode() as forward_comm:
+            loss = _loss(model, tokens[local], targets[local])
+        with CommDebugMode() as backward_comm:
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+        # Two units (both blocks together, the root): one all-gather each in forward, the blocks'
+        # again in backward, one reduce-scatter each.
+        assert forward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == 2
+        assert forward_comm.get_total_counts() == 2
+        assert backward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == 1
+        assert backward_comm.get_comm_counts()[funcol.reduce_scatter_tensor] == 2
+        assert backward_comm.get_total_counts() == 3
+        all_losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(all_losses, loss.detach())
+        torch.testing.assert_close(torch.stack(all_losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="already applied"):
+        fully_shard([model.blocks[0]], mesh=mesh)
+
+
+@multi_rank(world_size=4)
 def test_gradient_accumulation_without_sync_reduces_once() -> None:
     torch.manual_seed(0)
     reference = Net()

@@ -43,17 +43,21 @@ class UnshardHandle:
 
 
 class _FSDPState:
-    """Everything ``fully_shard`` keeps for one unit (stored on the module, outside its parameters)."""
+    """Everything ``fully_shard`` keeps for one unit (stored on each of its modules, outside their parameters).
+
+    A unit is one module, or several given together as a list: their parameters are gathered
+    together when the first of them starts its forward and freed once all of them finished theirs.
+    """
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         mesh: DeviceMesh,
         group: FSDPParamGroup | None,
         reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        self.modules = modules
         self.mesh = mesh
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -70,6 +74,8 @@ class _FSDPState:
         self.backward_prefetch: list[_FSDPState] | None = None
         self.pre_backward_done = False
         self.is_last_backward = True
+        # The unit's modules whose forward has not finished yet in the current unit forward (ids).
+        self.modules_to_run: set[int] = set()
 
     # -- lazy initialisation at the first forward ---------------------------------
 
@@ -77,9 +83,9 @@ class _FSDPState:
         self.is_root = True
         self.root = self
         self.units = []
-        for submodule in self.module.modules():
+        for submodule in (m for module in self.modules for m in module.modules()):
             state = _state_of(submodule)
-            if state is None:
+            if state is None or state in self.units:
                 continue
             if state is not self:
                 state.is_root = False
@@ -105,6 +111,32 @@ class _FSDPState:
                     )
 
     # -- forward --------------------------------------------------------------------
+
+    def module_pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Forward pre-hook of each of the unit's modules: the first one to run starts the unit's forward."""
+        if self.modules_to_run:
+            param_dtype = self.mp_policy.param_dtype
+            if self.mp_policy.cast_forward_inputs and param_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), param_dtype)
+            return args, kwargs
+        self.modules_to_run = {id(m) for m in self.modules}
+        return self.pre_forward(module, args, kwargs)
+
+    def module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Forward hook of each of the unit's modules: the last one to finish ends the unit's forward."""
+        self.modules_to_run.discard(id(module))
+        if not self.modules_to_run:
+            return self.post_forward(module, args, output)
+        if torch.is_grad_enabled():
+            self._hook_outputs_for_backward(output)
+        output_dtype = self.mp_policy.output_dtype
+        return _cast_floating(output, output_dtype) if output_dtype is not None else output
+
+    def _hook_outputs_for_backward(self, output: Any) -> None:
+        self.pre_backward_done = False
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._pre_backward_hook)
 
     def pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if self.is_root is None:
@@ -137,10 +169,7 @@ class _FSDPState:
         if self.is_root:
             self.recording_order = False
         if grad_enabled:
-            self.pre_backward_done = False
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook)
+            self._hook_outputs_for_backward(output)
         output_dtype = self.mp_policy.output_dtype
         if output_dtype is not None:
             output = _cast_floating(output, output_dtype)
@@ -219,7 +248,11 @@ class FSDPModule:
         if not recurse:
             return [self._fsdp_state()]
         module: nn.Module = self  # type: ignore[assignment]
-        return [state for state in (_state_of(m) for m in module.modules()) if state is not None]
+        units: list[_FSDPState] = []
+        for state in (_state_of(m) for m in module.modules()):
+            if state is not None and state not in units:
+                units.append(state)
+        return units
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (the next forward then skips its all-gather)."""
@@ -290,7 +323,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int = True,
@@ -298,32 +331,35 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch's ``fully_shard`` API).
 
     Every parameter of ``module`` that no inner ``fully_shard`` unit manages and that is not in
     ``ignored_params`` becomes a DTensor ``Shard(0)`` over ``mesh`` (on the 2-D mesh of ``mesh`` and
     the tensor-parallel dim when it already was a DTensor; ``_StridedShard`` when both cut dim 0).
-    Returns ``module``, whose class now also derives from :class:`FSDPModule`.  Checks everything
-    before any collective.
+    A list of modules makes them one unit (one all-gather, one reduce-scatter): gathered when the
+    first of them starts its forward, freed when all of them finished theirs.  Returns ``module``
+    (the list, for a list), whose class (each module's) now also derives from :class:`FSDPModule`.
+    Checks everything before any collective.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard: a list of modules as one unit is not supported by shardwise.fsdp_ext yet; "
-            "expected one nn.Module per call"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if _state_of(module) is not None:
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; expected one call per module"
-        )
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; expected an nn.Module or a non-empty list")
+    for each in modules:
+        if not isinstance(each, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(each).__name__}")
+        if _state_of(each) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(each).__name__}; expected one call per module"
+            )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list; expected distinct modules")
     reshard = _check_reshard_after_forward(reshard_after_forward, mesh)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    managed = _managed_params(module, ignored_params or set())
+    managed = _managed_params(modules, ignored_params or set())
     device_type = managed[0][1].device.type if managed else "cpu"
     if isinstance(offload_policy, CPUOffloadPolicy) and device_type != "cpu":
         raise NotImplementedError(
@@ -362,11 +398,12 @@ def fully_shard(
     )
     if group is not None:
         group.make_sharded_params()
-    state = _FSDPState(module, mesh, group, reshard, mp_policy)
-    module.__dict__[_STATE_ATTR] = state
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    module.__class__ = _fsdp_class(type(module))
+    state = _FSDPState(modules, mesh, group, reshard, mp_policy)
+    for each in modules:
+        each.__dict__[_STATE_ATTR] = state
+        each.register_forward_pre_hook(state.module_pre_forward, prepend=True, with_kwargs=True)
+        each.register_forward_hook(state.module_post_forward)
+        each.__class__ = _fsdp_class(type(each))
     return module
 
 
@@ -386,24 +423,30 @@ def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh | None) -> 
 
 
 def _managed_params(
-    module: nn.Module, ignored: Iterable[nn.Parameter]
+    modules: list[nn.Module], ignored: Iterable[nn.Parameter]
 ) -> list[tuple[str, nn.Parameter, list[ParamOwner]]]:
-    """Parameters of ``module`` not managed by an inner unit nor ignored, each with every module slot holding it."""
+    """Parameters of ``modules`` not managed by an inner unit nor ignored, each with every module slot holding it.
+
+    Names are relative to their module (prefixed by its index in the list when there are several).
+    """
     ignored_ids = {id(p) for p in ignored}
     inner_ids: set[int] = set()
-    for submodule in module.modules():
-        state = _state_of(submodule)
-        if submodule is not module and state is not None and state.group is not None:
-            inner_ids.update(id(p.sharded_param) for p in state.group.fsdp_params)
+    for module in modules:
+        for submodule in module.modules():
+            state = _state_of(submodule)
+            if submodule is not module and state is not None and state.group is not None:
+                inner_ids.update(id(p.sharded_param) for p in state.group.fsdp_params)
     found: dict[int, tuple[str, nn.Parameter, list[ParamOwner]]] = {}
-    for module_name, submodule in module.named_modules(remove_duplicate=False):
-        for name, param in submodule._parameters.items():
-            if param is None or id(param) in ignored_ids or id(param) in inner_ids:
-                continue
-            entry = found.get(id(param))
-            if entry is None:
-                fqn = f"{module_name}.{name}" if module_name else name
-                found[id(param)] = (fqn, param, [ParamOwner(submodule, name)])
-            elif all(owner.module is not submodule or owner.name != name for owner in entry[2]):
-                entry[2].append(ParamOwner(submodule, name))
+    for index, module in enumerate(modules):
+        prefix = f"[{index}]." if len(modules) > 1 else ""
+        for module_name, submodule in module.named_modules(remove_duplicate=False):
+            for name, param in submodule._parameters.items():
+                if param is None or id(param) in ignored_ids or id(param) in inner_ids:
+                    continue
+                entry = found.get(id(param))
+                if entry is None:
+                    fqn = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                    found[id(param)] = (fqn, param, [ParamOwner(submodule, name)])
+                elif all(owner.module is not submodule or owner.name != name for owner in entry[2]):
+                    entry[2].append(ParamOwner(submodule, name))
     return list(found.values())
