@@ -314,10 +314,34 @@ def _zero_result(result: Any) -> None:
             result.zero_()
 
 
+# What runs a sharded random op whose local tensors are being traced (torch.compile): set by an extension
+# (shardwise.compile_support) through ``set_traced_random_runner``.  A shard stream moves generator state on
+# the host (draw, reseed, restore), which a graph cannot hold, so the runner puts the whole op into the graph
+# as one opaque call that does exactly what eager does when the graph runs.
+TracedRandomRunner = Callable[[RandomPlan, Callable[..., Any], list[Any], dict[str, Any]], Any]
+_traced_random_runner: TracedRandomRunner | None = None
+
+
+def set_traced_random_runner(runner: TracedRandomRunner | None) -> None:
+    """Install (or remove, with None) the runner of sharded random ops on traced local tensors."""
+    global _traced_random_runner
+    _traced_random_runner = runner
+
+
+def _is_traced(values: Sequence[Any]) -> bool:
+    """Whether a local tensor argument is a tracing stand-in (fake or functional tensor), not a real one."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter)
+    return False
+
+
 def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[Any], local_kwargs: dict[str, Any]) -> Any:
     """Dispatch's execution step for a random op: ``call`` on the local tensors in this rank's shard stream."""
     if plan.shard_index is None or (_rng_tracker is not None and not _rng_tracker.distribute_region_enabled):
         result = call(*local_args, **local_kwargs)
+    elif _traced_random_runner is not None and _is_traced(local_args):
+        result = _traced_random_runner(plan, call, local_args, local_kwargs)
     else:
         generator = _explicit_generator(plan, local_args, local_kwargs)
         if generator is None:
