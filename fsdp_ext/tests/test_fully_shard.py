@@ -13,7 +13,7 @@ from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.fsdp_ext import FSDPModule, MixedPrecisionPolicy, fully_shard
 from shardwise.mesh import init_device_mesh
-from shardwise.placement import Shard
+from shardwise.placement import Replicate, Shard
 from shardwise.testing import multi_rank
 
 funcol = torch.ops.c10d_functional
@@ -167,6 +167,94 @@ def test_a_list_of_modules_is_one_unit() -> None:
 
 
 @multi_rank(world_size=4)
+def test_hsdp_shards_within_and_replicates_across() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard_model(copy.deepcopy(reference), mesh)
+    replica, shard = mesh.get_coordinate()  # type: ignore[misc]
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        assert param.device_mesh == mesh and param.placements == (Replicate(), Shard(0)), name
+        expected = list(torch.chunk(ref_param.detach(), 2, 0)) + [ref_param.detach()[:0]] * 2
+        assert torch.equal(param.to_local(), expected[shard]), name
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    rank = dist.get_rank()
+    units = 3
+    for step in range(2):
+        tokens, targets = _batch(step)
+        ref_loss = _loss(reference, tokens, targets)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        local = slice(rank * 2, rank * 2 + 2)  # 4 data-parallel ranks: 2 replicas x 2 shards
+        with CommDebugMode() as forward_comm:
+            loss = _loss(model, tokens[local], targets[local])
+        with CommDebugMode() as backward_comm:
+            loss.backward()
+        with CommDebugMode() as step_comm:
+            optim.step()
+            optim.zero_grad()
+        # All-gathers and reduce-scatters within a replica (2 ranks); each unit's reduced
+        # gradient is all-reduced across the 2 replicas once.
+        assert forward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == units
+        assert forward_comm.get_total_counts() == units
+        counts = backward_comm.get_comm_counts()
+        assert counts[funcol.all_gather_into_tensor] == units - 1
+        assert counts[funcol.reduce_scatter_tensor] == units
+        assert counts[funcol.all_reduce] == units
+        assert backward_comm.get_total_counts() == 3 * units - 1
+        assert step_comm.get_total_counts() == 0
+        all_losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(all_losses, loss.detach())
+        torch.testing.assert_close(torch.stack(all_losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _shard_dim1_of_matrices(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
+@multi_rank(world_size=4)
+def test_shard_placement_fn_cuts_another_dim() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    mesh = init_device_mesh("cpu", (4,))
+    model = _shard_model(copy.deepcopy(reference), mesh, shard_placement_fn=_shard_dim1_of_matrices)
+    rank = dist.get_rank()
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        dim = 1 if ref_param.ndim == 2 else 0
+        assert param.placements == (Shard(dim),), name
+        expected = list(torch.chunk(ref_param.detach(), 4, dim)) + [ref_param.detach().narrow(dim, 0, 0)] * 4
+        assert torch.equal(param.to_local(), expected[rank]), name
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    for step in range(2):
+        tokens, targets = _batch(step)
+        ref_loss = _loss(reference, tokens, targets)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        local = slice(rank * 2, rank * 2 + 2)
+        with CommDebugMode() as comm:
+            loss = _loss(model, tokens[local], targets[local])
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+        # Still one all-gather per unit in forward (and per non-root unit in backward) and one
+        # reduce-scatter per unit: every parameter's pieces travel in the unit's flat buffer.
+        counts = comm.get_comm_counts()
+        assert counts[funcol.all_gather_into_tensor] == 3 + 2 and counts[funcol.reduce_scatter_tensor] == 3
+        assert comm.get_total_counts() == 8
+        all_losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(all_losses, loss.detach())
+        torch.testing.assert_close(torch.stack(all_losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@multi_rank(world_size=4)
 def test_gradient_accumulation_without_sync_reduces_once() -> None:
     torch.manual_seed(0)
     reference = Net()
@@ -240,10 +328,12 @@ def test_bad_input_is_refused_before_any_collective() -> None:
     with CommDebugMode() as comm:
         with pytest.raises(ValueError, match="already applied to this FSDPBlock"):
             fully_shard(model.blocks[0], mesh=mesh)
-        with pytest.raises(ValueError, match="expected a 1-D mesh"):
-            fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
-        with pytest.raises(NotImplementedError, match="shards dim 0 only"):
-            fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        with pytest.raises(ValueError, match="expected a 1-D data-parallel mesh"):
+            fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c")))
+        with pytest.raises(ValueError, match=r"expected None or Shard\(dim\)"):
+            fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Replicate())
+        with pytest.raises(ValueError, match=r"expected a dim in \[-2, 1\]"):
+            fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Shard(2) if p.ndim == 2 else None)
         with pytest.raises(NotImplementedError, match="reshard_after_forward=2"):
             fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=2)
     assert comm.get_total_counts() == 0

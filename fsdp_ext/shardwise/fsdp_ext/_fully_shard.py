@@ -370,21 +370,14 @@ def fully_shard(
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: got a {mesh.ndim}-D mesh {mesh!r}; shardwise.fsdp_ext shards over one data-parallel "
-            'dim (no HSDP): expected a 1-D mesh such as mesh["dp"]'
+            f"fully_shard: got a {mesh.ndim}-D mesh {mesh!r}; expected a 1-D data-parallel mesh such as "
+            'mesh["dp"], or a 2-D (replicate, shard) mesh for HSDP'
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
-    if shard_placement_fn is not None:
-        for fqn, param, _ in managed:
-            placement = shard_placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; shardwise.fsdp_ext "
-                    "shards dim 0 only: expected None or Shard(0)"
-                )
+    shard_dims = [_shard_dim(fqn, param, shard_placement_fn) for fqn, param, _ in managed]
     for fqn, param, _ in managed:
         if param.device.type != mesh.device_type:
             raise ValueError(
@@ -392,7 +385,9 @@ def fully_shard(
                 "expected the parameters on the mesh's device type"
             )
     group = (
-        FSDPParamGroup(managed, mesh, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype)
+        FSDPParamGroup(
+            managed, mesh, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, shard_dims=shard_dims
+        )
         if managed
         else None
     )
@@ -405,6 +400,26 @@ def fully_shard(
         each.register_forward_hook(state.module_post_forward)
         each.__class__ = _fsdp_class(type(each))
     return module
+
+
+def _shard_dim(
+    fqn: str, param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None
+) -> int:
+    """The dim FSDP cuts ``param`` along: what ``shard_placement_fn`` says (a ``Shard``), else 0."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; expected None or Shard(dim)"
+        )
+    ndim = param.dim()
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r} of shape {tuple(param.shape)}; "
+            f"expected a dim in [{-ndim}, {ndim - 1}]"
+        )
+    return placement.dim % ndim
 
 
 def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh | None) -> bool:

@@ -2,8 +2,9 @@
 
 Memory layout (per rank, per unit)
 ----------------------------------
-Every managed parameter is cut along dim 0 over the data-parallel (dp) group with
-torch.chunk semantics: ``rows`` rows become pieces of ``padded_rows = ceil(rows / dp)`` rows,
+Every managed parameter is cut along its shard dim (0 unless ``shard_placement_fn`` says
+otherwise; a "row" below is one index of that dim, and the flat buffers hold each parameter
+with that dim moved first) over the data-parallel (dp) group with torch.chunk semantics: ``rows`` rows become pieces of ``padded_rows = ceil(rows / dp)`` rows,
 the trailing ones shorter or empty.  Each rank keeps its pieces of all the unit's parameters
 in ONE flat buffer (``sharded_flat``), every piece padded to ``padded_rows`` rows, so that:
 
@@ -41,6 +42,7 @@ import torch.nn as nn
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._collectives import (
     launch_all_gather,
+    launch_all_reduce,
     launch_reduce_scatter,
     mesh_dim_group_name,
     wait,
@@ -49,6 +51,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import (
     DTensorSpec,
     Placement,
+    Replicate,
     Shard,
     TensorMeta,
     _StridedShard,
@@ -79,8 +82,10 @@ class FSDPParam:
         dp_mesh: DeviceMesh,
         sharded_offset: int,
         unsharded_offset: int,
+        shard_dim: int = 0,
     ) -> None:
         self.fqn = fqn
+        self.shard_dim = shard_dim
         self.owners = owners
         self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
@@ -89,9 +94,12 @@ class FSDPParam:
         local = param._local_tensor if isinstance(param, DTensor) else param.data
         self.global_shape = tuple(param.shape)
         self.unsharded_shape = tuple(local.shape)  # the tensor-parallel piece (or the whole parameter)
-        self.rows = self.unsharded_shape[0]
-        self.row_numel = math.prod(self.unsharded_shape[1:])
-        self.dp_size = dp_mesh.size()
+        # The layout inside the flat buffers: the shard dim first, so that a rank's piece is contiguous.
+        self.moved_shape = tuple(local.movedim(shard_dim, 0).shape)
+        self.rows = self.moved_shape[0]
+        self.row_numel = math.prod(self.moved_shape[1:])
+        # The last dim of the dp mesh shards; on a 2-D (replicate, shard) mesh (HSDP) the first replicates.
+        self.dp_size = dp_mesh.shape[-1]
         self.padded_rows = -(-self.rows // self.dp_size)
         self.sharded_offset = sharded_offset
         self.padded_numel = self.padded_rows * self.row_numel
@@ -99,25 +107,33 @@ class FSDPParam:
         self.unsharded_numel = self.rows * self.row_numel
         coordinate = dp_mesh.get_coordinate()
         assert coordinate is not None  # fully_shard checks the rank is in the mesh
-        self.dp_rank = coordinate[0]
+        self.dp_rank = coordinate[-1]
         self.local_rows, self.local_row_offset = chunk_size_and_offset(self.rows, self.dp_size, self.dp_rank)
         self.sharded_spec = self._sharded_spec(dp_mesh)
         self.sharded_param: nn.Parameter | None = None
         self._sharded_local_ptr = 0
 
     def _sharded_spec(self, dp_mesh: DeviceMesh) -> DTensorSpec[DeviceMesh]:
+        """Shard(shard dim) over dp (after Replicate over the replicas with HSDP), next to TP's placements."""
         meta = TensorMeta(torch.Size(self.global_shape), contiguous_strides(self.global_shape), self.orig_dtype)
+        replicated: tuple[Placement, ...] = (Replicate(),) * (dp_mesh.ndim - 1)
         tp_spec = self.tp_spec
         if tp_spec is None:
-            return DTensorSpec(dp_mesh, (Shard(0),), meta)
+            return DTensorSpec(dp_mesh, (*replicated, Shard(self.shard_dim)), meta)
+        if replicated:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} is a tensor-parallel DTensor and the data-parallel mesh "
+                f"{dp_mesh!r} is 2-D (HSDP); HSDP x TP is not supported by shardwise.fsdp_ext: expected a 1-D "
+                "data-parallel mesh with tensor parallelism"
+            )
         mesh_2d, dp_dim = _mesh_with_dp(dp_mesh, tp_spec.mesh, self.fqn)
         placements: list[Placement] = list(tp_spec.placements)
-        tp_shards_dim0 = 1
+        tp_shards_dim = 1
         for tp_dim, placement in enumerate(tp_spec.placements):
-            if isinstance(placement, Shard) and placement.dim == 0:
-                tp_shards_dim0 *= tp_spec.mesh.shape[tp_dim]
+            if isinstance(placement, Shard) and placement.dim == self.shard_dim:
+                tp_shards_dim *= tp_spec.mesh.shape[tp_dim]
         dp_placement: Placement = (
-            _StridedShard(0, split_factor=tp_shards_dim0) if tp_shards_dim0 > 1 else Shard(0)
+            _StridedShard(self.shard_dim, split_factor=tp_shards_dim) if tp_shards_dim > 1 else Shard(self.shard_dim)
         )
         placements.insert(dp_dim, dp_placement)
         spec = DTensorSpec(mesh_2d, tuple(placements), meta)
@@ -134,17 +150,20 @@ class FSDPParam:
         assert self.tp_spec is not None
         tp_mesh_shape = self.tp_spec.mesh.shape
         for tp_coordinate in _coordinates(tp_mesh_shape):
-            tp_runs = local_index_runs(self.global_shape, tp_mesh_shape, tp_coordinate, self.tp_spec.placements)[0]
+            tp_runs = local_index_runs(self.global_shape, tp_mesh_shape, tp_coordinate, self.tp_spec.placements)[
+                self.shard_dim
+            ]
             tp_rows = [start + k for start, length in tp_runs for k in range(length)]
             for dp_index in range(self.dp_size):
                 size, offset = chunk_size_and_offset(len(tp_rows), self.dp_size, dp_index)
                 coordinate = list(tp_coordinate)
                 coordinate.insert(dp_dim, dp_index)
-                runs = local_index_runs(self.global_shape, spec.mesh.shape, coordinate, spec.placements)[0]
+                runs = local_index_runs(self.global_shape, spec.mesh.shape, coordinate, spec.placements)[self.shard_dim]
                 said = [start + k for start, length in runs for k in range(length)]
                 if said != tp_rows[offset : offset + size]:
                     raise ValueError(
-                        f"fully_shard: parameter {self.fqn!r} of shape {self.global_shape} is cut along dim 0 "
+                        f"fully_shard: parameter {self.fqn!r} of shape {self.global_shape} is cut along dim "
+                        f"{self.shard_dim} "
                         f"by tensor parallelism ({self.tp_spec.placements} on mesh shape {tuple(tp_mesh_shape)}) "
                         f"and by FSDP over {self.dp_size} ranks, with sizes for which no placement describes the "
                         f"result ({spec.placements} would put other rows on mesh coordinate {tuple(coordinate)}); "
@@ -155,12 +174,13 @@ class FSDPParam:
     def sharded_local_view(self, sharded_flat: torch.Tensor) -> torch.Tensor:
         """This rank's real rows inside the unit's flat sharded buffer."""
         padded = sharded_flat.narrow(0, self.sharded_offset, self.padded_numel).view(
-            (self.padded_rows, *self.unsharded_shape[1:])
+            (self.padded_rows, *self.moved_shape[1:])
         )
-        return padded.narrow(0, 0, self.local_rows)
+        return padded.narrow(0, 0, self.local_rows).movedim(0, self.shard_dim)
 
     def unsharded_view(self, unsharded_flat: torch.Tensor) -> torch.Tensor:
-        return unsharded_flat.narrow(0, self.unsharded_offset, self.unsharded_numel).view(self.unsharded_shape)
+        flat = unsharded_flat.narrow(0, self.unsharded_offset, self.unsharded_numel)
+        return flat.view(self.moved_shape).movedim(0, self.shard_dim)
 
     def copy_out_gathered(self, gathered: torch.Tensor, unsharded_flat: torch.Tensor) -> None:
         """Rows of the gathered ``(dp, per-rank flat)`` buffer into this parameter's unsharded view."""
@@ -179,7 +199,8 @@ class FSDPParam:
         pieces = reduce_input.narrow(1, self.sharded_offset, self.padded_numel).view(
             self.dp_size, self.padded_rows, self.row_numel
         )
-        _copy_rows(grad.reshape(self.rows, self.row_numel), pieces, self.padded_rows, self.rows, into_pieces=True)
+        rows = grad.movedim(self.shard_dim, 0).reshape(self.rows, self.row_numel)
+        _copy_rows(rows, pieces, self.padded_rows, self.rows, into_pieces=True)
 
     def unsharded_for_module(self, unsharded: torch.Tensor) -> torch.Tensor:
         """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
@@ -273,10 +294,15 @@ class FSDPParamGroup:
         *,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
+        shard_dims: Sequence[int] | None = None,
     ) -> None:
         self.dp_mesh = dp_mesh
-        self.dp_size = dp_mesh.size()
-        self.group_name = mesh_dim_group_name(dp_mesh, 0)
+        # Gathers and reduce-scatters run over the last dim of the dp mesh; with HSDP the
+        # reduce-scattered gradients are then all-reduced over the first (the replicas).
+        self.dp_size = dp_mesh.shape[-1]
+        self.group_name = mesh_dim_group_name(dp_mesh, dp_mesh.ndim - 1)
+        self.replicate_size = dp_mesh.shape[0] if dp_mesh.ndim == 2 else 1
+        self.replicate_group_name = mesh_dim_group_name(dp_mesh, 0) if dp_mesh.ndim == 2 else None
         dtypes = {param.dtype for _, param, _ in params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{fqn}: {param.dtype}" for fqn, param, _ in params)
@@ -291,13 +317,14 @@ class FSDPParamGroup:
         self.device = params[0][1].device
         self.fsdp_params: list[FSDPParam] = []
         sharded_numel = unsharded_numel = 0
-        for fqn, param, owners in params:
+        for index, (fqn, param, owners) in enumerate(params):
             if param.dim() == 0:
                 raise ValueError(
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; FSDP shards dim 0, expected parameters "
                     "with at least one dim (pass it in ignored_params to leave it as it is)"
                 )
-            fsdp_param = FSDPParam(fqn, param, owners, dp_mesh, sharded_numel, unsharded_numel)
+            shard_dim = shard_dims[index] if shard_dims is not None else 0
+            fsdp_param = FSDPParam(fqn, param, owners, dp_mesh, sharded_numel, unsharded_numel, shard_dim)
             sharded_numel += fsdp_param.padded_numel
             unsharded_numel += fsdp_param.unsharded_numel
             self.fsdp_params.append(fsdp_param)
@@ -307,7 +334,7 @@ class FSDPParamGroup:
         self.sharded_flat = torch.zeros(sharded_numel, dtype=self.orig_dtype, device=self.device)
         for fsdp_param, (_, param, _) in zip(self.fsdp_params, params):
             local = param._local_tensor if isinstance(param, DTensor) else param.data
-            rows = local.narrow(0, fsdp_param.local_row_offset, fsdp_param.local_rows)
+            rows = local.narrow(fsdp_param.shard_dim, fsdp_param.local_row_offset, fsdp_param.local_rows)
             fsdp_param.sharded_local_view(self.sharded_flat).copy_(rows)
         self.unsharded_flat = torch.empty(unsharded_numel, dtype=self.param_dtype, device=self.device)
         # Views first: a view of a storage of 0 bytes cannot be made.
@@ -435,7 +462,9 @@ class FSDPParamGroup:
                 full = self._unsharded_grad(fsdp_param, grad, accumulated)
                 fsdp_param.copy_in_gradient(full, reduce_input)
             reduced = wait(launch_reduce_scatter(reduce_input.view(-1), "sum", self.dp_size, self.group_name))
-            reduced.div_(self.dp_size)
+            if self.replicate_group_name is not None:
+                reduced = wait(launch_all_reduce(reduced, "sum", self.replicate_group_name))
+            reduced.div_(self.dp_size * self.replicate_size)
             sharded_grads: list[torch.Tensor | None] = []
             for fsdp_param in with_grad:
                 local = fsdp_param.sharded_local_view(reduced)
