@@ -51,6 +51,10 @@ def sleep_on_rank(slow_rank: int, seconds: float) -> None:
         time.sleep(seconds)
 
 
+def start_ranks_from_a_rank() -> None:
+    run_on_ranks(rank_and_world_size, world_size=2)
+
+
 def exit_on_rank(dying_rank: int) -> None:
     if dist.get_rank() == dying_rank:
         print(f"rank {dying_rank} is about to exit", flush=True)
@@ -153,6 +157,13 @@ def test_raising_rank_fails_with_its_traceback() -> None:
     assert failure.value.errors[2].exception_type == "ValueError"
     assert 2 in failure.value.failed_ranks
     assert not isinstance(failure.value, MultiRankTimeout)
+
+
+def test_a_rank_asked_to_start_ranks_refuses_instead_of_multiplying() -> None:
+    # What a body module that calls run_on_ranks at import does to each rank importing it.
+    with pytest.raises(MultiRankError, match="rank processes cannot start ranks"):
+        run_on_ranks(start_ranks_from_a_rank, world_size=2)
+    assert run_on_ranks(rank_and_world_size, world_size=2) == [(0, 2), (1, 2)]
 
 
 def test_failures_on_several_ranks_are_all_reported() -> None:

@@ -517,6 +517,14 @@ _live_pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
 
 def get_pool(world_size: int, backend: str, startup_timeout_s: float) -> RankPool:
     """The live pool for (world_size, backend), started on first use; least recently used pools are shut down."""
+    if protocol.ENV_RANK in os.environ:
+        # A rank process imports the module that defines the body it runs; a module that starts
+        # ranks at import would make every rank start its own pool, and each of those again.
+        raise RuntimeError(
+            f"rank {os.environ[protocol.ENV_RANK]} was asked to start a pool of {world_size} ranks: rank "
+            "processes cannot start ranks. The module defining the rank body probably calls "
+            "run_on_ranks at import; put that call under `if __name__ == '__main__':` or in a test function"
+        )
     key = (world_size, backend)
     pool = _live_pools.get(key)
     if pool is not None and pool.alive:
