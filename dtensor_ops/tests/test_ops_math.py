@@ -589,9 +589,12 @@ def _bad_arguments_fail_before_any_collective() -> None:
         with pytest.raises(RuntimeError):
             aten._softmax_backward_data(d, other, 1, torch.float64)
     assert mode.get_total_counts() == 0
-    # An op without a rule (its output size depends on the values) names itself and the placements.
-    with pytest.raises(NotImplementedError, match=r"aten\.nonzero\.default .*Shard\(dim=1\)"):
-        torch.nonzero(d)
+    # An op without a rule (poisson: a random op with no per-shard stream yet) names itself and the placements,
+    # before any collective.
+    with mode:
+        with pytest.raises(NotImplementedError, match=r"aten\.poisson\.default .*Shard\(dim=1\)"):
+            torch.poisson(d.abs())
+    assert mode.get_total_counts() == 0
 
 
 def test_bad_arguments_fail_before_any_collective() -> None:

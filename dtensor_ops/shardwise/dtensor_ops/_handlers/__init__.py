@@ -13,6 +13,7 @@ from .._op_handlers import OpHandler
 from .foreach_norm import FOREACH_NORM_HANDLERS, norms_across_shards
 from .inplace_views import INPLACE_VIEW_HANDLERS
 from .nll_loss import NLL_LOSS_HANDLERS
+from .value_sized import VALUE_SIZED_HANDLERS
 
 __all__ = ["BUILTIN_OP_HANDLERS", "norms_across_shards"]
 
@@ -20,4 +21,5 @@ BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {
     **FOREACH_NORM_HANDLERS,
     **NLL_LOSS_HANDLERS,
     **INPLACE_VIEW_HANDLERS,
+    **VALUE_SIZED_HANDLERS,
 }

@@ -10,7 +10,8 @@ operands, and the cost is stated (the redistribution of the inputs shows in ``Co
 
 Only deterministic ops whose output shapes follow from the input shapes belong here (the
 decision is cached per input layout); ops whose output size depends on the values
-(``nonzero``, ``unique``, ``masked_select``) cannot have a cached decision.
+(``nonzero``, ``unique``, ``masked_select``) cannot have a cached decision: they run on the whole
+tensors in the op handler ``_handlers/value_sized.py``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ _NAMES = (
     "_histogramdd_from_bin_cts", "_pdist_forward", "_pdist_backward", "hash_tensor", "segment_reduce",
     "_chunk_cat", "_embedding_bag_forward_only", "_embedding_bag", "_ctc_loss", "_unsafe_masked_index",
     "_unsafe_masked_index_put_accumulate", "multi_margin_loss", "multilabel_margin_loss_forward", "nonzero_static",
-    "put", "linspace", "logspace",
+    "put", "linspace", "logspace", "masked_scatter", "masked_scatter_backward",
     # backward kernels of ops whose forward runs on replicated inputs (or reads whole rows/planes)
     "_prelu_kernel_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward", "multi_margin_loss_backward",
     "multilabel_margin_loss_backward", "_segment_reduce_backward", "_cdist_backward", "_ctc_loss_backward",
