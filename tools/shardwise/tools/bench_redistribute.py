@@ -78,7 +78,8 @@ class CollectiveBytes(TorchDispatchMode):
         elif packet is _functional.all_to_all_single:
             tensor, output_splits, input_splits, group_name = args[0], args[1], args[2], args[3]
             size = _group_size(group_name)
-            row_bytes = (tensor.numel() // max(tensor.size(0), 1)) * tensor.element_size() if tensor.dim() else 0
+            # One dim-0 row's bytes, from the shape: a rank that sends nothing passes an empty tensor.
+            row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size() if tensor.dim() else 0
             if output_splits:
                 own = dist.get_group_rank(_group(group_name), dist.get_rank())
                 received_rows = sum(int(s) for i, s in enumerate(output_splits) if i != own)
