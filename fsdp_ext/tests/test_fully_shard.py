@@ -255,6 +255,46 @@ def test_shard_placement_fn_cuts_another_dim() -> None:
 
 
 @multi_rank(world_size=4)
+def test_reshard_after_forward_to_a_smaller_group() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    mesh = init_device_mesh("cpu", (4,))
+    model = _shard_model(copy.deepcopy(reference), mesh, reshard_after_forward=2)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    rank = dist.get_rank()
+    for step in range(3):
+        tokens, targets = _batch(step)
+        ref_loss = _loss(reference, tokens, targets)
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        local = slice(rank * 2, rank * 2 + 2)
+        with CommDebugMode() as forward_comm:
+            loss = _loss(model, tokens[local], targets[local])
+        # Between forward and backward each block keeps half of its gathered buffer (its share
+        # within a group of 2 ranks): twice a dp shard, half the unsharded parameters.
+        for block in model.blocks:
+            group = block._fsdp_state().group
+            assert not group.is_unsharded and group._post_forward_shard.numel() == 2 * group.sharded_numel
+        with CommDebugMode() as backward_comm:
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+        # Forward: one all-gather over the 4 ranks per unit; backward: the blocks' all-gathers run
+        # within their groups of 2; one reduce-scatter per unit.
+        assert forward_comm.get_total_counts() == forward_comm.get_comm_counts()[funcol.all_gather_into_tensor] == 3
+        counts = backward_comm.get_comm_counts()
+        assert counts[funcol.all_gather_into_tensor] == 2 and counts[funcol.reduce_scatter_tensor] == 3
+        assert backward_comm.get_total_counts() == 5
+        all_losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(all_losses, loss.detach())
+        torch.testing.assert_close(torch.stack(all_losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@multi_rank(world_size=4)
 def test_gradient_accumulation_without_sync_reduces_once() -> None:
     torch.manual_seed(0)
     reference = Net()
@@ -334,8 +374,8 @@ def test_bad_input_is_refused_before_any_collective() -> None:
             fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Replicate())
         with pytest.raises(ValueError, match=r"expected a dim in \[-2, 1\]"):
             fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Shard(2) if p.ndim == 2 else None)
-        with pytest.raises(NotImplementedError, match="reshard_after_forward=2"):
-            fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=2)
+        with pytest.raises(ValueError, match="reshard_after_forward=3 does not divide"):
+            fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=3)
     assert comm.get_total_counts() == 0
     mixed = Net()
     mixed.head.to(torch.float64)

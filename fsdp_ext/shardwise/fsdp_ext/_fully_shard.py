@@ -145,6 +145,11 @@ class _FSDPState:
                 unit.check_params_unchanged()
         root = self.root
         assert root is not None
+        if self.is_root:
+            # A new forward: shares kept for a backward that never came may be out of date.
+            for unit in self.units:
+                if unit.group is not None and not unit.group.is_unsharded:
+                    unit.group.drop_post_forward_shard()
         if root.recording_order and self.group is not None and self not in root.forward_order:
             root.forward_order.append(self)
         param_dtype = self.mp_policy.param_dtype
@@ -164,8 +169,10 @@ class _FSDPState:
         grad_enabled = torch.is_grad_enabled()
         if group is not None:
             group.use_sharded_params()
-            if not grad_enabled or (self.reshard_after_forward and not self.is_root):
+            if not grad_enabled:
                 group.reshard()
+            elif self.reshard_after_forward and not self.is_root:
+                group.reshard_after_forward()
         if self.is_root:
             self.recording_order = False
         if grad_enabled:
@@ -354,7 +361,10 @@ def fully_shard(
             )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in its list; expected distinct modules")
-    reshard = _check_reshard_after_forward(reshard_after_forward, mesh)
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be a bool or an int, got {type(reshard_after_forward).__name__}"
+        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -377,6 +387,7 @@ def fully_shard(
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
+    reshard, post_forward_size = _check_reshard_after_forward(reshard_after_forward, mesh)
     shard_dims = [_shard_dim(fqn, param, shard_placement_fn) for fqn, param, _ in managed]
     for fqn, param, _ in managed:
         if param.device.type != mesh.device_type:
@@ -392,6 +403,8 @@ def fully_shard(
         else None
     )
     if group is not None:
+        if post_forward_size is not None:
+            group.set_post_forward_group(_post_forward_mesh(mesh, post_forward_size))
         group.make_sharded_params()
     state = _FSDPState(modules, mesh, group, reshard, mp_policy)
     for each in modules:
@@ -422,19 +435,42 @@ def _shard_dim(
     return placement.dim % ndim
 
 
-def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh | None) -> bool:
+def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[bool, int | None]:
+    """(reshard after forward?, the size of the smaller group to keep the parameters sharded over, if any)."""
     if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if value == 1:
-            return False
-        if mesh is not None and value == mesh.size():
-            return True
-        raise NotImplementedError(
-            f"fully_shard: reshard_after_forward={value} (resharding to a smaller group after forward) is not "
-            "supported by shardwise.fsdp_ext; expected True, False, 1 or the mesh size"
+        return value, None
+    shard_size = mesh.shape[-1]
+    if value < 1 or shard_size % value:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={value} does not divide the data-parallel shard size {shard_size} "
+            f"of {mesh!r}; expected True, False or a divisor of {shard_size}"
         )
-    raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {type(value).__name__}")
+    if value == 1:
+        return False, None
+    if value == shard_size:
+        return True, None
+    return True, value
+
+
+def _post_forward_mesh(mesh: DeviceMesh, size: int) -> tuple[DeviceMesh, int]:
+    """A mesh whose dim (returned too) groups ``size`` consecutive ranks of ``mesh``'s shard dim.
+
+    Built over the whole root mesh (the shard dim split in two), so that every rank creates the
+    same process groups in the same order, as c10d requires.
+    """
+    root = mesh._get_root_mesh()
+    shard_name = mesh.mesh_dim_names[-1] if mesh.mesh_dim_names else None
+    if root is mesh:
+        shard_dim = mesh.ndim - 1
+    elif shard_name is not None and root.mesh_dim_names and shard_name in root.mesh_dim_names:
+        shard_dim = root.mesh_dim_names.index(shard_name)
+    else:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={size} needs the data-parallel shard dim of {mesh!r} to be a "
+            "named dim of its root mesh (or the mesh to be a root mesh)"
+        )
+    ranks = root.mesh.unflatten(shard_dim, (root.shape[shard_dim] // size, size))
+    return DeviceMesh(mesh.device_type, ranks), shard_dim + 1
 
 
 def _managed_params(

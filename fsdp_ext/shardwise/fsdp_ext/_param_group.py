@@ -346,6 +346,18 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self._accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         self.backward_ran = False
+        # reshard_after_forward=int: after forward keep the gathered buffer's rows of the dp ranks
+        # that this rank's member index stands for, and gather them back within its smaller group
+        # (group name, group size, member index) before backward.
+        self.post_forward_group: tuple[str, int, int] | None = None
+        self._gathered: torch.Tensor | None = None
+        self._post_forward_shard: torch.Tensor | None = None
+
+    def set_post_forward_group(self, mesh_and_dim: tuple[DeviceMesh, int]) -> None:
+        mesh, dim = mesh_and_dim
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None
+        self.post_forward_group = (mesh_dim_group_name(mesh, dim), mesh.shape[dim], coordinate[dim])
 
     # -- sharded parameters -----------------------------------------------------
 
@@ -386,6 +398,14 @@ class FSDPParamGroup:
         """Start the unit's all-gather (one collective) unless it is unsharded or already on its way."""
         if self.is_unsharded or self._pending_gather is not None:
             return
+        post_forward = self._post_forward_shard
+        if post_forward is not None and self.post_forward_group is not None:
+            # The (dp, per-rank flat) buffer back from the smaller group's blocks, in member order.
+            self._post_forward_shard = None
+            name, size, _ = self.post_forward_group
+            with torch.no_grad():
+                self._pending_gather = launch_all_gather(post_forward.view(-1), size, name)
+            return
         self._sync_sharded_storage()
         send = self.sharded_flat
         if send.dtype != self.param_dtype:
@@ -408,10 +428,28 @@ class FSDPParamGroup:
                 storage.resize_(self.unsharded_numel * self.unsharded_flat.element_size())
                 for fsdp_param in self.fsdp_params:
                     fsdp_param.copy_out_gathered(gathered, self.unsharded_flat)
+        if self.post_forward_group is not None and torch.is_grad_enabled():
+            self._gathered = gathered
         self.is_unsharded = True
 
-    def reshard(self) -> None:
+    def drop_post_forward_shard(self) -> None:
+        self._post_forward_shard = None
+
+    def reshard_after_forward(self) -> None:
+        """Free the unsharded parameters, keeping a smaller group's share when resharding to one."""
+        gathered = self._gathered
+        if self.post_forward_group is not None and gathered is not None:
+            _, size, index = self.post_forward_group
+            block = self.dp_size // size
+            self._post_forward_shard = gathered.narrow(0, index * block, block).clone()
+        self.reshard(keep_post_forward_shard=True)
+
+    def reshard(self, keep_post_forward_shard: bool = False) -> None:
         """Free the unsharded parameters' memory (their tensors stay, with no storage)."""
+        self._gathered = None
+        if not keep_post_forward_shard:
+            # Only the backward right after a forward may use it: the sharded parameters may change after.
+            self._post_forward_shard = None
         if self._pending_gather is not None:
             wait(self._pending_gather)
             self._pending_gather = None
