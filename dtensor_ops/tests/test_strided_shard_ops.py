@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.dtensor_ops import DTensor, Replicate, Shard
+from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import Placement, _StridedShard, select_local_shard
@@ -99,3 +99,26 @@ def _layout_dependent_ops_are_refused() -> None:
 
 def test_ops_that_depend_on_which_rows_a_rank_holds_are_refused_before_communicating() -> None:
     run_on_threads(_layout_dependent_ops_are_refused, world_size=4)
+
+
+def _distribute_tensor_lays_out_strided_shards(rows: int) -> None:
+    mesh = _mesh()
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    expected = select_local_shard(full, mesh.shape, mesh.get_coordinate(), FSDP_OVER_TP)
+    # Every rank passes a different tensor: the source's (mesh index 0 on every dim) wins.
+    mine = full + 100 * torch.distributed.get_rank()
+    with CommDebugMode() as comm:
+        laid_out = distribute_tensor(mine, mesh, FSDP_OVER_TP)
+    assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 0
+    assert laid_out.placements == FSDP_OVER_TP and laid_out.shape == full.shape
+    assert torch.equal(laid_out.to_local(), expected)
+    assert torch.equal(laid_out.full_tensor(), full)
+    with CommDebugMode() as comm:
+        cut_locally = distribute_tensor(full, mesh, FSDP_OVER_TP, src_data_rank=None)
+    assert comm.get_total_counts() == 0
+    assert torch.equal(cut_locally.to_local(), expected)
+
+
+@pytest.mark.parametrize("rows", [8, 7, 2])
+def test_distribute_tensor_with_strided_shards(rows: int) -> None:
+    run_on_threads(_distribute_tensor_lays_out_strided_shards, rows, world_size=4)

@@ -15,7 +15,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import DTensorSpec, Placement, Replicate, TensorMeta, strides_in_local_dim_order
+from shardwise.placement import (
+    DTensorSpec,
+    Placement,
+    Replicate,
+    TensorMeta,
+    _StridedShard,
+    select_local_shard,
+    strides_in_local_dim_order,
+)
 
 from ._dtensor import DTensor, new_dtensor
 from ._implicit_replication import implicit_replication
@@ -103,7 +111,13 @@ def distribute_tensor(
         meta = TensorMeta(data.shape, strides_in_local_dim_order(data, data.shape), data.dtype)
     # Built before the data moves: a placement that cannot hold this dtype fails here, on every rank.
     spec = DTensorSpec(mesh, target, meta)
-    local = distribute_local_data(data, mesh, target, src_data_rank, source_meta)
+    if any(type(p) is _StridedShard for p in target):
+        # A strided piece is several ranges, which a scatter cannot send: replicate the source's
+        # tensor (a broadcast per mesh dim), then select this rank's piece locally.
+        replicated = distribute_local_data(data, mesh, (Replicate(),) * mesh.ndim, src_data_rank, source_meta)
+        local = select_local_shard(replicated, mesh.shape, mesh.get_coordinate(), target).contiguous()
+    else:
+        local = distribute_local_data(data, mesh, target, src_data_rank, source_meta)
     return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)
 
 
