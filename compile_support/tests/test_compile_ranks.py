@@ -289,3 +289,30 @@ def test_dropout_on_a_sharded_activation_matches_eager(compiler: str) -> None:
     assert not torch.equal(again.to_local(), out.to_local())
 
 
+@multi_rank(world_size=WORLD)
+def test_inductor_compiles_a_sharded_layer_forward_and_backward() -> None:
+    mesh = _mesh()
+    torch.manual_seed(2)
+    full_x, full_w = torch.randn(4, 6), torch.randn(6, 4)
+
+    def fn(x: DTensor, w: DTensor) -> torch.Tensor:
+        return torch.relu(x @ w).redistribute(mesh, [Replicate()]).to_local().sum()
+
+    def leaves() -> tuple[DTensor, DTensor]:
+        return (
+            distribute_tensor(full_x, mesh, [Shard(0)]).requires_grad_(),
+            distribute_tensor(full_w, mesh, [Replicate()]).requires_grad_(),
+        )
+
+    eager_x, eager_w = leaves()
+    eager_loss = fn(eager_x, eager_w)
+    eager_loss.backward()
+    compiled, counter = _compile(fn, "inductor")
+    x, w = leaves()
+    loss = compiled(x, w)
+    loss.backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(loss, eager_loss)
+    assert x.grad is not None and w.grad is not None and eager_x.grad is not None and eager_w.grad is not None
+    torch.testing.assert_close(x.grad.full_tensor(), eager_x.grad.full_tensor())
+    torch.testing.assert_close(w.grad.full_tensor(), eager_w.grad.full_tensor())

@@ -143,7 +143,8 @@ class RowShardedEmbeddingLookup:
             return
         in_table = ((indices >= 0) & (indices < self.num_rows)).all()
         message = f"embedding: index out of range in self (ids must lie in [0, {self.num_rows}))"
-        if indices.device.type == "cpu":
+        # A traced call (torch.compile: fake or functional tensors) cannot read the answer on the host.
+        if indices.device.type == "cpu" and type(indices) is torch.Tensor:
             if not bool(in_table):
                 raise IndexError(message)
         else:
