@@ -41,6 +41,9 @@ _CASES: dict[str, Callable[[torch.Tensor], object]] = {
     # over the selected places, in mask order (this handler's case).
     "index_put_mask_scalar": lambda t: torch.index_put(t, (t > 2.0,), torch.tensor(-9.0)),
     "index_put_mask_vector": lambda t: torch.index_put(t, (t > 2.0,), torch.tensor([-9.0])),
+    # residuals only for a full-rank input: value-sized
+    "lstsq_full_rank": lambda t: torch.linalg.lstsq(t, t[:, :2] * 2.0 + 1.0, driver="gelsd"),
+    "lstsq_rank_deficient": lambda t: torch.linalg.lstsq(t[:, :2].repeat(1, 2), t[:, 2:], driver="gelsd"),
 }
 
 

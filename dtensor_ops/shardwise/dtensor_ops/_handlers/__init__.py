@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._op_handlers import OpHandler
+from .as_strided import AS_STRIDED_HANDLERS
 from .foreach_norm import FOREACH_NORM_HANDLERS, norms_across_shards
 from .inplace_views import INPLACE_VIEW_HANDLERS
 from .nll_loss import NLL_LOSS_HANDLERS
@@ -22,4 +23,5 @@ BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {
     **NLL_LOSS_HANDLERS,
     **INPLACE_VIEW_HANDLERS,
     **VALUE_SIZED_HANDLERS,
+    **AS_STRIDED_HANDLERS,
 }

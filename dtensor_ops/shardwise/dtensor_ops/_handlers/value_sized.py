@@ -1,5 +1,6 @@
 """Ops whose output size depends on the values: ``nonzero``, ``masked_select``, ``unique`` and friends,
-``repeat_interleave`` with a tensor of repeats; indexing with a boolean mask (``x[mask]``, and
+``repeat_interleave`` with a tensor of repeats, ``linalg_lstsq`` (residuals only for full-rank
+inputs); indexing with a boolean mask (``x[mask]``, and
 ``index_put`` with a mask, whose values are consumed in mask order).
 
 No rank can know the output's global shape from its own shard, and a sharding decision is cached
@@ -159,6 +160,8 @@ _VALUE_SIZED_OPS = (
     aten.unique_dim.default,
     aten.unique_consecutive.default,
     aten.unique_dim_consecutive.default,
+    # residuals are returned only for full-rank inputs (gelsy/gelsd/gelss): their size depends on the values
+    aten.linalg_lstsq.default,
 )
 
 VALUE_SIZED_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {

@@ -59,7 +59,7 @@ _NAMES = (
     # linalg
     "linalg_cholesky_ex", "cholesky", "cholesky_inverse", "cholesky_solve", "_linalg_svd", "_linalg_det",
     "linalg_eig", "_linalg_eigh", "linalg_householder_product", "linalg_inv_ex", "linalg_ldl_factor_ex",
-    "linalg_ldl_solve", "linalg_lstsq", "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve", "linalg_pinv",
+    "linalg_ldl_solve", "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve", "linalg_pinv",
     "linalg_qr", "_linalg_slogdet", "_linalg_solve_ex", "linalg_solve_triangular", "linalg_matrix_exp", "geqrf",
     "ormqr", "triangular_solve", "lu_unpack", "_linalg_check_errors", "linalg_eigvals", "linalg_matrix_power",
     # whole-tensor ops

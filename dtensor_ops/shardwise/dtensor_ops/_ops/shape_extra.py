@@ -343,3 +343,18 @@ for _copy_op, _view_op in (
     (aten.unbind_copy.int, aten.unbind.int),
 ):
     register_rule((_copy_op,), copy_variant_rule(_view_op))
+
+
+# --------------------------------------------------------------------------- as_strided (gathered)
+
+
+def _as_strided_strategies(call: OpCall) -> list[OneDimStrategy]:
+    # as_strided addresses the storage of the whole tensor: only the whole (row-major) tensor can answer. The
+    # op handler (_handlers/as_strided.py) serves identities and replicated inputs and sends only row-major
+    # non-replicated ones here, whose gathered copy is laid out as the global strides say; dispatch marks the
+    # result as a view of a redistributed copy, so an in-place write into it raises instead of being lost.
+    return [replicated_strategy(call)]
+
+
+AS_STRIDED_RULE = ShardingRule(family="as_strided (whole tensor)", one_dim_strategies=_as_strided_strategies)
+register_rule((aten.as_strided.default,), AS_STRIDED_RULE)
