@@ -35,6 +35,10 @@ def _sw_wheel_impl(ctx):
     if ctx.file.readme:
         args.add("--readme", ctx.file.readme)
     args.add_all(requirements, before_each = "--requires")
+    args.add_all(
+        ["{}={}".format(name, target) for name, target in sorted(ctx.attr.console_scripts.items())],
+        before_each = "--console-script",
+    )
     args.add_all(ctx.files.srcs)
 
     inputs = list(ctx.files.srcs)
@@ -72,6 +76,8 @@ sw_wheel = rule(
         "summary": attr.string(default = ""),
         "requires": attr.label_list(providers = [WheelInfo]),
         "external_requires": attr.string_list(),
+        # Console scripts the installer creates: {"name": "module:function"}.
+        "console_scripts": attr.string_dict(),
         "_builder": attr.label(
             default = "//tools/build_defs:wheel_builder",
             executable = True,

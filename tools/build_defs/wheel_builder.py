@@ -32,6 +32,17 @@ def _metadata(args: argparse.Namespace, readme: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _entry_points(console_scripts: list[str]) -> str:
+    lines = ["[console_scripts]"]
+    for script in sorted(console_scripts):
+        name, sep, target = script.partition("=")
+        module, colon, function = target.partition(":")
+        if not (sep and colon and name.strip() and module.strip() and function.strip()):
+            raise SystemExit(f"--console-script {script!r}: expected NAME=MODULE:FUNCTION")
+        lines.append(f"{name.strip()} = {module.strip()}:{function.strip()}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", required=True)
@@ -41,6 +52,10 @@ def main() -> None:
     parser.add_argument("--strip-prefix", required=True)
     parser.add_argument("--readme")
     parser.add_argument("--requires", action="append", default=[])
+    parser.add_argument(
+        "--console-script", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+        help="a console script the installer creates (entry_points.txt, [console_scripts])",
+    )
     parser.add_argument("files", nargs="*")
     args = parser.parse_args()
 
@@ -64,6 +79,8 @@ def main() -> None:
 
     dist_info = f"{args.distribution.replace('-', '_')}-{args.version}.dist-info"
     entries[f"{dist_info}/METADATA"] = _metadata(args, readme).encode()
+    if args.console_script:
+        entries[f"{dist_info}/entry_points.txt"] = _entry_points(args.console_script).encode()
     entries[f"{dist_info}/WHEEL"] = (
         "Wheel-Version: 1.0\nGenerator: shardwise wheel_builder\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     ).encode()

@@ -1,12 +1,16 @@
-"""``python -m shardwise.tools.train``: see the package docstring, or run with --help."""
+"""``python -m shardwise.tools.train`` (or the ``shardwise-train`` console script of the shardwise-tools
+wheel): see the package docstring, or run with --help."""
 
 import os
 import sys
+from typing import NoReturn
 
 from shardwise.tools.train import main
 from shardwise.tools.train._worker import is_worker_process
 
-if __name__ == "__main__":
+
+def console_script() -> NoReturn:
+    """Run the trainer and exit with its status (the entry point of ``shardwise-train``)."""
     status = main()
     if is_worker_process():
         # A worker leaves without interpreter teardown: shardwise.mesh keeps its c10d groups
@@ -17,3 +21,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    console_script()

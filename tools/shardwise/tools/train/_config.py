@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -182,10 +183,15 @@ class TrainConfig:
             )
 
 
+CONSOLE_SCRIPT = "shardwise-train"
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
+    # Started as the console script of the shardwise-tools wheel, or as a module.
+    started_as_script = os.path.basename(sys.argv[0]) == CONSOLE_SCRIPT if sys.argv else False
     parser = argparse.ArgumentParser(
-        prog="python -m shardwise.tools.train",
+        prog=CONSOLE_SCRIPT if started_as_script else "python -m shardwise.tools.train",
         description=(
             "Train a small character-level Transformer with shardwise tensor (and sequence) parallelism on "
             "local ranks started by PyTorch's elastic launcher, then train the same model in one process "
