@@ -1,4 +1,4 @@
-"""In-place view ops on DTensors: squeeze_, unsqueeze_, t_, transpose_ (rank threads, 1-D mesh of 4).
+"""In-place view ops on DTensors: squeeze_, unsqueeze_, t_, transpose_; and tril_/triu_ (rank threads, 1-D mesh of 4).
 
 The DTensor keeps its identity and data, takes the shape plain torch gives the full tensor, and its
 placements follow the moved dims; no collective runs. Squeezing a dim that is sharded raises the
@@ -93,3 +93,29 @@ def _t_and_chains_and_errors() -> None:
 
 def test_t_chains_sharded_singletons_and_autograd() -> None:
     run_on_threads(_t_and_chains_and_errors, world_size=_WORLD)
+
+
+# --------------------------------------------------------------------------- tril_ / triu_ (in place)
+
+
+def _triangles_in_place(placements: tuple[Placement, ...]) -> None:
+    mesh = DeviceMesh("cpu", list(range(_WORLD)))
+    # 7 x 6: uneven row and column shards, so each rank's piece needs its own diagonal shift.
+    full = torch.arange(42, dtype=torch.float32).reshape(7, 6) + 1.0
+    for diagonal in (-2, 0, 1, 4):
+        for name in ("tril", "triu"):
+            dtensor = distribute_tensor(full, mesh, list(placements))
+            source = distribute_tensor(full, mesh, list(placements))
+            with CommDebugMode() as comm:
+                returned = getattr(dtensor, f"{name}_")(diagonal)
+                out_of_place = getattr(torch, name)(source, diagonal)
+            assert returned is dtensor and dtensor.placements == placements
+            assert comm.get_total_counts() == 0
+            expected = getattr(torch, name)(full, diagonal)
+            torch.testing.assert_close(dtensor.full_tensor(), expected)
+            torch.testing.assert_close(out_of_place.full_tensor(), expected)
+
+
+@pytest.mark.parametrize("placements", [(Replicate(),), (Shard(0),), (Shard(1),)], ids=str)
+def test_tril_and_triu_in_place_shift_the_diagonal_per_shard(placements: tuple[Placement, ...]) -> None:
+    run_on_threads(_triangles_in_place, placements, world_size=_WORLD)

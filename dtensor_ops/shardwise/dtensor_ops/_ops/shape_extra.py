@@ -302,9 +302,13 @@ def _register(strategies: Any, family: str, ops: tuple[torch._ops.OpOverload, ..
     return rule
 
 
-# tril_/triu_ stay without a rule for now: the backward formulas that call them (householder_product,
-# ormqr) first write into a diagonal view, which a redistributed DTensor view does not alias.
-register_rule((aten.tril.default, aten.tril.out, aten.triu.default, aten.triu.out), TRIANGLE_RULE)
+# tril_/triu_ write in place with the same shifted diagonal (the written DTensor keeps its placements). A
+# write into a view that had to be redistributed (a diagonal of a sharded matrix in householder_product's
+# backward) raises in dispatch instead of being lost.
+register_rule(
+    (aten.tril.default, aten.tril.out, aten.triu.default, aten.triu.out, aten.tril_.default, aten.triu_.default),
+    TRIANGLE_RULE,
+)
 _register(
     _diagonal_backward_strategies, "diagonal_backward", (aten.diagonal_backward.default, aten.diagonal_backward.out)
 )
