@@ -122,3 +122,27 @@ def _distribute_tensor_lays_out_strided_shards(rows: int) -> None:
 @pytest.mark.parametrize("rows", [8, 7, 2])
 def test_distribute_tensor_with_strided_shards(rows: int) -> None:
     run_on_threads(_distribute_tensor_lays_out_strided_shards, rows, world_size=4)
+
+
+def _gathering_the_strided_mesh_dim_alone(rows: int) -> None:
+    mesh = _mesh()
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    strided = _laid_out(full, mesh, FSDP_OVER_TP)
+    tensor_parallel = (Replicate(), Shard(0))
+    with CommDebugMode() as comm:
+        moved = strided.redistribute(mesh, tensor_parallel)
+    assert torch.equal(moved.to_local(), select_local_shard(full, mesh.shape, mesh.get_coordinate(), tensor_parallel))
+    if rows % 4 == 0:
+        # Back to TP's layout: one all-gather over dp, not the whole tensor (two all-gathers).
+        assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 1 and comm.get_total_counts() == 1
+    # Dim 1 cut by TP, dim 0 strided over dp by another factor: the same gather along dim 0.
+    wide = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+    layout = (_StridedShard(0, split_factor=1), Shard(1))
+    cut = _laid_out(wide, mesh, layout)
+    back = cut.redistribute(mesh, (Replicate(), Shard(1)))
+    assert torch.equal(back.to_local(), select_local_shard(wide, mesh.shape, mesh.get_coordinate(), (Replicate(), Shard(1))))
+
+
+@pytest.mark.parametrize("rows", [8, 7, 5, 2])
+def test_gathering_the_strided_mesh_dim_alone_is_exact(rows: int) -> None:
+    run_on_threads(_gathering_the_strided_mesh_dim_alone, rows, world_size=4)

@@ -11,10 +11,17 @@ the whole tensor, assembled exactly from the layout (``local_index_runs``):
   checkpoints need (they want the whole tensor anyway); other targets pay for a full gather.
 - to a strided layout from a non-strided one: the normal plan to the replicated layout, then a
   local selection (no communication from a replicated source, e.g. ``full_tensor``'s backward).
+
+One common case skips the whole tensor: gathering the strided mesh dim alone (``(_StridedShard(0,
+sf=tp), Shard(0))`` -> ``(Replicate(), Shard(0))``, FSDP over TP back to TP: checkpoints loaded onto
+TP, FSDP1's ``all_gather_dtensor``). When the pieces of the ranks along that mesh dim, in order, are
+exactly the target piece (checked from the layout, once per spec pair and rank), one padded
+``all_gather_into_tensor`` over that mesh dim and a concatenation give it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -30,6 +37,7 @@ from shardwise.placement import (
     select_local_shard,
 )
 
+from ._caches import register_cache
 from ._collectives import launch_all_gather, mesh_dim_group_name, wait
 
 __all__ = ["involves_strided_shard", "redistribute_with_strided_shards"]
@@ -49,6 +57,9 @@ def redistribute_with_strided_shards(
     """This rank's piece laid out as ``dst`` (see the module docstring); ``redistribute`` runs normal plans."""
     if src == dst:
         return local
+    gathered = _gather_one_strided_mesh_dim(local, src, dst)
+    if gathered is not None:
+        return gathered
     mesh = src.mesh
     replicated = src.with_placements([Replicate()] * mesh.ndim)
     if any(type(p) is _StridedShard for p in src.placements):
@@ -66,6 +77,72 @@ def redistribute_with_strided_shards(
         return redistribute(full, replicated, dst)
     coordinate = mesh.get_coordinate()
     return select_local_shard(full, mesh.shape, coordinate, dst.placements).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneDimGather:
+    """How to gather one strided mesh dim: over ``mesh_dim``, along ``tensor_dim``, pieces of ``sizes``."""
+
+    mesh_dim: int
+    tensor_dim: int
+    sizes: tuple[int, ...]
+
+
+# (src, dst, coordinate) -> the gather, or None when the fast path does not apply.
+_one_dim_gathers: dict[Any, _OneDimGather | None] = register_cache(
+    {}, module=__name__, attribute="_one_dim_gathers", rank_local=True
+)
+
+
+def _one_dim_gather(src: DTensorSpec[Any], dst: DTensorSpec[Any], coordinate: tuple[int, ...]) -> _OneDimGather | None:
+    differing = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(differing) != 1 or src.has_partial() or dst.has_partial():
+        return None
+    (mesh_dim,) = differing
+    source, target = src.placements[mesh_dim], dst.placements[mesh_dim]
+    if type(source) is not _StridedShard or not isinstance(target, Replicate):
+        return None
+    tensor_dim = source.dim % len(src.shape)
+    shape, mesh_shape = tuple(src.shape), tuple(src.mesh.shape)
+
+    def indices(coord: tuple[int, ...], placements: Any) -> list[int]:
+        runs = local_index_runs(shape, mesh_shape, coord, placements)[tensor_dim]
+        return [start + k for start, length in runs for k in range(length)]
+
+    pieces = [
+        indices(coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :], src.placements)
+        for index in range(mesh_shape[mesh_dim])
+    ]
+    if [i for piece in pieces for i in piece] != indices(coordinate, dst.placements):
+        return None
+    return _OneDimGather(mesh_dim, tensor_dim, tuple(len(piece) for piece in pieces))
+
+
+def _gather_one_strided_mesh_dim(
+    local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any]
+) -> torch.Tensor | None:
+    """``dst``'s piece by one all-gather over the strided mesh dim, or None where that is not exact."""
+    if src.mesh is not dst.mesh and src.mesh != dst.mesh:
+        return None
+    coordinate = src.mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    key = (src, dst, tuple(coordinate))
+    try:
+        plan = _one_dim_gathers[key]
+    except KeyError:
+        plan = _one_dim_gathers[key] = _one_dim_gather(src, dst, tuple(coordinate))
+    except TypeError:
+        return None  # symbolic shapes: not hashable, take the general path
+    if plan is None:
+        return None
+    largest = max(plan.sizes)
+    moved = pad_dim(local.movedim(plan.tensor_dim, 0), 0, largest).contiguous()
+    group_size = len(plan.sizes)
+    gathered = wait(launch_all_gather(moved, group_size, mesh_dim_group_name(src.mesh, plan.mesh_dim)))
+    blocks = gathered.view(group_size, largest, *moved.shape[1:])
+    whole = torch.cat([blocks[index].narrow(0, 0, size) for index, size in enumerate(plan.sizes)])
+    return whole.movedim(0, plan.tensor_dim).contiguous()
 
 
 def _gather_whole(local: torch.Tensor, spec: DTensorSpec[Any]) -> torch.Tensor:
