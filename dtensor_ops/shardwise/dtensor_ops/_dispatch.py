@@ -45,12 +45,16 @@ from ._random import run_random_op
 from ._redistribute import redistribute_local_tensor
 from ._sharding_prop import propagate_op_sharding
 from ._wrapper import wrap_local_tensor
+from ._fastpath import fast_hit
 
 __all__ = ["torch_dispatch"]
 
 _Tensor = torch.Tensor
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _TYPE_TAGGED_TYPES: frozenset[type] = frozenset({float, bool, complex})
+# The C++ cache hit of the flat fast path (key, lookup, local call and wrapper of a simple decision;
+# None hands the call back here), or None for pure Python (SHARDWISE_DISPATCH_FASTPATH, _fastpath).
+_cpp_hit = fast_hit(DTensor)
 
 
 def _decide(
@@ -254,6 +258,10 @@ def torch_dispatch(
                 return handled
     if kwargs:
         return _dispatch_general(func, args, kwargs)
+    if _cpp_hit is not None and not _moved_view_copies:
+        hit = _cpp_hit(func, args)
+        if hit is not None:
+            return hit
     local_args = list(args)
     spec_args = list(args)
     tagged_positions: list[int] | None = None

@@ -50,6 +50,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_wrapper",
             "_strided_specs",
             "_extensions",
+            "_fastpath",
         ),
     ),
     ("planner", ("_redistribute_plan",)),
