@@ -25,6 +25,7 @@ import torch.distributed as dist
 from opinfo_sweep_helpers import KNOWN_WRONG_RESULTS, MIN_OPS_TRIED, PASSING_OPS_FLOOR
 from shardwise.dtensor_ops import DTensor, Placement, Replicate, Shard
 from shardwise.testing._opinfo_sweep import (
+    NOT_DIFFERENTIABLE_PREFIX,
     ShardwiseBackend,
     SweepConfig,
     SweepReport,
@@ -175,6 +176,47 @@ def test_ranks_that_diverge_are_reported_and_the_sweep_goes_on(made_up_report: S
 def test_random_ops_are_left_out_with_the_reason(made_up_report: SweepReport) -> None:
     assert "coin" not in made_up_report.results
     assert "aten.bernoulli.default" in made_up_report.excluded["coin"]
+
+
+class _TripleInBackward(torch.autograd.Function):
+    """x * 2 whose backward is wrong (x 3) on DTensors only: the classic sharded-gradient bug."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.on_dtensor = isinstance(x, DTensor)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (3.0 if ctx.on_dtensor else 2.0)
+
+
+def _backward_made_up_ops() -> list[_MadeUpOpInfo]:
+    matrix = torch.arange(30, dtype=torch.float32).reshape(5, 6) / 7.0
+    return [
+        _MadeUpOpInfo("mul", torch.mul, [_Sample(matrix, (matrix.flip(0),))]),
+        _MadeUpOpInfo("wrong_grad", _TripleInBackward.apply, [_Sample(matrix)]),
+        _MadeUpOpInfo("argmax", torch.argmax, [_Sample(matrix, (1,))]),
+        _MadeUpOpInfo("heaviside", torch.heaviside, [_Sample(matrix - 2.0, (matrix,))]),
+    ]
+
+
+def test_backward_mode_compares_gradients_and_leaves_out_what_torch_cannot_differentiate() -> None:
+    config = SweepConfig(samples_per_op=1, shardings_per_sample=3, backward=True, world_timeout_s=120.0)
+    opinfos = [
+        dataclasses.replace(op, samples=[_Sample(s.input.requires_grad_(True), s.args) for s in op.samples])
+        for op in _backward_made_up_ops()
+    ]
+    plan = plan_sweep(config, opinfos)
+    assert plan.excluded["argmax"].startswith(NOT_DIFFERENTIABLE_PREFIX), plan.excluded
+    assert "no float output requires grad" in plan.excluded["argmax"]
+    assert plan.excluded["heaviside"].startswith(NOT_DIFFERENTIABLE_PREFIX)
+    assert "torch has no derivative" in plan.excluded["heaviside"]
+    report = run_sweep(ShardwiseBackend(), plan)
+    outcomes = {key: result.outcome for key, result in report.results.items()}
+    assert outcomes == {"mul": "pass", "wrong_grad": "wrong"}
+    # The forward values agree; only a sharded gradient is off, and the message says it is output 1 (the grads).
+    assert "output 1" in report.results["wrong_grad"].first_failure, report.results["wrong_grad"].first_failure
 
 
 def test_shardings_are_spread_over_the_product() -> None:

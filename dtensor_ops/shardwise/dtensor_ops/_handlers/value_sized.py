@@ -62,7 +62,12 @@ def _whole_arguments(
                 "convert every torch.Tensor to a DTensor first with distribute_tensor(...) or DTensor.from_local(...)"
             )
 
-    if any(not all(p.is_replicate() for p in dtensor._spec.placements) for dtensor in dtensors):
+    if op in _VALUE_CHECKED_OPS:
+        # Zeros are not valid repeats for a given output_size; the argument errors these ops raise that do not
+        # depend on the values are checked here, the others come from the same gathered values on every rank.
+        if op is aten.repeat_interleave.Tensor and args and isinstance(args[0], torch.Tensor) and args[0].ndim != 1:
+            raise RuntimeError(f"{op}: repeats must be a 1-D tensor, got {args[0].ndim} dims")
+    elif any(not all(p.is_replicate() for p in dtensor._spec.placements) for dtensor in dtensors):
         _dry_run_on_zeros(op, args, kwargs)
 
     def whole(value: Any) -> Any:
@@ -102,6 +107,7 @@ def _on_whole_tensors(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
 
 
 _MASK_DTYPES = (torch.bool, torch.uint8)
+_VALUE_CHECKED_OPS = frozenset({aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
 _INDEX_OPS = (aten.index.Tensor, aten.index_put.default)
 _INDEX_WRITES = (aten.index_put_.default, aten._index_put_impl_.default)
 
