@@ -124,13 +124,15 @@ def test_fsdp_adds_exactly_its_own_collectives_to_tensor_parallelism() -> None:
         counts.append(_comm_counts(comm))
     added = {name: counts[1][name] - counts[0][name] for name in counts[0]}
     # 3 units: 3 all-gathers in forward, 2 in backward (not the root), 3 reduce-scatters. The
-    # sequence-parallel norms' gradients arrive Partial over tp; FSDP needs true gradients to
-    # reduce-scatter, so each is all-reduced over tp once in backward (TP alone leaves them
-    # Partial and its optimizer step reduces them, more than once per parameter).
+    # sequence-parallel norms' gradients (10 parameters, in every unit) arrive Partial over tp;
+    # FSDP needs true gradients to reduce-scatter, so each unit all-reduces its norms' gradients
+    # over tp together, once, in backward (TP alone leaves them Partial and its optimizer step
+    # reduces them, more than once per parameter).
     norm_params = sum(1 for name, _ in model.named_parameters() if "norm" in name)
     assert norm_params == 10
-    assert added == {"all_reduce": norm_params, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 3,
-                     "all_to_all_single": 0, "total": 8 + norm_params}, counts
+    units = 3
+    assert added == {"all_reduce": units, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 3,
+                     "all_to_all_single": 0, "total": 8 + units}, counts
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     with CommDebugMode() as step_comm:
         optim.step()

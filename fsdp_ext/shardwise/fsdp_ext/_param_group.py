@@ -50,6 +50,7 @@ from shardwise.dtensor_ops._collectives import (
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import (
     DTensorSpec,
+    Partial,
     Placement,
     Replicate,
     Shard,
@@ -202,12 +203,14 @@ class FSDPParam:
         rows = grad.movedim(self.shard_dim, 0).reshape(self.rows, self.row_numel)
         _copy_rows(rows, pieces, self.padded_rows, self.rows, into_pieces=True)
 
-    def unsharded_for_module(self, unsharded: torch.Tensor) -> torch.Tensor:
+    def unsharded_for_module(self, unsharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:
         """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
         tp_spec = self.tp_spec
         if tp_spec is None:
             return unsharded
         assert tp_spec.tensor_meta is not None
+        if unsharded.requires_grad:
+            return _TensorParallelParam.apply(unsharded, self, group)
         return DTensor.from_local(
             unsharded,
             tp_spec.mesh,
@@ -215,6 +218,60 @@ class FSDPParam:
             shape=tp_spec.tensor_meta.shape,
             stride=tp_spec.tensor_meta.stride,
         )
+
+    def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
+        tp_spec = self.tp_spec
+        assert tp_spec is not None and tp_spec.tensor_meta is not None
+        if tp_spec.tensor_meta.dtype == dtype:
+            return tp_spec
+        meta = TensorMeta(tp_spec.tensor_meta.shape, tp_spec.tensor_meta.stride, dtype)
+        return DTensorSpec(tp_spec.mesh, tp_spec.placements, meta)
+
+
+def _deferrable_partial_dims(grad: DTensor, param_spec: DTensorSpec[DeviceMesh]) -> tuple[int, ...] | None:
+    """Mesh dims where ``grad`` is a Partial sum of a parameter replicated there (else it equals the
+    parameter's layout); None when the gradient needs another redistribution."""
+    if grad.device_mesh != param_spec.mesh:
+        return None
+    dims: list[int] = []
+    for mesh_dim, (have, want) in enumerate(zip(grad.placements, param_spec.placements)):
+        if have == want:
+            continue
+        if isinstance(have, Partial) and have.reduce_op == "sum" and isinstance(want, Replicate):
+            dims.append(mesh_dim)
+            continue
+        return None
+    return tuple(dims)
+
+
+class _TensorParallelParam(torch.autograd.Function):
+    """The tensor-parallel DTensor around a unit's unsharded parameter piece.
+
+    Like ``DTensor.from_local``, except in backward: a gradient that is a Partial sum over tp where
+    the parameter is replicated (sequence parallelism's norms) comes back unreduced, and the unit
+    all-reduces all such gradients together, one collective per unit and mesh dim, before its
+    reduce-scatter (``from_local`` would all-reduce each parameter's gradient on its own).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, unsharded: torch.Tensor, fsdp_param: FSDPParam, group: FSDPParamGroup) -> Any:
+        ctx.fsdp_param = fsdp_param
+        ctx.group = group
+        spec = fsdp_param.tp_spec_for(unsharded.dtype)
+        ctx.spec = spec
+        return DTensor(unsharded.view_as(unsharded), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        spec: DTensorSpec[DeviceMesh] = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        partial_dims = _deferrable_partial_dims(grad, spec)
+        if partial_dims is None:
+            return grad.redistribute(spec.mesh, spec.placements).to_local(), None, None
+        if partial_dims:
+            ctx.group.partial_grad_dims[id(ctx.fsdp_param)] = partial_dims
+        return grad._local_tensor, None, None
 
 
 def _copy_rows(rows_view: torch.Tensor, pieces: torch.Tensor, padded_rows: int, rows: int, *, into_pieces: bool) -> None:
@@ -345,6 +402,8 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self._accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
+        # id(FSDPParam) -> tp mesh dims over which this backward's gradient is still a Partial sum.
+        self.partial_grad_dims: dict[int, tuple[int, ...]] = {}
         self.backward_ran = False
         # reshard_after_forward=int: after forward keep the gathered buffer's rows of the dp ranks
         # that this rank's member index stands for, and gather them back within its smaller group
@@ -477,7 +536,7 @@ class FSDPParamGroup:
             tensor = tensors.get(id(fsdp_param))
             if tensor is None:
                 tensor = view.detach()
-            value = fsdp_param.unsharded_for_module(tensor)
+            value = fsdp_param.unsharded_for_module(tensor, self)
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
 
@@ -490,6 +549,7 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         with torch.no_grad():
+            grads = self._reduce_partial_grads(with_grad, grads)
             if not self.requires_gradient_sync:
                 self._accumulate_unsharded(with_grad, grads)
                 return [None] * len(with_grad)
@@ -510,6 +570,31 @@ class FSDPParamGroup:
                     local = local.to(fsdp_param.orig_dtype)
                 sharded_grads.append(DTensor(local, fsdp_param.sharded_spec, requires_grad=False))
             return sharded_grads
+
+    def _reduce_partial_grads(
+        self, with_grad: list[FSDPParam], grads: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Sum the gradients left Partial over tp: one all-reduce per (tp mesh, mesh dims) in this unit."""
+        pending = self.partial_grad_dims
+        self.partial_grad_dims = {}
+        result: list[torch.Tensor | None] = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        batches: dict[tuple[DeviceMesh, tuple[int, ...]], list[int]] = {}
+        for index, fsdp_param in enumerate(with_grad):
+            dims = pending.get(id(fsdp_param))
+            if dims and result[index] is not None and fsdp_param.tp_spec is not None:
+                batches.setdefault((fsdp_param.tp_spec.mesh, dims), []).append(index)
+        for (mesh, dims), indices in batches.items():
+            pieces = [result[i] for i in indices]
+            flat = torch.cat([p.reshape(-1).to(self.reduce_dtype) for p in pieces if p is not None])
+            for mesh_dim in dims:
+                flat = wait(launch_all_reduce(flat, "sum", mesh_dim_group_name(mesh, mesh_dim)))
+            offset = 0
+            for i in indices:
+                piece = result[i]
+                assert piece is not None
+                result[i] = flat.narrow(0, offset, piece.numel()).view(piece.shape)
+                offset += piece.numel()
+        return result
 
     def _unsharded_grad(
         self, fsdp_param: FSDPParam, grad: torch.Tensor | None, accumulated: torch.Tensor | None
