@@ -316,3 +316,26 @@ def test_inductor_compiles_a_sharded_layer_forward_and_backward() -> None:
     assert x.grad is not None and w.grad is not None and eager_x.grad is not None and eager_w.grad is not None
     torch.testing.assert_close(x.grad.full_tensor(), eager_x.grad.full_tensor())
     torch.testing.assert_close(w.grad.full_tensor(), eager_w.grad.full_tensor())
+@multi_rank(world_size=WORLD)
+def test_graph_breaks_between_dtensor_code_leave_whole_dtensors() -> None:
+    mesh = _mesh()
+    rank = dist.get_rank()
+
+    def fn(local: torch.Tensor) -> DTensor:
+        dt = DTensor.from_local(local, mesh, [Shard(0)])
+        doubled = dt * 2
+        torch._dynamo.graph_break()
+        # After the break, the DTensor built in the first graph crosses into Python and the next graph.
+        assert isinstance(doubled, DTensor) and doubled.placements == (Shard(0),)
+        return doubled.redistribute(mesh, [Replicate()]) + doubled._local_tensor.sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(fn, backend=counter)
+    local = torch.full((2, 2), float(rank + 1))
+    out = compiled(local)
+    expected = fn(local)
+    assert counter.frame_count == 2
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    assert out._spec == expected._spec
+    torch.testing.assert_close(out.to_local(), expected.to_local())

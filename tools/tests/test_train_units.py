@@ -24,9 +24,31 @@ def test_flags_survive_the_trip_to_the_workers() -> None:
     config = TrainConfig(
         dim=32, n_layers=3, n_heads=8, seq_len=16, batch_size=4, steps=7, lr=0.02, tp=2, seq_parallel=False,
         loss_parallel=False, optimizer="sgd", foreach=False, dtype="float32", nnodes=2, node_rank=1,
-        rdzv_endpoint="10.0.0.1:29500", output_dir="/tmp/x", parity_atol=0.5,
+        rdzv_endpoint="10.0.0.1:29500", output_dir="/tmp/x", parity_atol=0.5, compile=True,
+        compile_backend="aot_eager",
     )
     assert parse_config(config.to_argv()) == config
+
+
+def test_compiled_steps_train_as_eager_ones() -> None:
+    """--compile runs forward and loss as one compiled graph; the losses are the eager ones (one process)."""
+    from shardwise.tools.train import build_model, model_args
+    from shardwise.tools.train._loop import train_loop
+
+    corpus = load_default_corpus()
+    config = TrainConfig(dim=16, n_heads=2, n_layers=1, seq_len=8, batch_size=2, tp=1, steps=3)
+
+    def losses(compile_backend: str | None) -> list[float]:
+        torch._dynamo.reset()
+        model = build_model(model_args(config, corpus.vocab_size), config.seed, torch.device("cpu"), torch.float64)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = train_loop(
+            model, optimizer, corpus, steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
+            seed=config.seed, device=torch.device("cpu"), dtype=torch.float64, compile_backend=compile_backend,
+        )
+        return [record.loss for record in records]
+
+    assert losses("eager") == pytest.approx(losses(None), rel=1e-12)
 
 
 def test_default_tolerances_follow_the_dtype() -> None:
@@ -46,6 +68,7 @@ def test_default_tolerances_follow_the_dtype() -> None:
         (["--seq-len", "30"], "--seq-len 30 must be a multiple of --tp 4 with --seq-parallel"),
         (["--nnodes", "2"], "--rdzv-endpoint"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2"),
+        (["--compile-backend", "tvm"], "--compile-backend"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(

@@ -219,9 +219,15 @@ class _NllProblem:
         self.target_rows = target_local.to(device=local.device).reshape(row_count)
         self.valid = self.target_rows != ignore_index
         out_of_bounds = self.valid & ((self.target_rows < 0) | (self.target_rows >= self.num_classes))
-        if bool(out_of_bounds.any()):
-            bad = int(self.target_rows[out_of_bounds][0])
-            raise IndexError(f"Target {bad} is out of bounds (input has {self.num_classes} classes).")
+        if type(out_of_bounds) is torch.Tensor:
+            if bool(out_of_bounds.any()):
+                bad = int(self.target_rows[out_of_bounds][0])
+                raise IndexError(f"Target {bad} is out of bounds (input has {self.num_classes} classes).")
+        else:
+            # Traced (torch.compile): the answer is not on the host; the graph asserts when it runs.
+            torch._assert_async(
+                ~out_of_bounds.any(), f"loss_parallel: a target is out of bounds (input has {self.num_classes} classes)"
+            )
         safe_target = torch.where(self.valid, self.target_rows, torch.zeros_like(self.target_rows))
 
         weight_local = _replicated_local(weight, "weight")

@@ -15,6 +15,7 @@ DEFAULT_OUTPUT_FOLDER = "shardwise_train_out"
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float64", "float32")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # Default parity tolerances per training dtype.  The two runs reduce in different orders, so
 # they differ by round-off, and AdamW amplifies round-off: at initialisation the attention
@@ -67,6 +68,8 @@ class TrainConfig:
     log_every: int = 1
     parity_rtol: float | None = None  # None: PARITY_TOLERANCES[dtype]
     parity_atol: float | None = None
+    compile: bool = False  # forward and loss under torch.compile(fullgraph=True)
+    compile_backend: str = "inductor"
 
     @property
     def world_size(self) -> int:
@@ -165,6 +168,10 @@ class TrainConfig:
                 f"--seq-len {self.seq_len} must be a multiple of --tp {self.tp} with --seq-parallel: each rank holds "
                 "an equal piece of the sequence (or use --no-seq-parallel)"
             )
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(
+                f"--compile-backend {self.compile_backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
         if self.device not in DEVICES:
@@ -235,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument(
         "--device", choices=DEVICES, default=defaults.device,
         help="cpu: gloo; cuda: NCCL, one GPU per rank",
+    )
+    training.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
+        help="run each step's forward and loss as one torch.compile(fullgraph=True) graph (the tensor-parallel "
+        "run; the single-process reference stays eager); backward runs the compiled backward graph",
+    )
+    training.add_argument(
+        "--compile-backend", choices=COMPILE_BACKENDS, default=defaults.compile_backend,
+        help="torch.compile backend for --compile",
     )
     training.add_argument(
         "--dtype", choices=DTYPES, default=defaults.dtype,

@@ -127,6 +127,7 @@ def train_loop(
     on_step: Callable[[StepRecord], None] = lambda record: None,
     data_parallel: tuple[int, int, Any] | None = None,
     first_step: int = 1,
+    compile_backend: str | None = None,
 ) -> list[StepRecord]:
     """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
 
@@ -136,11 +137,20 @@ def train_loop(
 
     ``first_step``: continue a run (from a checkpoint) at this step; the batches are those of
     an uninterrupted run.
+    ``compile_backend``: run forward and loss as one ``torch.compile(fullgraph=True)`` graph with this
+    backend (the first step compiles it; a later graph break or recompilation raises or shows in the times).
     ``data_parallel``: ``(dp rank, dp size, dp process group)``: this rank trains on its equal
     share of each batch (FSDP averages the gradients over dp), and the recorded loss is the mean
     of the ranks' losses (one all-reduce per step, after the step, for the log only).
     """
     model.train()
+
+    def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(model(inputs), targets, dtype)
+
+    step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = forward_and_loss
+    if compile_backend is not None:
+        step_loss = torch.compile(forward_and_loss, backend=compile_backend, fullgraph=True)
     records: list[StepRecord] = []
     for step in range(first_step, steps + 1):
         inputs, targets = corpus.batch(step, batch_size, seq_len, seed)
@@ -155,7 +165,7 @@ def train_loop(
         started = time.perf_counter()
         with loss_context():
             with _phase_counter("forward", collectives):
-                loss = language_model_loss(model(inputs), targets, dtype)
+                loss = step_loss(inputs, targets)
             with _phase_counter("backward", collectives):
                 loss.backward()
         with _phase_counter("optimizer", collectives):

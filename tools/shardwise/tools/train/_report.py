@@ -184,7 +184,11 @@ def format_summary(summary: dict[str, Any], summary_path: pathlib.Path) -> str:
         f"  time             {summary['time_seconds']:.2f} s  (median step {summary['median_step_seconds'] * 1e3:.1f} ms)",
         f"  tokens/s         {summary['tokens_per_second']:,.0f}  "
         f"(single process: {summary['reference_tokens_per_second']:,.0f})",
-        f"  collectives/step {collectives['total']}  ({format_collectives(per_phase)})",
+        (
+            "  collectives/step not counted (--compile)"
+            if summary.get("config", {}).get("compile")
+            else f"  collectives/step {collectives['total']}  ({format_collectives(per_phase)})"
+        ),
         f"  parity           {parity['verdict']}  (max |loss diff| {parity['max_abs_loss_diff']:.3g}, "
         f"max |param diff| {parity['max_abs_param_diff']:.3g} in {parity['worst_parameter'] or '-'}; "
         f"rtol {parity['rtol']:g}, atol {parity['atol']:g})",

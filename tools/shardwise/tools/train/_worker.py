@@ -167,7 +167,13 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         )
         if config.resume:
             _say(f"resumed from {config.resolved_checkpoint_dir()} at step {first_step - 1}")
-        _say("collectives are counted with CommDebugMode on the first and the last step")
+        if config.compile:
+            _say(
+                f"forward and loss compiled with torch.compile(fullgraph=True, backend={config.compile_backend!r}); "
+                "collectives are not counted (CommDebugMode cannot run around a compiled graph)"
+            )
+        else:
+            _say("collectives are counted with CommDebugMode on the first and the last step")
     loss_context: Callable[[], ContextManager[object]] = (
         loss_parallel if config.loss_parallel else contextlib.nullcontext
     )
@@ -184,7 +190,9 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         dtype=_dtype(config),
         clip_grad_norm=config.clip_grad_norm,
         loss_context=loss_context,
-        count_collectives_at=frozenset({first_step, config.steps}),
+        compile_backend=config.compile_backend if config.compile else None,
+        # CommDebugMode (a dispatch mode) cannot run around a compiled graph: no counts under --compile.
+        count_collectives_at=frozenset() if config.compile else frozenset({first_step, config.steps}),
         first_step=first_step,
         on_step=progress if is_reporter else (lambda _: None),
         data_parallel=(mesh.get_local_rank("dp"), config.dp, mesh.get_group("dp")) if data_parallel else None,
