@@ -143,6 +143,57 @@ def test_fsdp_adds_exactly_its_own_collectives_to_tensor_parallelism() -> None:
     assert isinstance(norm, DTensor)
 
 
+@pytest.mark.parametrize("replicas, shards", [(2, 1), (1, 2)])
+@multi_rank(world_size=4)
+def test_hsdp_over_tensor_parallelism(replicas: int, shards: int) -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = init_device_mesh("cpu", (replicas, shards, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    tp_only = Transformer.parallelize(copy.deepcopy(reference), mesh["tp"], True)
+    model = Transformer.parallelize(copy.deepcopy(reference), mesh["tp"], True)
+    dp_mesh = mesh["replicate", "shard"]
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    wq = model.layers[0].attention.wq.weight
+    assert wq.device_mesh == mesh
+    assert wq.placements == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+    torch.testing.assert_close(wq.full_tensor(), reference.layers[0].attention.wq.weight.detach())
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    replica, shard, _ = mesh.get_coordinate()  # type: ignore[misc]
+    dp_index = replica * shards + shard
+    local = slice(dp_index * BATCH // 2, (dp_index + 1) * BATCH // 2)
+    tokens, labels = _batches(2)
+    for step in range(2):
+        ref_loss = _loss(reference, tokens[step], labels[step])
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        counts = []
+        for net in (tp_only, model):
+            with CommDebugMode() as comm:
+                loss = _loss(net, tokens[step][local], labels[step][local])
+                loss.backward()
+            counts.append(_comm_counts(comm))
+        tp_only.zero_grad()
+        optim.step()
+        optim.zero_grad()
+        added = {name: counts[1][name] - counts[0][name] for name in counts[0]}
+        # 3 units: all-gathers 3 + 2 and reduce-scatters 3 over the shard dim, one all-reduce per
+        # unit for its SP norms over tp and, with 2 replicas, one per unit across them.
+        all_reduces = 3 + (3 if replicas > 1 else 0)
+        assert added == {"all_reduce": all_reduces, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 3,
+                         "all_to_all_single": 0, "total": 8 + all_reduces}, counts
+        losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(losses, loss.detach())
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), reference_params[name].detach(), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
 @multi_rank(world_size=4)
 def test_mixed_precision_over_tensor_parallelism() -> None:
     torch.manual_seed(0)

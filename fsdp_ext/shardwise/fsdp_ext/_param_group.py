@@ -121,14 +121,7 @@ class FSDPParam:
         tp_spec = self.tp_spec
         if tp_spec is None:
             return DTensorSpec(dp_mesh, (*replicated, Shard(self.shard_dim)), meta)
-        if replicated:
-            raise NotImplementedError(
-                f"fully_shard: parameter {self.fqn!r} is a tensor-parallel DTensor and the data-parallel mesh "
-                f"{dp_mesh!r} is 2-D (HSDP); HSDP x TP is not supported by shardwise.fsdp_ext: expected a 1-D "
-                "data-parallel mesh with tensor parallelism"
-            )
-        mesh_2d, dp_dim = _mesh_with_dp(dp_mesh, tp_spec.mesh, self.fqn)
-        placements: list[Placement] = list(tp_spec.placements)
+        mesh_nd, names = _mesh_with_dp(dp_mesh, tp_spec.mesh, self.fqn)
         tp_shards_dim = 1
         for tp_dim, placement in enumerate(tp_spec.placements):
             if isinstance(placement, Shard) and placement.dim == self.shard_dim:
@@ -136,12 +129,23 @@ class FSDPParam:
         dp_placement: Placement = (
             _StridedShard(self.shard_dim, split_factor=tp_shards_dim) if tp_shards_dim > 1 else Shard(self.shard_dim)
         )
-        placements.insert(dp_dim, dp_placement)
-        spec = DTensorSpec(mesh_2d, tuple(placements), meta)
-        self._check_layout_is_exact(spec, dp_dim)
+        dp_names = dp_mesh.mesh_dim_names
+        tp_names = tp_spec.mesh.mesh_dim_names
+        assert dp_names is not None and tp_names is not None  # _mesh_with_dp checked
+        by_name: dict[str, Placement] = dict(zip(tp_names, tp_spec.placements))
+        by_name.update(zip(dp_names[:-1], replicated))
+        by_name[dp_names[-1]] = dp_placement
+        spec = DTensorSpec(mesh_nd, tuple(by_name[name] for name in names), meta)
+        self._check_layout_is_exact(spec, names, dp_names, tp_names)
         return spec
 
-    def _check_layout_is_exact(self, spec: DTensorSpec[DeviceMesh], dp_dim: int) -> None:
+    def _check_layout_is_exact(
+        self,
+        spec: DTensorSpec[DeviceMesh],
+        names: tuple[str, ...],
+        dp_names: tuple[str, ...],
+        tp_names: tuple[str, ...],
+    ) -> None:
         """Every rank's rows (TP piece, then its dp chunk) must be what the placements say.
 
         With both TP and FSDP cutting dim 0 and uneven sizes, chunking a TP piece over dp can
@@ -157,8 +161,10 @@ class FSDPParam:
             tp_rows = [start + k for start, length in tp_runs for k in range(length)]
             for dp_index in range(self.dp_size):
                 size, offset = chunk_size_and_offset(len(tp_rows), self.dp_size, dp_index)
-                coordinate = list(tp_coordinate)
-                coordinate.insert(dp_dim, dp_index)
+                # The replicas (HSDP) hold the same rows: replica 0 stands for all.
+                by_name = dict(zip(tp_names, tp_coordinate)) | {name: 0 for name in dp_names[:-1]}
+                by_name[dp_names[-1]] = dp_index
+                coordinate = [by_name[name] for name in names]
                 runs = local_index_runs(self.global_shape, spec.mesh.shape, coordinate, spec.placements)[self.shard_dim]
                 said = [start + k for start, length in runs for k in range(length)]
                 if said != tp_rows[offset : offset + size]:
@@ -299,8 +305,8 @@ def _coordinates(mesh_shape: Sequence[int]) -> list[list[int]]:
     return coordinates
 
 
-def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[DeviceMesh, int]:
-    """The mesh over the dp dim and the parameter's tensor-parallel dims, and where dp sits in it."""
+def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[DeviceMesh, tuple[str, ...]]:
+    """The mesh over the dp dim(s) and the parameter's tensor-parallel dims, and its dim names in order."""
     root = dp_mesh._get_root_mesh()
     dp_names = dp_mesh.mesh_dim_names
     tp_names = tp_mesh.mesh_dim_names
@@ -319,7 +325,7 @@ def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[D
         )
     root_names = root.mesh_dim_names or ()
     names = tuple(sorted((*dp_names, *tp_names), key=root_names.index))
-    return root[names], names.index(dp_names[0])
+    return root[names], names
 
 
 class _UnshardedParams(torch.autograd.Function):
@@ -359,7 +365,7 @@ class FSDPParamGroup:
         self.dp_size = dp_mesh.shape[-1]
         self.group_name = mesh_dim_group_name(dp_mesh, dp_mesh.ndim - 1)
         self.replicate_size = dp_mesh.shape[0] if dp_mesh.ndim == 2 else 1
-        self.replicate_group_name = mesh_dim_group_name(dp_mesh, 0) if dp_mesh.ndim == 2 else None
+        self.replicate_group_name = mesh_dim_group_name(dp_mesh, 0) if self.replicate_size > 1 else None
         dtypes = {param.dtype for _, param, _ in params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{fqn}: {param.dtype}" for fqn, param, _ in params)
