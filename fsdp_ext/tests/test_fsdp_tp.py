@@ -194,6 +194,42 @@ def test_hsdp_over_tensor_parallelism(replicas: int, shards: int) -> None:
                                    msg=name)
 
 
+def _shard_dim1_of_matrices(param: nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
+@multi_rank(world_size=4)
+def test_fsdp_on_dim_1_over_tensor_parallelism() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = _mesh()
+    model = _fsdp_tp(copy.deepcopy(reference), mesh, use_seq_parallel=True, shard_placement_fn=_shard_dim1_of_matrices)
+    layer = model.layers[0]
+    # Column-wise weights (TP cuts dim 0): FSDP's dim 1 is plain; row-wise (TP cuts dim 1): strided.
+    assert layer.attention.wq.weight.placements == (Shard(1), Shard(0))
+    assert layer.attention.wo.weight.placements == (_StridedShard(1, split_factor=2), Shard(1))
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    local = slice(0, 2) if mesh.get_local_rank("dp") == 0 else slice(2, 4)
+    tokens, labels = _batches(2)
+    for step in range(2):
+        ref_loss = _loss(reference, tokens[step], labels[step])
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        loss = _loss(model, tokens[step][local], labels[step][local])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses = [torch.zeros(()) for _ in range(4)]
+        dist.all_gather(losses, loss.detach())
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), reference_params[name].detach(), rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
 @multi_rank(world_size=4)
 def test_mixed_precision_over_tensor_parallelism() -> None:
     torch.manual_seed(0)
