@@ -149,7 +149,7 @@ def _expected_piece(whole: torch.Tensor, value: ShardedTensor) -> tuple[torch.Te
 
 
 @multi_rank(world_size=4)
-def test_fsdp1_sharded_state_dict_holds_each_ranks_piece() -> None:
+def test_fsdp1_sharded_state_dict_holds_each_ranks_piece_and_loads_back() -> None:
     torch.manual_seed(0)
     reference = Transformer(_args())
     mesh = _mesh()
@@ -180,6 +180,18 @@ def test_fsdp1_sharded_state_dict_holds_each_ranks_piece() -> None:
         assert len(shards) <= 1 and inner.shape[1:] == local.shape[1:], key
         if shards:
             assert torch.equal(shards[0].tensor, local), key
+    # Train one step away from the saved values, then load them back.
+    saved = _full_state(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens, labels = _batches(1)
+    local_batch = _local_batch(mesh)
+    _loss(model, tokens[0][local_batch], labels[0][local_batch]).backward()
+    optim.step()
+    assert any(not torch.equal(value, saved[key]) for key, value in _full_state(model).items())
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(sharded)
+    for key, value in _full_state(model).items():
+        torch.testing.assert_close(value, saved[key], msg=key)
 
 
 @multi_rank(world_size=4)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fsdp_extensions as fsdp_extensions
+import torch.distributed.fsdp._state_dict_utils as fsdp1_state_dict_utils
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
 import torch.nn as nn
 from shardwise.dtensor_ops import DTensor
@@ -42,7 +43,7 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 from torch.distributed._shard.sharding_spec import ShardMetadata
-from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
+from torch.distributed.fsdp._common_utils import FSDP_PREFIX, _is_composable, _set_fsdp_flattened
 from torch.distributed.fsdp._flat_param import FlatParamHandle
 from torch.distributed.fsdp._shard_utils import _create_chunk_sharded_tensor
 
@@ -250,6 +251,7 @@ def _tensor_parallel_boxes(tensor: DTensor, mesh: DeviceMesh) -> list[tuple[tupl
 
 _original_init_extension: Callable[..., Any] | None = None
 _original_use_unsharded_views: Callable[..., Any] | None = None
+_original_sharded_pre_load: Callable[..., Any] | None = None
 
 
 def _init_extension_honouring_installed(state: Any, device_mesh: Any = None) -> Any:
@@ -311,12 +313,43 @@ def _parameter_around(view: DTensor, requires_grad: bool) -> torch.Tensor:
     return parameter
 
 
+def _sharded_pre_load_rebuilding_dtensors(module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str) -> None:
+    """FSDP1's pre-load hook of sharded state dicts, then the gathered tp pieces as DTensors.
+
+    FSDP1's ``process_group`` path all-gathers each parameter's dp chunks into its tp piece and
+    leaves it in the state dict as a plain tensor of the local shape, which ``load_state_dict``
+    cannot copy into the DTensor parameter (another shape); the layout kept at flattening turns
+    it back into that DTensor (no collective).
+    """
+    assert _original_sharded_pre_load is not None
+    _original_sharded_pre_load(module, fsdp_state, state_dict, prefix)
+    handle = getattr(fsdp_state, "_handle", None)
+    if (
+        not isinstance(fsdp_state._fsdp_extension, DTensorExtensions)
+        or fsdp_state._state_dict_config._use_dtensor
+        or handle is None
+    ):
+        return
+    wrapped_prefix = prefix if _is_composable(fsdp_state) else prefix + FSDP_PREFIX
+    for fqn, layout in zip(handle.flat_param._fqns, handle.flat_param._param_extensions):
+        key = wrapped_prefix + fqn
+        value = state_dict.get(key)
+        if isinstance(layout, TensorParallelLayout) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            state_dict[key] = DTensor.from_local(
+                value, layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride
+            )
+
+
 def _honour_installed_extensions() -> None:
     """Make FSDP1 instances without a device mesh use shardwise extensions set by ``_set_fsdp_extensions``."""
-    global _original_init_extension, _original_use_unsharded_views
+    global _original_init_extension, _original_use_unsharded_views, _original_sharded_pre_load
     if _original_init_extension is None:
         _original_init_extension = fsdp1_module._init_extension
         fsdp1_module._init_extension = _init_extension_honouring_installed
     if _original_use_unsharded_views is None:
         _original_use_unsharded_views = FlatParamHandle._use_unsharded_views
         FlatParamHandle._use_unsharded_views = _use_unsharded_views_keeping_dtensor_params  # type: ignore[method-assign]
+    if _original_sharded_pre_load is None:
+        # FSDP1's pre-load hook looks this function up by name at each call.
+        _original_sharded_pre_load = fsdp1_state_dict_utils._sharded_pre_load_state_dict_hook
+        fsdp1_state_dict_utils._sharded_pre_load_state_dict_hook = _sharded_pre_load_rebuilding_dtensors
