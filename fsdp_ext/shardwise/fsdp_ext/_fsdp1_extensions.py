@@ -11,9 +11,12 @@ shardwise's.
 Installing: ``torch.distributed.fsdp._fsdp_extensions._set_fsdp_extensions(DTensorExtensions())``.
 In torch 2.13 FSDP1 no longer reads what that setter stores (each FSDP instance picks PyTorch's
 extensions when given a sub-mesh of a PyTorch ``DeviceMesh``, none otherwise); constructing a
-:class:`DTensorExtensions` therefore wraps FSDP1's ``_init_extension`` once so that an instance
-built with ``process_group=`` and no ``device_mesh`` takes the installed shardwise extensions.
-Nothing changes for FSDP instances while no shardwise extensions are installed.
+:class:`DTensorExtensions` therefore wraps, once, FSDP1's ``_init_extension`` (an instance built
+with ``process_group=`` and no ``device_mesh`` takes the installed shardwise extensions), and two
+places where FSDP1 special-cases PyTorch's DTensor: ``FlatParamHandle._use_unsharded_views``
+(parameters that are DTensor views, for state dicts and ``summon_full_params``) and the sharded
+state dict's pre-load hook (the gathered tp pieces back into DTensors).  Nothing changes for FSDP
+instances that do not use shardwise extensions.
 
 This module imports ``torch.distributed.fsdp`` (which itself loads PyTorch's DTensor), so
 ``shardwise.fsdp_ext`` imports it only when ``DTensorExtensions`` is first asked for.
