@@ -209,8 +209,14 @@ def test_fsdp1_full_state_dict_loads_back() -> None:
             param.zero_()
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         model.load_state_dict(state)
+    full = _full_state(model)
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(_full_state(model)[name], param.detach(), msg=name)
+        torch.testing.assert_close(full[name], param.detach(), msg=name)
+    # summon_full_params shows the tp DTensors, gathered over dp.
+    with FSDP.summon_full_params(model):
+        summoned = model.layers[0].attention.wq.weight
+        assert isinstance(summoned, DTensor) and summoned.placements == (Shard(0),)
+        torch.testing.assert_close(summoned.full_tensor(), reference.layers[0].attention.wq.weight.detach())
 
 
 @multi_rank(world_size=4)
