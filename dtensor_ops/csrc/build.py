@@ -1,6 +1,7 @@
 """Build dispatch's C++ fast path (fastpath.cpp) into shardwise/dtensor_ops/ for this interpreter.
 
     python dtensor_ops/csrc/build.py          # from the repository root, with the pinned interpreter
+    python dtensor_ops/csrc/build.py --output out/_fastpath_ext.so   # what the Bazel genrule runs
 
 Compiles against pybind11's headers from the installed ``pybind11`` package and the running
 interpreter's headers (``sysconfig``), and writes ``_fastpath_ext<EXT_SUFFIX>`` next to the
@@ -10,6 +11,7 @@ module loaded keep a valid mapping.  Without the module the package runs in pure
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -19,12 +21,21 @@ import tempfile
 from pathlib import Path
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import pybind11
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     here = Path(__file__).resolve().parent
-    source = here / "fastpath.cpp"
-    target = here.parent / "shardwise" / "dtensor_ops" / ("_fastpath_ext" + sysconfig.get_config_var("EXT_SUFFIX"))
+    parser.add_argument("--source", type=Path, default=here / "fastpath.cpp")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=here.parent / "shardwise" / "dtensor_ops" / ("_fastpath_ext" + sysconfig.get_config_var("EXT_SUFFIX")),
+        help="where the module goes (default: inside the package, for this interpreter)",
+    )
+    args = parser.parse_args(argv)
+    source, target = args.source.resolve(), args.output.absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CXX") or shutil.which("c++") or "c++"
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name

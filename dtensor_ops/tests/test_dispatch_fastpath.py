@@ -79,7 +79,7 @@ def comparing_keys() -> Iterator[_KeyComparison]:
     try:
         yield comparison
     finally:
-        DTensor.__torch_dispatch__ = original  # type: ignore[method-assign]
+        DTensor.__torch_dispatch__ = original
 
 
 @needs_extension
@@ -132,7 +132,9 @@ def _tp_mlp_step(use_cpp: bool) -> tuple[list[torch.Tensor], int]:
     try:
         for _ in range(3):  # the first step fills the caches; later ones hit them
             hidden = torch.nn.functional.linear(x, w1).relu() * 0.5
-            out = torch.nn.functional.linear(hidden, w2).redistribute(mesh, [Replicate()])
+            partial_out = torch.nn.functional.linear(hidden, w2)
+            assert isinstance(partial_out, DTensor)
+            out = partial_out.redistribute(mesh, [Replicate()])
             (out.sin() + 1.0).sum().backward()
     finally:
         dispatch._cpp_hit = cpp_hit

@@ -13,7 +13,10 @@ source checkout without the build, another platform) the package works the same 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 from types import ModuleType
 from typing import Any, Callable
 
@@ -21,9 +24,10 @@ import torch
 
 from . import _decision_cache
 
-__all__ = ["ENV_VAR", "INTERFACE_VERSION", "FastHit", "extension", "fast_hit", "selected_path"]
+__all__ = ["ENV_VAR", "INTERFACE_VERSION", "PATH_ENV_VAR", "FastHit", "extension", "fast_hit", "selected_path"]
 
 ENV_VAR = "SHARDWISE_DISPATCH_FASTPATH"
+PATH_ENV_VAR = "SHARDWISE_FASTPATH_EXT"
 # The version of fastpath.cpp's interface this module configures (its INTERFACE_VERSION).
 INTERFACE_VERSION = 2
 _PATHS = ("cpp", "python")
@@ -40,10 +44,25 @@ def selected_path() -> str:
 
 
 def extension() -> ModuleType | None:
-    """The compiled ``_fastpath_ext`` module, or None where it is not installed."""
+    """The compiled ``_fastpath_ext`` module, or None where it is not installed.
+
+    ``SHARDWISE_FASTPATH_EXT=<path of a built .so>`` loads it from there instead (a Bazel build
+    output, which does not sit inside the package).
+    """
+    name = __package__ + "._fastpath_ext"
+    path = os.environ.get(PATH_ENV_VAR)
     try:
+        if path and name not in sys.modules:
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            if spec is None:
+                return None
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            sys.modules[name] = module
+            return module
         # By name: the extension is a leaf (it imports nothing of the package).
-        return importlib.import_module(__package__ + "._fastpath_ext")
+        return importlib.import_module(name)
     except ImportError:
         return None
 
