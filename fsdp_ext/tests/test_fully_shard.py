@@ -376,6 +376,12 @@ def test_bad_input_is_refused_before_any_collective() -> None:
             fully_shard(model.blocks[1], mesh=mesh, shard_placement_fn=lambda p: Shard(2) if p.ndim == 2 else None)
         with pytest.raises(ValueError, match="reshard_after_forward=3 does not divide"):
             fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=3)
+        with pytest.raises(ValueError, match="empty list"):
+            fully_shard([], mesh=mesh)
+        with pytest.raises(ValueError, match="same module twice"):
+            fully_shard([model.blocks[1], model.blocks[1]], mesh=mesh)
+        with pytest.raises(TypeError, match="expects an nn.Module or a list of them"):
+            fully_shard([model.blocks[1], torch.ones(2)], mesh=mesh)  # type: ignore[list-item]
     assert comm.get_total_counts() == 0
     mixed = Net()
     mixed.head.to(torch.float64)
