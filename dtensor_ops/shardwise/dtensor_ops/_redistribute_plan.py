@@ -70,8 +70,9 @@ row-major index over ``D``) changes all of them at once.
   ``(|group| - 1) *`` the padded piece.
 
 Joint steps are searched only on meshes of at most ``_JOINT_SEARCH_MAX_RANKS`` ranks (their
-cost looks at every rank's piece) and chosen only when they move strictly fewer bytes: a
-tie keeps the one-dim plan (and its collective counts).
+cost looks at every rank's piece), only from the source or into the target (where they replace
+several one-dim steps; see ``_joint_moves``), and chosen only when they move strictly fewer
+bytes: a tie keeps the one-dim plan (and its collective counts).
 
 The search is uniform-cost (Dijkstra) over states; the state space is small because
 mesh ndim is small.  Costs are compared as ``(bytes, joint steps, collectives, steps)`` so
