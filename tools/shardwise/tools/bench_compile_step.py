@@ -21,7 +21,9 @@ forward and the loss), once per implementation and mode:
   backend=--backend)``; backward runs the compiled backward graph; the optimizer (SGD) stays eager.
 
 Per implementation and mode: compile time (the first step's wall time minus the median step: dynamo,
-AOTAutograd and the backend for forward and backward), the median wall time of a step over ``--steps``
+AOTAutograd and the backend for forward and backward; the backend is warmed up first on a small plain
+function, so its one-time start is charged to no implementation; inductor's on-disk graph caches are
+off, so each compile is done in full), the median wall time of a step over ``--steps``
 rounds after ``--warmup`` steps (each step between barriers, so rank 0's time is the slowest rank's),
 its CPU time summed over ranks (``time.process_time``: robust to the other load of a shared machine),
 frames compiled, and the losses, which must agree between all four runs of the same model.  The report
@@ -95,6 +97,7 @@ class RunResult:
     implementation: str
     mode: str
     error: str | None = None
+    guarded_call_micros: float = float("nan")  # compiled `t * 2` on one DTensor input: guards + call
     first_step_seconds: float = float("nan")
     step_seconds: list[float] = field(default_factory=list)  # wall clock, barrier to barrier
     step_cpu_seconds: list[float] = field(default_factory=list)  # CPU time of all ranks together
@@ -162,7 +165,48 @@ def _run_one(implementation: str, mode: str, config: CompileBenchConfig, world_s
         result.step_seconds.append(wall)
         result.step_cpu_seconds.append(cpu)
     result.frames = counter.frame_count if counter is not None else 0
+    if mode == "compiled":
+        result.guarded_call_micros = _guarded_call_micros(stack, mesh)
     return result
+
+
+def _guarded_call_micros(stack: Any, mesh: Any, calls: int = 300) -> float:
+    """µs per call of a compiled ``t * 2`` on one small DTensor (backend eager): mostly dynamo's guards.
+
+    PyTorch's own DTensor has guards special-cased in dynamo (a spec-equality guard); ours goes
+    through the generic traceable-subclass guards with a Python ``__metadata_guard__``.
+    """
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    value = stack.tensor.distribute_tensor(torch.ones(4, 4), mesh, [stack.tensor.Shard(0)])
+    doubled = torch.compile(lambda t: t * 2, backend="eager", fullgraph=True)
+    for _ in range(10):
+        doubled(value)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            doubled(value)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def _warm_up_backend(backend: str) -> None:
+    """Compile a small plain function once, so that the backend's one-time start (inductor's imports,
+    its C++ toolchain probe) is not charged to whichever implementation is compiled first."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+
+    # Compile times are measured cold: no reuse of graphs compiled by an earlier run of this benchmark.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    torch._dynamo.reset()
+    warm = torch.compile(lambda a, b: torch.relu(a @ b).sum(), backend=backend, fullgraph=True)
+    a = torch.randn(4, 4, requires_grad=True)
+    warm(a, torch.randn(4, 4)).backward()
+    torch._dynamo.reset()
 
 
 def _rank_main(rank: int, world_size: int, port: int, config: CompileBenchConfig, out_path: str) -> None:
@@ -173,6 +217,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: CompileBenchConfig
     )
     results: list[RunResult] = []
     try:
+        _warm_up_backend(config.backend)
         for implementation in config.implementations:
             for mode in MODES:
                 try:
@@ -222,17 +267,22 @@ def format_report(results: list[RunResult], config: CompileBenchConfig) -> str:
         "",
         f"{'implementation':<16}{'mode':<10}{'step ms':>10}{'cpu ms':>10}{'compile s':>11}{'frames':>8}  losses (first, last)",
     ]
+    guard_notes: list[str] = []
     for result in results:
         if result.error is not None:
             lines.append(f"{result.implementation:<16}{result.mode:<10}  FAILED: {result.error.strip().splitlines()[-1]}")
             continue
         compile_text = f"{result.compile_seconds:>11.1f}" if result.mode == "compiled" else f"{'-':>11}"
+        if result.mode == "compiled":
+            guard_notes.append(f"{result.implementation}: {result.guarded_call_micros:.1f} µs")
         lines.append(
             f"{result.implementation:<16}{result.mode:<10}{result.median_step_seconds * 1e3:>10.2f}"
             f"{result.median_step_cpu_seconds * 1e3:>10.2f}{compile_text}"
             f"{result.frames:>8}  {result.losses[0]:.5f}, {result.losses[-1]:.5f}"
         )
     table = _by_key(results)
+    if guard_notes:
+        lines.append("compiled `t * 2` on one DTensor input (guards + call), per call: " + ", ".join(guard_notes))
     lines.append("")
     for implementation in config.implementations:
         eager, compiled = table.get((implementation, "eager")), table.get((implementation, "compiled"))
