@@ -220,6 +220,47 @@ def test_fsdp1_full_state_dict_loads_back() -> None:
 
 
 @multi_rank(world_size=4)
+def test_fsdp1_optimizer_state_dicts() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    mesh = _mesh()
+    model = _fsdp1_over_tp(reference, mesh, use_seq_parallel=False)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, labels = _batches(2)
+    local = _local_batch(mesh)
+    _loss(reference, tokens[0], labels[0]).backward()
+    ref_optim.step()
+    _loss(model, tokens[0][local], labels[0][local]).backward()
+    optim.step()
+    optim.zero_grad()
+    # Full: every state whole over dp; a tp parameter's state is a DTensor with its layout.
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = FSDP.optim_state_dict(model, optim)
+    wq_state = full["state"]["layers.0.attention.wq.weight"]["exp_avg"]
+    assert isinstance(wq_state, DTensor) and wq_state.placements == (Shard(0),)
+    for name, param in reference.named_parameters():
+        for state_name in ("exp_avg", "exp_avg_sq"):
+            value = full["state"][name][state_name]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(value, ref_optim.state[param][state_name], rtol=1e-4, atol=1e-6, msg=name)
+    # Sharded: each rank's pieces; trained one step further and loaded back, the state is the saved one.
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = FSDP.optim_state_dict(model, optim)
+    assert isinstance(sharded["state"]["layers.0.attention.wq.weight"]["exp_avg"], ShardedTensor)
+    saved = {k: {n: v.clone() for n, v in states.items()} for k, states in optim.state_dict()["state"].items()}
+    _loss(model, tokens[1][local], labels[1][local]).backward()
+    optim.step()
+    optim.zero_grad()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, sharded))
+    restored = optim.state_dict()["state"]
+    for key, states in saved.items():
+        for state_name, value in states.items():
+            assert torch.equal(restored[key][state_name], value), (key, state_name)
+
+
+@multi_rank(world_size=4)
 def test_chunk_dtensor_and_all_gather_dtensor_hooks() -> None:
     mesh = _mesh()
     extensions = DTensorExtensions()

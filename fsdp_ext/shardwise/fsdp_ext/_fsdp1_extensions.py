@@ -12,10 +12,11 @@ Installing: ``torch.distributed.fsdp._fsdp_extensions._set_fsdp_extensions(DTens
 In torch 2.13 FSDP1 no longer reads what that setter stores (each FSDP instance picks PyTorch's
 extensions when given a sub-mesh of a PyTorch ``DeviceMesh``, none otherwise); constructing a
 :class:`DTensorExtensions` therefore wraps, once, FSDP1's ``_init_extension`` (an instance built
-with ``process_group=`` and no ``device_mesh`` takes the installed shardwise extensions), and two
+with ``process_group=`` and no ``device_mesh`` takes the installed shardwise extensions), and the
 places where FSDP1 special-cases PyTorch's DTensor: ``FlatParamHandle._use_unsharded_views``
-(parameters that are DTensor views, for state dicts and ``summon_full_params``) and the sharded
-state dict's pre-load hook (the gathered tp pieces back into DTensors).  Nothing changes for FSDP
+(parameters that are DTensor views, for state dicts and ``summon_full_params``), the sharded
+state dict's pre-load hook (the gathered tp pieces back into DTensors) and the optimizer state
+dict's unflattening and loading of one parameter's state (see the README).  Nothing changes for FSDP
 instances that do not use shardwise extensions.
 
 This module imports ``torch.distributed.fsdp`` (which itself loads PyTorch's DTensor), so
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fsdp_extensions as fsdp_extensions
+import torch.distributed.fsdp._optim_utils as fsdp1_optim_utils
 import torch.distributed.fsdp._state_dict_utils as fsdp1_state_dict_utils
 import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
 import torch.nn as nn
@@ -255,6 +257,8 @@ def _tensor_parallel_boxes(tensor: DTensor, mesh: DeviceMesh) -> list[tuple[tupl
 _original_init_extension: Callable[..., Any] | None = None
 _original_use_unsharded_views: Callable[..., Any] | None = None
 _original_sharded_pre_load: Callable[..., Any] | None = None
+_original_unflatten_optim_states: Callable[..., Any] | None = None
+_original_shard_optim_state: Callable[..., Any] | None = None
 
 
 def _init_extension_honouring_installed(state: Any, device_mesh: Any = None) -> Any:
@@ -343,9 +347,82 @@ def _sharded_pre_load_rebuilding_dtensors(module: nn.Module, fsdp_state: Any, st
             )
 
 
+def _unflatten_optim_states_keeping_dtensors(
+    fsdp_param_info: Any,
+    output_states: dict[str, dict[str, Any]],
+    state_name: str,
+    shard_state: bool,
+    to_save: bool,
+    cpu_offload: bool,
+) -> None:
+    """FSDP1's optimizer-state unflattening, given the local tp pieces it expects; the DTensors after.
+
+    The gathered states arrive as DTensors (``post_unflatten_transform``); FSDP1 reshapes them to
+    the local shape unless they are PyTorch's DTensor. It gets the local pieces; a full state then
+    becomes the tp DTensor again, a sharded one this extension's nested ``ShardedTensor``.
+    """
+    assert _original_unflatten_optim_states is not None
+    fsdp_state = fsdp_param_info.state
+    extension = fsdp_state._fsdp_extension
+    layouts: dict[str, DTensor] = {}
+    if isinstance(extension, DTensorExtensions) and to_save:
+        for fqn, states in output_states.items():
+            value = states.get(state_name)
+            if isinstance(value, DTensor):
+                layouts[fqn] = value
+                states[state_name] = value._local_tensor
+    _original_unflatten_optim_states(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload)
+    if isinstance(extension, DTensorExtensions) and to_save and cpu_offload and not shard_state:
+        # "Offloading" a CPU tensor to the CPU returns it as it is: a view of the gather buffer that
+        # the next state's gather overwrites (every state but the last came out wrong); keep a copy.
+        for fqn, states in output_states.items():
+            value = states.get(state_name)
+            if fqn not in layouts and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
+                states[state_name] = value.clone()
+    for fqn, gathered in layouts.items():
+        local = gathered._local_tensor.detach().clone()
+        if cpu_offload:
+            local = local.cpu()
+        whole = DTensor.from_local(
+            local, gathered.device_mesh, gathered.placements, shape=gathered.shape, stride=gathered.stride()
+        )
+        if shard_state:
+            assert isinstance(extension, DTensorExtensions)
+            output_states[fqn][state_name] = extension.chunk_tensor(
+                whole, fsdp_state.rank, fsdp_state.world_size, fsdp_state._device_handle.device_count(),
+                fsdp_state.process_group,
+            )
+        else:
+            output_states[fqn][state_name] = whole
+
+
+def _shard_optim_state_from_dtensors(fsdp_param_info: Any, fqn: str, optim_state: dict[str, Any]) -> dict[str, Any]:
+    """FSDP1's loading of one parameter's optimizer state, given what it can read.
+
+    FSDP1 gathers each state to the parameter's unsharded (local tp) piece and takes its flat shard;
+    it reads PyTorch's DTensor and plain ``ShardedTensor``s only: a tp DTensor gives its local
+    piece, this extension's nested ``ShardedTensor`` its dp ``ShardedTensor`` (gathered by FSDP1).
+    """
+    assert _original_shard_optim_state is not None
+    if isinstance(fsdp_param_info.state._fsdp_extension, DTensorExtensions):
+        readable: dict[str, Any] = {}
+        for name, value in optim_state.items():
+            if isinstance(value, DTensor):
+                value = value._local_tensor
+            elif isinstance(value, ShardedTensor):
+                shards = value.local_shards()
+                if len(shards) == 1 and isinstance(shards[0].tensor, ShardedTensor):
+                    value = shards[0].tensor
+            readable[name] = value
+        optim_state = readable
+    result: dict[str, Any] = _original_shard_optim_state(fsdp_param_info, fqn, optim_state)
+    return result
+
+
 def _honour_installed_extensions() -> None:
     """Make FSDP1 instances without a device mesh use shardwise extensions set by ``_set_fsdp_extensions``."""
     global _original_init_extension, _original_use_unsharded_views, _original_sharded_pre_load
+    global _original_unflatten_optim_states, _original_shard_optim_state
     if _original_init_extension is None:
         _original_init_extension = fsdp1_module._init_extension
         fsdp1_module._init_extension = _init_extension_honouring_installed
@@ -356,3 +433,9 @@ def _honour_installed_extensions() -> None:
         # FSDP1's pre-load hook looks this function up by name at each call.
         _original_sharded_pre_load = fsdp1_state_dict_utils._sharded_pre_load_state_dict_hook
         fsdp1_state_dict_utils._sharded_pre_load_state_dict_hook = _sharded_pre_load_rebuilding_dtensors
+    if _original_unflatten_optim_states is None:
+        # Both looked up by name in FSDP1's optimizer-state-dict code at each call.
+        _original_unflatten_optim_states = fsdp1_optim_utils._unflatten_orig_param_states
+        fsdp1_optim_utils._unflatten_orig_param_states = _unflatten_optim_states_keeping_dtensors
+        _original_shard_optim_state = fsdp1_optim_utils._shard_orig_param_state
+        fsdp1_optim_utils._shard_orig_param_state = _shard_optim_state_from_dtensors
