@@ -5,13 +5,14 @@
 
 declares, for package folder `mesh/` (import `shardwise.mesh`, wheel `shardwise-mesh`):
   //mesh:mesh         py_library over mesh/shardwise/mesh/**
-  //mesh:wheel        shardwise_mesh-<VERSION>-py3-none-any.whl
+  //mesh:wheel        shardwise_mesh-<VERSION>-py3-none-any.whl (or the platform's tag, with native_modules)
   //mesh:mypy_test    mypy over the package with the root mypy.ini
   //mesh:test_<file>  one pytest target per mesh/tests/test_*.py
 """
 
 load("@rules_python//python:defs.bzl", "py_library", "py_test")
 load("@shardwise_versions//:versions.bzl", "VERSIONS")
+load("@shardwise_wheel_tag//:tag.bzl", "NATIVE_WHEEL_TAG")
 load(":wheel.bzl", "sw_wheel")
 
 _PYTEST_RUNNER = "//tools/build_defs:pytest_runner.py"
@@ -85,7 +86,7 @@ def sw_mypy_test(name, package, library):
 def _test_target_name(src):
     return src.split("/")[-1][:-len(".py")]
 
-def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data = [], summary = None):
+def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data = [], summary = None, native_modules = {}):
     """Declares the library, wheel, mypy test and one test target per tests/test_*.py of a package.
 
     Args:
@@ -96,13 +97,24 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
         Files named tests/test_*_gpu.py always run on GPUs (world size from this dict, default 2).
       test_data: files the tests read.
       summary: the wheel's one-line description.
+      native_modules: {"shardwise/<pkg>/_ext.so": "//<pkg>/csrc:ext"}: compiled modules built by
+        other targets, placed at that path in the library (tests import them) and in the wheel,
+        which then carries the pinned interpreter's platform tag. Modules built by hand inside the
+        source tree (*.so) are never packaged: builds stay reproducible from the sources.
     """
     if name not in VERSIONS:
         fail("package {} has no VERSION registered: add it to package_versions in WORKSPACE".format(name))
+    for path, built in sorted(native_modules.items()):
+        native.genrule(
+            name = "native_" + path.split("/")[-1].split(".")[0].lstrip("_"),
+            srcs = [built],
+            outs = [path],
+            cmd = "cp $< $@",
+        )
     py_library(
         name = name,
         srcs = native.glob(["shardwise/**/*.py"]),
-        data = native.glob(["shardwise/**/*.so", "shardwise/**/py.typed"]),
+        data = native.glob(["shardwise/**/py.typed"]) + sorted(native_modules.keys()),
         imports = ["."],
         deps = deps,
         visibility = ["//visibility:public"],
@@ -116,8 +128,10 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
         name = "wheel",
         distribution = "shardwise-" + name.replace("_", "-"),
         version = VERSIONS[name],
-        srcs = native.glob(["shardwise/**"], exclude = ["**/__pycache__/**", "**/*.pyc"]),
+        srcs = native.glob(["shardwise/**"], exclude = ["**/__pycache__/**", "**/*.pyc", "**/*.so"]) +
+               sorted(native_modules.keys()),
         strip_prefix = native.package_name(),
+        platform_tag = NATIVE_WHEEL_TAG if native_modules else "",
         readme = "README.md" if native.glob(["README.md"]) else None,
         requires = [_wheel_label(dep) for dep in deps],
         external_requires = ["torch>=2.13,<2.14"],

@@ -1,4 +1,7 @@
-"""`sw_wheel`: a pure-Python wheel of one package, its sibling wheels as compatible-range requirements."""
+"""`sw_wheel`: the wheel of one package, its sibling wheels as compatible-range requirements.
+
+Pure Python (`py3-none-any`) unless `platform_tag` is set, for a package that ships compiled modules.
+"""
 
 WheelInfo = provider(
     doc = "A built shardwise wheel.",
@@ -18,7 +21,8 @@ def compatible_range(version):
     return ">={},<{}".format(version, major + 1)
 
 def _sw_wheel_impl(ctx):
-    file_stem = "{}-{}-py3-none-any".format(ctx.attr.distribution.replace("-", "_"), ctx.attr.version)
+    tag = ctx.attr.platform_tag or "py3-none-any"
+    file_stem = "{}-{}-{}".format(ctx.attr.distribution.replace("-", "_"), ctx.attr.version, tag)
     wheel = ctx.actions.declare_file(file_stem + ".whl")
 
     requirements = list(ctx.attr.external_requires)
@@ -32,6 +36,8 @@ def _sw_wheel_impl(ctx):
     args.add("--version", ctx.attr.version)
     args.add("--summary", ctx.attr.summary)
     args.add("--strip-prefix", ctx.attr.strip_prefix)
+    if ctx.attr.platform_tag:
+        args.add("--platform-tag", ctx.attr.platform_tag)
     if ctx.file.readme:
         args.add("--readme", ctx.file.readme)
     args.add_all(requirements, before_each = "--requires")
@@ -72,6 +78,8 @@ sw_wheel = rule(
         "version": attr.string(mandatory = True),
         "srcs": attr.label_list(allow_files = True),
         "strip_prefix": attr.string(mandatory = True),
+        # e.g. "cp311-cp311-linux_x86_64" for a package with compiled modules; empty: pure Python.
+        "platform_tag": attr.string(default = ""),
         "readme": attr.label(allow_single_file = True),
         "summary": attr.string(default = ""),
         "requires": attr.label_list(providers = [WheelInfo]),

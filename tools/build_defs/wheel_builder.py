@@ -51,6 +51,10 @@ def main() -> None:
     parser.add_argument("--summary", default="")
     parser.add_argument("--strip-prefix", required=True)
     parser.add_argument("--readme")
+    parser.add_argument(
+        "--platform-tag", default="",
+        help="the wheel tag of a package with compiled modules (e.g. cp311-cp311-linux_x86_64); default py3-none-any",
+    )
     parser.add_argument("--requires", action="append", default=[])
     parser.add_argument(
         "--console-script", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
@@ -81,8 +85,10 @@ def main() -> None:
     entries[f"{dist_info}/METADATA"] = _metadata(args, readme).encode()
     if args.console_script:
         entries[f"{dist_info}/entry_points.txt"] = _entry_points(args.console_script).encode()
+    purelib = "false" if args.platform_tag else "true"
     entries[f"{dist_info}/WHEEL"] = (
-        "Wheel-Version: 1.0\nGenerator: shardwise wheel_builder\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        "Wheel-Version: 1.0\nGenerator: shardwise wheel_builder\n"
+        f"Root-Is-Purelib: {purelib}\nTag: {args.platform_tag or 'py3-none-any'}\n"
     ).encode()
 
     record_name = f"{dist_info}/RECORD"

@@ -17,7 +17,7 @@ import zipfile
 import pytest
 
 RUNFILES_ROOT = pathlib.Path.cwd()
-WHEELS = sorted(RUNFILES_ROOT.glob("*/shardwise_*-py3-none-any.whl"))
+WHEELS = sorted(RUNFILES_ROOT.glob("*/shardwise_*.whl"))
 TOOLS_WHEELS = [wheel for wheel in WHEELS if wheel.name.startswith("shardwise_tools-")]
 
 pytestmark = pytest.mark.skipif(
