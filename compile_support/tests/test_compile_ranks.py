@@ -339,3 +339,33 @@ def test_graph_breaks_between_dtensor_code_leave_whole_dtensors() -> None:
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     assert out._spec == expected._spec
     torch.testing.assert_close(out.to_local(), expected.to_local())
+_MESH_HOLDER: dict[str, Any] = {}
+
+
+def _from_local_on_held_mesh(local: torch.Tensor) -> torch.Tensor:
+    mesh = _MESH_HOLDER["mesh"]
+    return DTensor.from_local(local, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
+
+
+@multi_rank(world_size=WORLD)
+def test_a_global_mesh_rebuilt_after_its_groups_are_destroyed_fails_loudly_not_hangs() -> None:
+    """Documented limit: a mesh reached as a global (not through a DTensor input) is guarded by ``==``, which
+    ignores process groups, so the graph is reused; its collectives name the destroyed group and the call
+    raises at once on every rank (no hang). ``torch._dynamo.reset()`` after rebuilding meshes avoids it."""
+    from shardwise.mesh import DeviceMesh
+
+    old_group = dist.new_group(list(range(WORLD)))
+    _MESH_HOLDER["mesh"] = DeviceMesh.from_group(old_group, "cpu")
+    compiled, counter = _compile(_from_local_on_held_mesh, "aot_eager")
+    local = torch.full((1, 2), float(dist.get_rank()))
+    expected = torch.cat([torch.full((1, 2), float(r)) for r in range(WORLD)])
+    torch.testing.assert_close(compiled(local), expected)
+
+    _MESH_HOLDER["mesh"] = DeviceMesh.from_group(dist.new_group(list(range(WORLD))), "cpu")
+    dist.destroy_process_group(old_group)
+    with pytest.raises(RuntimeError, match="Could not resolve the process group"):
+        compiled(local)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    recompiled = torch.compile(_from_local_on_held_mesh, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(recompiled(local), expected)
