@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import StateDictType
+from torch.distributed.fsdp import MixedPrecision, StateDictType
 from torch.distributed.fsdp._fsdp_extensions import _set_fsdp_extensions
 
 from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor
@@ -44,11 +44,18 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def _fsdp1_over_tp(reference: Transformer, mesh: DeviceMesh, use_seq_parallel: bool) -> nn.Module:
+def _fsdp1_over_tp(
+    reference: Transformer, mesh: DeviceMesh, use_seq_parallel: bool, mixed_precision: MixedPrecision | None = None
+) -> nn.Module:
     """Each block its own FSDP1 instance, then the root, all over the dp group of a TP model."""
     _set_fsdp_extensions(DTensorExtensions())
     model = Transformer.parallelize(copy.deepcopy(reference), mesh["tp"], use_seq_parallel)
-    kwargs = dict(process_group=mesh["dp"].get_group(), use_orig_params=True, device_id=torch.device("cpu"))
+    kwargs = dict(
+        process_group=mesh["dp"].get_group(),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        mixed_precision=mixed_precision,
+    )
     for index, block in enumerate(model.layers):
         model.layers[index] = FSDP(block, **kwargs)  # type: ignore[arg-type]
     return FSDP(model, **kwargs)  # type: ignore[arg-type]
@@ -109,6 +116,33 @@ def test_fsdp1_over_tensor_parallelism_trains_like_one_process(use_seq_parallel:
     full = _full_state(model)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(full[name], param.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@multi_rank(world_size=4)
+def test_fsdp1_mixed_precision_over_tensor_parallelism() -> None:
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    bf16_reference = copy.deepcopy(reference).to(torch.bfloat16)
+    mesh = _mesh()
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _fsdp1_over_tp(reference, mesh, use_seq_parallel=True, mixed_precision=policy)
+    tokens, labels = _batches(1)
+    local = _local_batch(mesh)
+    ref_loss = _loss(bf16_reference, tokens[0], labels[0])
+    ref_loss.backward()
+    loss = _loss(model, tokens[0][local], labels[0][local])
+    loss.backward()
+    losses = [torch.zeros(()) for _ in range(4)]
+    dist.all_gather(losses, loss.detach())
+    torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach().float(), rtol=2e-2, atol=2e-2)
+    reference_grads = {name: p.grad for name, p in bf16_reference.named_parameters()}
+    with FSDP.summon_full_params(model, with_grads=True):
+        for name, param in model.named_parameters():
+            assert param.grad is not None, name
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            expected = reference_grads[_clean(name)]
+            assert expected is not None
+            torch.testing.assert_close(grad.float(), expected.float(), rtol=5e-2, atol=5e-2, msg=name)
 
 
 @multi_rank(world_size=4)
