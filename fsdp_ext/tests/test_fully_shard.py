@@ -212,6 +212,33 @@ def test_hsdp_shards_within_and_replicates_across() -> None:
         torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+@multi_rank(world_size=4)
+def test_hsdp_accumulation_all_reduces_once_across_replicas() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard_model(copy.deepcopy(reference), mesh)
+    rank = dist.get_rank()
+    local = slice(rank * 2, rank * 2 + 2)
+    all_reduces = []
+    for micro_batch in range(2):
+        tokens, targets = _batch(micro_batch)
+        _loss(reference, tokens, targets).backward()
+        model.set_requires_all_reduce(micro_batch == 1)
+        with CommDebugMode() as comm:
+            _loss(model, tokens[local], targets[local]).backward()
+        counts = comm.get_comm_counts()
+        assert counts[funcol.reduce_scatter_tensor] == 3
+        all_reduces.append(counts[funcol.all_reduce])
+        if micro_batch == 0:
+            assert all(param.grad is None for param in model.parameters())
+    # Within-replica reduce-scatters every time, the all-reduce across replicas once per unit.
+    assert all_reduces == [0, 3]
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is not None and ref_param.grad is not None
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _shard_dim1_of_matrices(param: nn.Parameter) -> Shard | None:
     return Shard(1) if param.ndim == 2 else None
 

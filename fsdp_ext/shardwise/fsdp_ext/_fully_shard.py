@@ -284,6 +284,13 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP, off: backward reduce-scatters within the replica only, keeping the sum for the next
+        backward with it on (gradient accumulation with one all-reduce across replicas)."""
+        for state in self._fsdp_units(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._fsdp_units(recurse):
             if state.group is not None:

@@ -406,6 +406,10 @@ class FSDPParamGroup:
         self.is_unsharded = False
         self._pending_gather: torch.Tensor | None = None
         self.requires_gradient_sync = True
+        # HSDP: off, backward reduce-scatters within the replica and keeps the sum (sharded) for the
+        # next backward with the all-reduce across replicas on.
+        self.requires_all_reduce = True
+        self._partial_reduced: torch.Tensor | None = None
         self.reshard_after_backward = True
         self._accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         # id(FSDPParam) -> tp mesh dims over which this backward's gradient is still a Partial sum.
@@ -567,6 +571,13 @@ class FSDPParamGroup:
                 fsdp_param.copy_in_gradient(full, reduce_input)
             reduced = wait(launch_reduce_scatter(reduce_input.view(-1), "sum", self.dp_size, self.group_name))
             if self.replicate_group_name is not None:
+                if self._partial_reduced is not None:
+                    reduced = reduced + self._partial_reduced
+                    self._partial_reduced = None
+                if not self.requires_all_reduce:
+                    # HSDP accumulation: sum within the replica now, across replicas later.
+                    self._partial_reduced = reduced
+                    return [None] * len(with_grad)
                 reduced = wait(launch_all_reduce(reduced, "sum", self.replicate_group_name))
             reduced.div_(self.dp_size * self.replicate_size)
             sharded_grads: list[torch.Tensor | None] = []
