@@ -239,6 +239,88 @@ def test_hsdp_accumulation_all_reduces_once_across_replicas() -> None:
         torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@multi_rank(world_size=4)
+def test_gradient_divide_factor_sum_reduction_and_all_reduce_hook() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)))
+    tokens, targets = _batch(0)
+    _loss(reference, tokens, targets).backward()
+    rank = dist.get_rank()
+    local = slice(rank * 2, rank * 2 + 2)
+
+    def grads_times(scale: float) -> None:
+        _loss(model, tokens[local], targets[local]).backward()
+        for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+            assert param.grad is not None and ref_param.grad is not None
+            torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad * scale, rtol=1e-5, atol=1e-6,
+                                       msg=name)
+        model.zero_grad(set_to_none=True)
+
+    grads_times(1.0)
+    model.set_force_sum_reduction_for_comms(True)
+    grads_times(4.0)  # summed over the 4 ranks
+    model.set_force_sum_reduction_for_comms(False)
+    model.set_gradient_divide_factor(2.0)
+    grads_times(2.0)
+    model.set_gradient_divide_factor(4.0)
+    seen: list[int] = []
+
+    def triple(reduced: torch.Tensor) -> None:
+        seen.append(reduced.numel())
+        reduced.mul_(3)
+
+    for unit in (model, *model.blocks):
+        unit.set_all_reduce_hook(triple)
+    grads_times(3.0)
+    assert len(seen) == 3  # once per unit
+    with pytest.raises(ValueError, match="positive factor"):
+        model.set_gradient_divide_factor(0.0)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@multi_rank(world_size=4)
+def test_reset_iter_state_after_an_aborted_forward() -> None:
+    torch.manual_seed(0)
+    reference = Net()
+    model = _shard_model(copy.deepcopy(reference), init_device_mesh("cpu", (4,)))
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    local = slice(rank * 2, rank * 2 + 2)
+    abort = [True]
+
+    def maybe_abort(module: nn.Module, args: object) -> None:
+        if abort[0]:
+            raise _Boom("aborted inside the second block")
+
+    model.blocks[1].down.register_forward_pre_hook(maybe_abort)
+    tokens, targets = _batch(0)
+    with pytest.raises(_Boom):
+        _loss(model, tokens[local], targets[local])
+    with pytest.raises(RuntimeError, match="root"):
+        model.blocks[0].reset_iter_state()
+    model.reset_iter_state()
+    assert all(not unit._fsdp_state().group.is_unsharded for unit in (model, *model.blocks))
+    abort[0] = False
+    for step in range(2):
+        tokens, targets = _batch(step)
+        _loss(reference, tokens, targets).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        with CommDebugMode() as comm:
+            loss = _loss(model, tokens[local], targets[local])
+        assert comm.get_comm_counts()[funcol.all_gather_into_tensor] == 3
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _shard_dim1_of_matrices(param: nn.Parameter) -> Shard | None:
     return Shard(1) if param.ndim == 2 else None
 

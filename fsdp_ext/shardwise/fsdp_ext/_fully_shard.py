@@ -302,6 +302,53 @@ class FSDPModule:
         for state in self._fsdp_units(recurse):
             state.reshard_after_forward = reshard_after_forward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor!r}")
+        for state in self._fsdp_units(True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """PyTorch's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """On: gradients are summed over the data-parallel ranks, not averaged."""
+        for state in self._fsdp_units(True):
+            if state.group is not None:
+                state.group.force_sum_reduction = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook`` with each backward's reduced gradients of this unit (the flat sharded buffer, in
+        the reduce dtype, after averaging), where it may change them in place before they are handed
+        to the parameters. ``stream`` is refused: there are no side streams here."""
+        if stream is not None:
+            raise ValueError("set_all_reduce_hook: shardwise.fsdp_ext runs the hook inline; expected stream=None")
+        group = self._fsdp_state().group
+        if group is not None:
+            group.all_reduce_hook = hook
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: free every unit's unsharded parameters and
+        forget the iteration's pending state (gathers, kept shares, unreduced gradients). Root only."""
+        state = self._fsdp_state()
+        if state.is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root fully_shard module, not on this "
+                f"{type(self).__name__}"
+            )
+        for unit in state.units or [state]:
+            unit.pre_backward_done = False
+            unit.modules_to_run = set()
+            if unit.group is not None:
+                unit.group.reset()
+        state.backward_callback_queued = False
+        if state.recording_order:
+            # The first forward did not finish: record the unit order again next time.
+            state.forward_order = []
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Recorded for PyTorch compatibility: every backward here finishes its own work."""
         for state in self._fsdp_units(True):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -410,6 +410,10 @@ class FSDPParamGroup:
         # next backward with the all-reduce across replicas on.
         self.requires_all_reduce = True
         self._partial_reduced: torch.Tensor | None = None
+        # set_gradient_divide_factor / set_force_sum_reduction_for_comms / set_all_reduce_hook.
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.reshard_after_backward = True
         self._accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         # id(FSDPParam) -> tp mesh dims over which this backward's gradient is still a Partial sum.
@@ -501,6 +505,13 @@ class FSDPParamGroup:
             self._gathered = gathered
         self.is_unsharded = True
 
+    def reset(self) -> None:
+        """Forget everything of an aborted iteration: in-flight gathers, kept shares, pending gradients."""
+        self.reshard()
+        self._accumulated_grad = None
+        self._partial_reduced = None
+        self.partial_grad_dims = {}
+
     def drop_post_forward_shard(self) -> None:
         self._post_forward_shard = None
 
@@ -579,7 +590,10 @@ class FSDPParamGroup:
                     self._partial_reduced = reduced
                     return [None] * len(with_grad)
                 reduced = wait(launch_all_reduce(reduced, "sum", self.replicate_group_name))
-            reduced.div_(self.dp_size * self.replicate_size)
+            if not self.force_sum_reduction:
+                reduced.div_(self.gradient_divide_factor or self.dp_size * self.replicate_size)
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(reduced)
             sharded_grads: list[torch.Tensor | None] = []
             for fsdp_param in with_grad:
                 local = fsdp_param.sharded_local_view(reduced)
