@@ -230,6 +230,35 @@ def test_fsdp_on_dim_1_over_tensor_parallelism() -> None:
                                    msg=name)
 
 
+def _mlp(hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Linear(hidden, 5))
+
+
+@pytest.mark.parametrize("hidden", [8, 6])
+@multi_rank(world_size=4)
+def test_layouts_match_pytorchs_fully_shard_over_tp(hidden: int) -> None:
+    """Same model, plan and mesh: every parameter's placements and local piece as PyTorch's FSDP2 gives."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from shardwise.tp_styles import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch_mesh = torch_init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    theirs = torch_parallelize(_mlp(hidden), torch_mesh["tp"], {"0": TorchColwise(), "2": TorchRowwise()})
+    torch_fully_shard(theirs, mesh=torch_mesh["dp"])
+    mesh = _mesh()
+    ours = parallelize_module(_mlp(hidden), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(ours, mesh=mesh["dp"])
+    for (name, mine), (_, reference) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert repr(tuple(mine.placements)) == repr(tuple(reference.placements)), (name, mine.placements)
+        assert torch.equal(mine.to_local(), reference.to_local()), name
+        assert mine.shape == reference.shape and mine.stride() == reference.stride(), name
+
+
 @multi_rank(world_size=4)
 def test_mixed_precision_over_tensor_parallelism() -> None:
     torch.manual_seed(0)
