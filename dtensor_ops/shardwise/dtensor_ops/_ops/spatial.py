@@ -11,7 +11,8 @@ On one mesh dim:
 * ``convolution``: batch-sharded input with replicated weight and bias gives a batch-sharded
   output; output channels sharded in weight and bias (``groups == 1``) give channel-sharded output;
   input channels sharded in input and weight (``groups == 1``, no bias: a bias would be added once
-  per rank) give ``Partial(sum)``; a sharded spatial dim is replicated first.  Its backward mirrors
+  per rank) give ``Partial(sum)``; a sharded spatial dim is replicated first (the one spatial shard
+  with replicated weight and bias is the halo exchange of ``_handlers/conv_halo.py``, asked first).  Its backward mirrors
   these: batch-sharded gives ``Partial(sum)`` weight and bias gradients, out-channel-sharded a
   ``Partial(sum)`` input gradient, in-channel-sharded a replicated bias gradient;
 * ``native_batch_norm`` and friends: channels sharded in the input (dim 1) and in every per-channel
