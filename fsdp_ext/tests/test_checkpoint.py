@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from shardwise.dtensor_ops import DTensor
 from shardwise.fsdp_ext import fully_shard
 from shardwise.mesh import init_device_mesh
-from shardwise.placement import _StridedShard
+from shardwise.placement import Shard, _StridedShard
 from shardwise.testing import ModelArgs, Transformer, multi_rank
 
 
@@ -66,6 +66,39 @@ def test_checkpoint_reshards_on_load_across_mesh_shapes() -> None:
             torch.testing.assert_close(_full(value), expected[name], rtol=0, atol=0, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(fsdp_only(tokens), plain(tokens))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+
+
+def _dim1_of_matrices(param: torch.nn.Parameter) -> Shard | None:
+    return Shard(1) if param.ndim == 2 else None
+
+
+@multi_rank(world_size=4)
+def test_checkpoint_from_hsdp_over_tp_and_dim_1_shards_loads_onto_fsdp() -> None:
+    torch.manual_seed(0)
+    source = Transformer(_args())
+    mesh_3d = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    Transformer.parallelize(source, mesh_3d["tp"], True)
+    for block in source.layers:
+        fully_shard(block, mesh=mesh_3d["replicate", "shard"], shard_placement_fn=_dim1_of_matrices)
+    fully_shard(source, mesh=mesh_3d["replicate", "shard"], shard_placement_fn=_dim1_of_matrices)
+    assert source.layers[0].attention.wo.weight.device_mesh.ndim == 3
+    expected = {name: _full(value) for name, value in source.state_dict().items()}
+    directory = _shared_directory()
+    dcp.save(source.state_dict(), checkpoint_id=directory)
+    mesh_1d = init_device_mesh("cpu", (4,))
+    torch.manual_seed(5)
+    target = Transformer(_args())
+    for block in target.layers:
+        fully_shard(block, mesh=mesh_1d)
+    fully_shard(target, mesh=mesh_1d)
+    state = target.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    target.load_state_dict(state)
+    for name, value in target.state_dict().items():
+        torch.testing.assert_close(_full(value), expected[name], rtol=0, atol=0, msg=name)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory)
