@@ -16,7 +16,9 @@ One common case skips the whole tensor: gathering the strided mesh dim alone (``
 sf=tp), Shard(0))`` -> ``(Replicate(), Shard(0))``, FSDP over TP back to TP: checkpoints loaded onto
 TP, FSDP1's ``all_gather_dtensor``). When the pieces of the ranks along that mesh dim, in order, are
 exactly the target piece (checked from the layout, once per spec pair and rank), one padded
-``all_gather_into_tensor`` over that mesh dim and a concatenation give it.
+``all_gather_into_tensor`` over that mesh dim and a concatenation give it.  Other targets without a
+strided placement (``full_tensor()``, other shardings) start with that gather, where it is exact,
+and let a normal plan do the rest: no index assembly of the whole tensor.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ def redistribute_with_strided_shards(
     gathered = _gather_one_strided_mesh_dim(local, src, dst)
     if gathered is not None:
         return gathered
+    strided = [m for m, p in enumerate(src.placements) if type(p) is _StridedShard]
+    if len(strided) == 1 and not src.has_partial() and not any(type(p) is _StridedShard for p in dst.placements):
+        # Gather the strided mesh dim alone first when that is exact; a normal plan does the rest.
+        middle = src.with_placements([Replicate() if m == strided[0] else p for m, p in enumerate(src.placements)])
+        gathered = _gather_one_strided_mesh_dim(local, src, middle)
+        if gathered is not None:
+            return redistribute(gathered, middle, dst)
     mesh = src.mesh
     replicated = src.with_placements([Replicate()] * mesh.ndim)
     if any(type(p) is _StridedShard for p in src.placements):
