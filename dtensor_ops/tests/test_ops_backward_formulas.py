@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor
+from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor
+from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.dtensor_ops.experimental import implicit_replication
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement
@@ -113,3 +114,58 @@ def _forward_mixing_raises_backward_of_implicit_replication_works() -> None:
 
 def test_plain_tensor_outside_backward_still_raises_and_saved_implicit_ones_differentiate() -> None:
     run_on_threads(_forward_mixing_raises_backward_of_implicit_replication_works, world_size=_WORLD)
+
+
+# ------------------------------------------------------------------- masked_fill of partial values
+
+
+def _masked_fill_of_partials() -> None:
+    mesh = _mesh()
+    rank = dist.get_rank()
+    whole = _input((4, 5))
+    mask = whole > 1.0
+    mask_dt = distribute_tensor(mask, mesh, [Replicate()])
+    pieces = {
+        # Pieces whose reduction is `whole`: sum of (whole + rank) - offsets, avg of whole +- rank, max/min.
+        "sum": whole / _WORLD,
+        "avg": whole + (rank - 1.5),
+        "max": whole - rank,
+        "min": whole + rank,
+    }
+    for reduce_op, piece in pieces.items():
+        partial = DTensor.from_local(piece, mesh, [Partial(reduce_op)], shape=whole.shape, stride=whole.stride())
+        with CommDebugMode() as comm:
+            filled = partial.masked_fill(mask_dt, -3.0)
+            partial.masked_fill_(mask_dt, -3.0)
+        assert comm.get_total_counts() == 0, reduce_op
+        assert filled.placements == (Partial(reduce_op),) and partial.placements == (Partial(reduce_op),)
+        torch.testing.assert_close(filled.full_tensor(), whole.masked_fill(mask, -3.0))
+        torch.testing.assert_close(partial.full_tensor(), whole.masked_fill(mask, -3.0))
+
+
+def test_masked_fill_keeps_partial_values_partial_without_communication() -> None:
+    run_on_threads(_masked_fill_of_partials, world_size=_WORLD)
+
+
+def _scatter_reduce_mean_backward(index_placement: Placement) -> None:
+    mesh = _mesh()
+    full = _input((6, 4))
+    source = _input((5, 4)) * 2.0
+    index = torch.tensor([[0, 1, 2, 3], [5, 5, 0, 1], [2, 2, 2, 2], [0, 4, 4, 1], [3, 0, 5, 2]])
+    leaves = [full.clone().requires_grad_(True), source.clone().requires_grad_(True)]
+    expected_out = torch.scatter_reduce(leaves[0], 0, index, leaves[1], "mean", include_self=False)
+    expected = torch.autograd.grad((expected_out * _weights(expected_out.shape)).sum(), leaves)
+
+    dt_full = distribute_tensor(full, mesh, [Replicate()]).requires_grad_(True)
+    dt_source = distribute_tensor(source, mesh, [Shard(1)]).requires_grad_(True)
+    dt_index = distribute_tensor(index, mesh, [index_placement])
+    out = torch.scatter_reduce(dt_full, 0, dt_index, dt_source, "mean", include_self=False)
+    grads = torch.autograd.grad((out.full_tensor() * _weights(out.shape)).sum(), [dt_full, dt_source])
+    torch.testing.assert_close(out.full_tensor(), expected_out.detach())
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.full_tensor(), want)
+
+
+@pytest.mark.parametrize("index_placement", [Replicate(), Shard(0), Shard(1)], ids=str)
+def test_scatter_reduce_mean_backward_with_a_sharded_index(index_placement: Placement) -> None:
+    run_on_threads(_scatter_reduce_mean_backward, index_placement, world_size=_WORLD)

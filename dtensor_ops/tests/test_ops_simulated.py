@@ -421,7 +421,9 @@ def run_case_on_layout(case: Case, mesh_shape: tuple[int, ...], layouts: Sequenc
         locals_ = [pieces[coordinate] for pieces in pieces_per_input]
         args, kwargs = _replace_dtensors(case, locals_)
         args, kwargs = _apply_overrides(args, kwargs, decision)
-        local_results[coordinate] = case.op(*args, **kwargs)
+        # What dispatch runs on the pieces: the rule's local kernel where it has one (per coordinate), else the op.
+        run = decision.local_kernel if decision.local_kernel is not None else case.op
+        local_results[coordinate] = run(*args, **kwargs)
 
     if isinstance(expected, torch.Tensor):
         _check_output(case, mesh_shape, expected, decisions, {c: (r,) for c, r in local_results.items()}, None)

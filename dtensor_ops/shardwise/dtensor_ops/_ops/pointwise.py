@@ -22,7 +22,7 @@ partial values where the op is linear in them:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -35,7 +35,15 @@ from ._shapes import (
     dtype_on_empty_tensors,
 )
 from .._schema import schema_facts
-from .._rules import OneDimStrategy, OpCall, ShardingRule, aten_overloads, broadcast_input_placement, register_rule
+from .._rules import (
+    OneDimStrategy,
+    OpCall,
+    PlacementsPerTensor,
+    ShardingRule,
+    aten_overloads,
+    broadcast_input_placement,
+    register_rule,
+)
 
 __all__ = ["MULTI_OUTPUT_POINTWISE_RULE", "POINTWISE_RULE", "pointwise_output_meta", "pointwise_strategies"]
 
@@ -58,7 +66,7 @@ _UNARY = (
 _BINARY = (
     "add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "maximum", "minimum", "fmax",
     "fmin", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "hypot", "copysign", "logical_and", "logical_or",
-    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "xlogy", "where", "masked_fill", "addcmul",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "xlogy", "where", "addcmul",
     "addcdiv", "lerp", "heaviside", "igamma", "igammac", "ldexp", "logaddexp", "logaddexp2", "nextafter",
     "special_xlog1py", "special_zeta", "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u",
     "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w", "special_shifted_chebyshev_polynomial_t",
@@ -233,3 +241,71 @@ register_rule(
         local_kernel=_physical_conjugate_kernel,
     ),
 )
+
+
+# --------------------------------------------------------------------------- masked_fill on partial values
+
+
+@dataclass(frozen=True)
+class FillOnOneRank:
+    """``masked_fill`` of a ``Partial(sum)`` piece: the ranks add their pieces, so the filled value is written on
+    one rank (coordinate 0 on every summed mesh dim) and zero on the others; the masked places then sum to the
+    value, the others to the partial sum, which is ``masked_fill`` of the whole."""
+
+    writes_value: bool
+
+    def __call__(self, op: torch._ops.OpOverload, *args: object, **kwargs: object) -> object:
+        if self.writes_value:
+            return op(*args, **kwargs)
+        if "value" in kwargs:
+            value = kwargs["value"]
+            kwargs = {**kwargs, "value": torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0}
+            return op(*args, **kwargs)
+        value = args[2]
+        zero = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0
+        return op(*args[:2], zero, *args[3:], **kwargs)
+
+
+@dataclass(frozen=True)
+class _BoundFill:
+    op: torch._ops.OpOverload
+    fill: FillOnOneRank
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self.fill(self.op, *args, **kwargs)
+
+
+def _masked_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """Pointwise, and also partial values of every kind with a replicated mask (and value): the masked places
+    take the value (on every rank for avg/max/min, whose reduction of equal values is that value; on one rank
+    for sum, zero elsewhere), the others keep their partial values. So an in-place fill of a partial result
+    (the count in scatter_reduce's 'mean' backward, a norm's zero guard) needs no reduction."""
+    strategies = pointwise_strategies(call)
+    others: tuple[Placement, ...] = (Replicate(),) * (len(call.input_specs) - 1)
+    for reduce_op in call.every_reduce_op():
+        strategy = OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op), *others))
+        if strategy not in strategies:
+            strategies.append(strategy)
+    return strategies
+
+
+def _masked_fill_kernel(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> _BoundFill | None:
+    summed = [mesh_dim for mesh_dim, placement in enumerate(inputs[0]) if placement == Partial("sum")]
+    spec = outputs[0]
+    if not summed or spec is None:
+        return None
+    coordinate = spec.mesh.get_coordinate()
+    assert coordinate is not None, "a rank outside the mesh runs no local op"
+    return _BoundFill(call.op, FillOnOneRank(all(coordinate[mesh_dim] == 0 for mesh_dim in summed)))
+
+
+MASKED_FILL_RULE = ShardingRule(
+    family="masked_fill (pointwise, partial values)",
+    one_dim_strategies=_masked_fill_strategies,
+    scalar_values_matter=False,
+    output_meta=pointwise_output_meta,
+    local_kernel=_masked_fill_kernel,
+)
+register_rule(aten_overloads(("masked_fill",)), MASKED_FILL_RULE)
