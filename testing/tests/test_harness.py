@@ -51,6 +51,17 @@ def sleep_on_rank(slow_rank: int, seconds: float) -> None:
         time.sleep(seconds)
 
 
+def ops_on_a_new_mesh() -> list[float]:
+    from shardwise.dtensor_ops import Replicate, Shard, distribute_tensor
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    sharded = distribute_tensor(torch.arange(8.0), mesh, [Replicate(), Shard(0)])
+    doubled = sharded.detach() * 2
+    assert doubled.device_mesh.get_group("tp") is mesh.get_group("tp")
+    return doubled.redistribute(mesh, [Replicate(), Replicate()]).to_local().tolist()
+
+
 def start_ranks_from_a_rank() -> None:
     run_on_ranks(rank_and_world_size, world_size=2)
 
@@ -157,6 +168,13 @@ def test_raising_rank_fails_with_its_traceback() -> None:
     assert failure.value.errors[2].exception_type == "ValueError"
     assert 2 in failure.value.failed_ranks
     assert not isinstance(failure.value, MultiRankTimeout)
+
+
+def test_dtensor_decisions_of_an_earlier_call_do_not_carry_its_dead_mesh() -> None:
+    # Cached decisions hold their outputs' mesh; the next call's equal-looking mesh lives in a new
+    # world (new process groups), so the old decisions must not be reused for it.
+    for _ in range(2):
+        assert run_on_ranks(ops_on_a_new_mesh, world_size=4) == [[2.0 * i for i in range(8)]] * 4
 
 
 def test_a_rank_asked_to_start_ranks_refuses_instead_of_multiplying() -> None:

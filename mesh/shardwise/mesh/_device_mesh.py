@@ -17,7 +17,7 @@ from shardwise.mesh import _process_groups as process_groups
 from shardwise.mesh import _validation as validation
 from shardwise.mesh._errors import MeshDimError, MeshError
 from shardwise.mesh._layout import MeshLayout
-from shardwise.mesh._world import ensure_default_process_group, world_size_for_validation
+from shardwise.mesh._world import ensure_default_process_group, world_generation, world_size_for_validation
 
 __all__ = ["DeviceMesh", "get_current_mesh", "init_device_mesh"]
 
@@ -48,7 +48,9 @@ class DeviceMesh:
     A sliced (``mesh["tp"]``) or flattened (``mesh[...]._flatten()``) mesh is a view of its root
     mesh: it sees the sub-mesh holding this rank and uses the root's process groups.
     Equality, hash and repr depend only on what every rank agrees on (the root's ranks, the dims
-    of the view, the names, the device type), so they are the same on all ranks.
+    of the view, the names, the device type), so they are the same on all ranks. Equality also
+    asks for the same world: meshes built before and after re-initialising the default process
+    group differ (the old one's groups are gone), so nothing cached with the old one is reused.
     """
 
     device_type: str
@@ -68,6 +70,7 @@ class DeviceMesh:
     _has_joint_groups: bool
     _slices: dict[tuple[str, ...], DeviceMesh]
     _key: tuple[Any, ...]
+    _world_generation: int
     _stable_digest: bytes
     _hash: int
 
@@ -122,10 +125,12 @@ class DeviceMesh:
         self._joint_groups = {}
         self._has_joint_groups = False
         self._slices = {}
-        self._key = (device_type, layout.root_shape, layout.root_ranks, layout.dims, names)
+        layout_key = (device_type, layout.root_shape, layout.root_ranks, layout.dims, names)
         # Python's str hash differs between processes; a digest of the key does not, so the hash is
-        # the same on every rank.
-        self._stable_digest = hashlib.blake2b(repr(self._key).encode(), digest_size=16).digest()
+        # the same on every rank (and in every process: the world's number stays out of it).
+        self._stable_digest = hashlib.blake2b(repr(layout_key).encode(), digest_size=16).digest()
+        self._world_generation = root._world_generation if root is not None else world_generation()
+        self._key = (*layout_key, self._world_generation)
         self._hash = int.from_bytes(self._stable_digest[:8], "little", signed=True)
         _LATEST_MESH_BY_DIGEST[self._stable_digest.hex()] = self
 
@@ -519,6 +524,10 @@ class DeviceMesh:
             self._dim_group_names = ()
             groups = []
         self._group_refs = tuple(weakref.ref(group) for group in groups)
+        if groups:
+            # Its groups live in this process's current world: it is that world's mesh now.
+            self._world_generation = world_generation()
+            self._key = (*self._key[:-1], self._world_generation)
 
     def __enter__(self) -> DeviceMesh:
         _active_meshes.meshes.append(self)

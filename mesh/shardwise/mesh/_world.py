@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
+import weakref
 from typing import Mapping, Protocol
 
 import torch
@@ -16,10 +18,27 @@ __all__ = [
     "default_backend_for",
     "ensure_default_process_group",
     "select_device",
+    "world_generation",
     "world_size_for_validation",
 ]
 
 TORCHRUN_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_generation_by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_generations = itertools.count(1)
+
+
+def world_generation() -> int:
+    """A number naming the current default process group, new after each ``init_process_group``.
+
+    Two meshes over the same ranks built in different worlds (a ``destroy_process_group`` and a new
+    ``init_process_group`` between them) have different communicators: the number tells them apart.
+    """
+    world = dist.distributed_c10d._get_default_group()
+    generation = _generation_by_world.get(world)
+    if generation is None:
+        generation = _generation_by_world[world] = next(_generations)
+    return generation
 
 
 class DeviceHandle(Protocol):
