@@ -33,6 +33,11 @@ struct Config {
 
 Config config;
 
+// Simple decisions served here since the last reset_hit_count(): the C++ share of the hits that
+// debug._get_fast_path_sharding_prop_cache_stats() reports (the Python path counts its own).  A plain
+// integer bumped under the GIL: free next to the call it counts.
+unsigned long long simple_hits = 0;
+
 // Interned attribute names, made once.
 PyObject* name_decisions = nullptr;
 PyObject* name_local_tensor = nullptr;
@@ -223,6 +228,7 @@ py::object try_hit(py::handle op, py::tuple args) {
   if (PyObject_SetAttr(wrapped.p, name_local_tensor, result.p) < 0 || PyObject_SetAttr(wrapped.p, name_spec, spec.p) < 0) {
     throw py::error_already_set();
   }
+  ++simple_hits;
   return py::reinterpret_steal<py::object>(wrapped.release());
 }
 
@@ -250,7 +256,7 @@ PYBIND11_MODULE(_fastpath_ext, module) {
   module.doc() = "shardwise DTensor dispatch: the decision-cache hit (key, lookup, local call, wrapper) in C++";
   // Bumped whenever configure()'s arguments or the key's rules change; _fastpath.py ignores a build
   // of another version (a stale .so falls back to Python rather than breaking the import).
-  module.attr("INTERFACE_VERSION") = 2;
+  module.attr("INTERFACE_VERSION") = 3;
   intern_names();
   module.def("configure", &configure, py::arg("dtensor_type"), py::arg("decision_module"), py::arg("self_keyed_types"),
              py::arg("float_values_matter"), py::arg("make_wrapper"), py::arg("overload_type"),
@@ -259,4 +265,7 @@ PYBIND11_MODULE(_fastpath_ext, module) {
              "The decision-cache key of op(*args) on the flat fast path, or None where the Python path keys it.");
   module.def("try_hit", &try_hit, py::arg("op"), py::arg("args"),
              "The wrapped result of a cache hit of a simple decision, or None (the Python path runs).");
+  module.def("hit_count", []() { return simple_hits; },
+             "How many calls try_hit served (cache hits of simple decisions) since the last reset_hit_count().");
+  module.def("reset_hit_count", []() { simple_hits = 0; }, "Start counting try_hit's hits from zero.");
 }

@@ -34,6 +34,7 @@ from ._rules import rule_for
 
 __all__ = [
     "DECISIONS",
+    "DISPATCH_LOOKUPS",
     "KWARGS_MARK",
     "MAX_CACHED_DECISIONS",
     "SELF_KEYED_TYPES",
@@ -47,6 +48,12 @@ __all__ = [
 MAX_CACHED_DECISIONS = 1 << 16
 
 DECISIONS: dict[Hashable, OpDecision] = register_cache({}, module=__name__, attribute="DECISIONS", rank_local=True)
+
+# [hits, misses] of dispatch's own lookups in DECISIONS on the Python path (the C++ fast path counts
+# the hits it serves itself: _fastpath.cpp_hit_count).  debug._get_fast_path_sharding_prop_cache_stats
+# reports them and the debug clear functions zero them.  Process-wide (rank threads share the counts):
+# a list bumped in place costs a few tens of ns per op, a per-rank mapping would cost a lookup.
+DISPATCH_LOOKUPS: list[int] = [0, 0]
 
 # Non-tensor argument types whose value is its own key part.
 SELF_KEYED_TYPES: frozenset[type] = frozenset(

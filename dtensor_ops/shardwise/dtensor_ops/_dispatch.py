@@ -32,6 +32,7 @@ from ._caches import register_cache
 from ._decision import WRAP_INPLACE, WRAP_NESTED, WRAP_OUT, WRAP_PASSTHROUGH, WRAP_TENSOR, OpDecision
 from ._decision_cache import (
     DECISIONS,
+    DISPATCH_LOOKUPS,
     KWARGS_MARK,
     SELF_KEYED_TYPES,
     float_values_matter,
@@ -312,10 +313,13 @@ def torch_dispatch(
         # Symbolic (SymInt) shapes while torch.compile traces: unhashable, so decided afresh (free in eager).
         prepared = None
     if prepared is None:
+        DISPATCH_LOOKUPS[1] += 1  # a miss
         handled = _ask_on_miss(func, args, {})
         if handled is not NotImplemented:
             return handled
         prepared = _decide(func, key, tuple(spec_args), {})
+    else:
+        DISPATCH_LOOKUPS[0] += 1  # a hit
     if prepared.simple:
         # wrap_local_tensor's construction, inlined from the decision's precomputed shape and stride: this line
         # runs for nearly every op of a training step and the call costs ~0.2 µs (bench_dispatch_overhead).
@@ -444,10 +448,13 @@ def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs
     except TypeError:
         prepared = None
     if prepared is None:
+        DISPATCH_LOOKUPS[1] += 1  # a miss
         handled = _ask_on_miss(func, args, kwargs)
         if handled is not NotImplemented:
             return handled
         prepared = _decide(func, key, tuple(spec_args), spec_kwargs)
+    else:
+        DISPATCH_LOOKUPS[0] += 1  # a hit
 
     if _moved_view_copies and prepared.written:
         _refuse_writes_into_moved_views(prepared, args, kwargs)

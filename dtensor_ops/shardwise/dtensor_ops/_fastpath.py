@@ -24,15 +24,29 @@ import torch
 
 from . import _decision_cache
 
-__all__ = ["ENV_VAR", "INTERFACE_VERSION", "PATH_ENV_VAR", "FastHit", "extension", "fast_hit", "selected_path"]
+__all__ = [
+    "ENV_VAR",
+    "INTERFACE_VERSION",
+    "PATH_ENV_VAR",
+    "FastHit",
+    "cpp_hit_count",
+    "extension",
+    "fast_hit",
+    "reset_cpp_hit_count",
+    "selected_path",
+]
 
 ENV_VAR = "SHARDWISE_DISPATCH_FASTPATH"
 PATH_ENV_VAR = "SHARDWISE_FASTPATH_EXT"
 # The version of fastpath.cpp's interface this module configures (its INTERFACE_VERSION).
-INTERFACE_VERSION = 2
+INTERFACE_VERSION = 3
 _PATHS = ("cpp", "python")
 
 FastHit = Callable[[Any, tuple[Any, ...]], Any]
+
+# The extension fast_hit configured (None while dispatch runs in pure Python): its hit counter is
+# the C++ share of debug._get_fast_path_sharding_prop_cache_stats().
+_configured: ModuleType | None = None
 
 
 def selected_path() -> str:
@@ -85,5 +99,17 @@ def fast_hit(dtensor_type: type) -> FastHit | None:
         torch.Tensor._make_wrapper_subclass,
         torch._ops.OpOverload,
     )
+    global _configured
+    _configured = module
     hit: FastHit = module.try_hit
     return hit
+
+
+def cpp_hit_count() -> int:
+    """Cache hits the C++ fast path served since the last :func:`reset_cpp_hit_count` (0 in pure Python)."""
+    return 0 if _configured is None else int(_configured.hit_count())
+
+
+def reset_cpp_hit_count() -> None:
+    if _configured is not None:
+        _configured.reset_hit_count()
