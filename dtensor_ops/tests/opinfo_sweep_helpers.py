@@ -29,5 +29,5 @@ KNOWN_WRONG_RESULTS: dict[str, str] = {}
 # shardings per sample) so that the target stays within a couple of minutes.
 BACKWARD_SAMPLES_PER_OP = 1
 BACKWARD_SHARDINGS_PER_SAMPLE = 3
-# Measured: 513 of 528 tried pass backward, 0 wrong (about 35 s on 2 cores).
-BACKWARD_PASSING_OPS_FLOOR = 513
+# Measured: 515 of 528 tried pass backward, 0 wrong (35 to 60 s on 2 cores, by load).
+BACKWARD_PASSING_OPS_FLOOR = 515
