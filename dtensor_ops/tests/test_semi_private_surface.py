@@ -37,7 +37,13 @@ SURFACE = {
     "shardwise.dtensor_ops._ops._embedding_ops": ["_MaskPartial"],
     "shardwise.dtensor_ops._ops.utils": ["normalize_dim", "is_tensor_partial"],
     "shardwise.dtensor_ops._api": ["_shard_tensor"],
-    "shardwise.dtensor_ops.debug": ["_clear_sharding_prop_cache"],
+    "shardwise.dtensor_ops._op_schema": [
+        "OpSchema", "OpStrategy", "OpSpec", "TupleStrategy", "RuntimeSchemaInfo", "OutputSharding", "StrategyType",
+        "PlacementList",
+    ],
+    "shardwise.dtensor_ops.debug": [
+        "_clear_sharding_prop_cache", "_clear_fast_path_sharding_prop_cache", "_get_fast_path_sharding_prop_cache_stats",
+    ],
     "shardwise.placement": ["_StridedShard"],
     "shardwise.tp_styles.input_reshard": ["input_reshard"],
 }

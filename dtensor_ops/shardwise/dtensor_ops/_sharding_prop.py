@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence, cast, overload
 
 import torch
 
@@ -37,6 +37,19 @@ from ._caches import clear_all_caches
 from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision_cache_size, remember_decision
 from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
 from ._ops.fallback import replicate_fallback_rule
+from ._op_schema import (
+    OP_STRATEGY_FUNCS,
+    OP_TO_RULES,
+    OP_TO_SCHEMA_INFO,
+    OpInfo,
+    OpSchema,
+    OutputSharding,
+    OutputSpecType,
+    RuntimeSchemaInfo,
+    StrategyType,
+    register_op_strategy_func,
+    register_prop_rule_func,
+)
 from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
@@ -45,11 +58,15 @@ from ._strided_specs import decide_with_strided_shards, has_strided_shard
 
 __all__ = [
     "OpDecision",
+    "OpInfo",
+    "OpSchema",
+    "OutputSharding",
     "PropagationCacheInfo",
     "ShardingPropagator",
     "sharding_propagator",
     "ShardingPropagationError",
     "decide_op_sharding",
+    "output_sharding_of",
     "propagate_op_sharding",
     "sharding_cache_key",
     "sharding_cache_size",
@@ -115,9 +132,32 @@ class PropagationCacheInfo(NamedTuple):
 class _CachedPropagation:
     """``ShardingPropagator.propagate_op_sharding``: the cached propagation, with functools' cache API."""
 
+    @overload
+    def __call__(self, op: OpSchema) -> OutputSharding: ...
+
+    @overload
     def __call__(
         self, op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object] | None = None
-    ) -> OpDecision:
+    ) -> OpDecision: ...
+
+    def __call__(
+        self,
+        op: torch._ops.OpOverload | OpSchema,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+    ) -> OpDecision | OutputSharding:
+        if isinstance(op, OpSchema):
+            if args is not None or kwargs is not None:
+                raise TypeError(
+                    "propagate_op_sharding: given an OpSchema, expected no further arguments "
+                    "(or call it as propagate_op_sharding(op, args, kwargs))"
+                )
+            return output_sharding_of(op, propagate_op_sharding(op.op, op.args_schema, op.kwargs_schema))
+        if args is None:
+            raise TypeError(
+                f"propagate_op_sharding({op!r}): expected an OpSchema, or an op with its arguments "
+                "(DTensors given as their DTensorSpec)"
+            )
         return propagate_op_sharding(op, args, kwargs or {})
 
     def cache_info(self) -> PropagationCacheInfo:
@@ -138,18 +178,63 @@ class ShardingPropagator:
     ``propagate_op_sharding_non_cached(op, args, kwargs)``: the same, decided afresh;
     ``register_sharding_rule(op, rule)``: give ``op`` (an overload or a list) a ``ShardingRule``,
     replacing any it has (cached decisions are dropped). DTensors in ``args`` are given as their
-    ``DTensorSpec`` (with ``tensor_meta``). PyTorch's ``OpSchema``/``OpStrategy`` types have no
-    counterpart: rules here state their strategies for one mesh dim (see ``_rules.ShardingRule``),
-    and ``experimental.register_sharding`` takes PyTorch's user-level form.
+    ``DTensorSpec`` (with ``tensor_meta``).
+
+    PyTorch's forms (``_op_schema``): ``propagate_op_sharding(op_schema)`` -> ``OutputSharding``;
+    ``propagate(op_info)`` sets ``op_info.output_sharding``; ``register_op_strategy(op, strategy_func,
+    schema_info=None)`` and ``register_sharding_prop_rule(op, rule_func, schema_info=None)`` make such
+    functions real rules of the engine (listed in ``op_strategy_funcs`` / ``op_to_rules``).
     """
 
     def __init__(self) -> None:
         self.propagate_op_sharding = _CachedPropagation()
+        self.op_strategy_funcs = OP_STRATEGY_FUNCS
+        self.op_to_rules = OP_TO_RULES
+        self.op_to_schema_info = OP_TO_SCHEMA_INFO
 
+    @overload
+    def propagate_op_sharding_non_cached(self, op: OpSchema) -> OutputSharding: ...
+
+    @overload
     def propagate_op_sharding_non_cached(
         self, op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object] | None = None
-    ) -> OpDecision:
+    ) -> OpDecision: ...
+
+    def propagate_op_sharding_non_cached(
+        self,
+        op: torch._ops.OpOverload | OpSchema,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+    ) -> OpDecision | OutputSharding:
+        if isinstance(op, OpSchema):
+            return output_sharding_of(op, decide_op_sharding(op.op, op.args_schema, op.kwargs_schema))
+        if args is None:
+            raise TypeError(f"propagate_op_sharding_non_cached({op!r}): expected an OpSchema, or an op with its arguments")
         return decide_op_sharding(op, args, kwargs or {})
+
+    def propagate(self, op_info: OpInfo) -> None:
+        """Set ``op_info.output_sharding`` from ``op_info.schema`` (PyTorch's dispatcher entry)."""
+        if op_info.schema is None:
+            raise ValueError("ShardingPropagator.propagate: op_info.schema is None; expected the call's OpSchema")
+        op_info.output_sharding = self.propagate_op_sharding(op_info.schema)
+
+    def register_op_strategy(
+        self,
+        op_overload: torch._ops.OpOverload,
+        strategy_func: Callable[[OpSchema], StrategyType],
+        schema_info: RuntimeSchemaInfo | None = None,
+    ) -> None:
+        """Make ``strategy_func`` (OpSchema of OpStrategy inputs -> OpStrategy of candidates) the op's rule."""
+        register_op_strategy_func(op_overload, strategy_func, schema_info)
+
+    def register_sharding_prop_rule(
+        self,
+        op_overload: torch._ops.OpOverload,
+        rule_func: Callable[[OpSchema], OutputSharding],
+        schema_info: RuntimeSchemaInfo | None = None,
+    ) -> None:
+        """Make ``rule_func`` (OpSchema of specs -> OutputSharding) the op's rule."""
+        register_prop_rule_func(op_overload, rule_func, schema_info)
 
     def register_sharding_rule(
         self, op: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule: ShardingRule
@@ -164,6 +249,34 @@ class ShardingPropagator:
 
 # The one propagator (PyTorch reaches it as DTensor._op_dispatcher.sharding_propagator).
 sharding_propagator = ShardingPropagator()
+
+
+def output_sharding_of(schema: OpSchema, decision: OpDecision) -> OutputSharding:
+    """A decision in PyTorch's form: the output specs and, when inputs move, the schema with their targets."""
+    if not decision.needs_redistribute:
+        return OutputSharding(cast(OutputSpecType, decision.output_specs))
+    targets = iter(decision.input_specs)
+
+    def target(spec: DTensorSpec[Any]) -> DTensorSpec[Any]:
+        return next(targets)
+
+    moved_args = tuple(_with_targets(arg, target) for arg in schema.args_schema)
+    moved_kwargs = {name: _with_targets(value, target) for name, value in schema.kwargs_schema.items()}
+    return OutputSharding(
+        cast(OutputSpecType, decision.output_specs),
+        redistribute_schema=OpSchema(schema.op, moved_args, moved_kwargs, schema.schema_info),
+        needs_redistribute=True,
+    )
+
+
+def _with_targets(value: object, target: Callable[[DTensorSpec[Any]], DTensorSpec[Any]]) -> object:
+    if isinstance(value, DTensorSpec):
+        return target(value)
+    if isinstance(value, list):
+        return [_with_targets(item, target) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_with_targets(item, target) for item in value)
+    return value
 
 
 def sharding_cache_key(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Hashable:

@@ -54,7 +54,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("planner", ("_redistribute_plan",)),
-    ("rules", ("_ops",)),
+    ("rules", ("_ops", "_op_schema")),
     ("propagation", ("_sharding_prop",)),
     ("collectives", ("_collectives",)),
     ("redistribution", ("_redistribute", "_src_data", "_strided_redistribute")),

@@ -1,0 +1,196 @@
+"""PyTorch's op-strategy API (``_op_schema`` types, ``register_op_strategy``, ``propagate_op_sharding(OpSchema)``).
+
+A custom op (torch.library) gets a strategy function written once against either implementation's
+types; registered with shardwise's ``register_op_strategy`` and with PyTorch's, the same calls on
+DTensors give the same placements and values (PyTorch's DTensor is the oracle).  Ranks are threads:
+placements and deterministic values only.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from shardwise.testing import run_on_threads
+
+WORLD = 2
+
+_LIB = torch.library.Library("swopschema", "DEF")
+_LIB.define("row_scale(Tensor x, Tensor scale) -> Tensor")
+_LIB.define("bad_count(Tensor x) -> Tensor")
+
+
+def _row_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * scale.unsqueeze(-1)
+
+
+_LIB.impl("row_scale", _row_scale, "CPU")
+_LIB.impl("row_scale", _row_scale, "Meta")
+_LIB.impl("bad_count", lambda x: x.clone(), "CPU")
+_LIB.impl("bad_count", lambda x: torch.empty_like(x), "Meta")
+
+ROW_SCALE = torch.ops.swopschema.row_scale.default
+BAD_COUNT = torch.ops.swopschema.bad_count.default
+
+
+def _implementation(name: str) -> SimpleNamespace:
+    """The types a strategy function needs, from shardwise or from PyTorch (the oracle)."""
+    if name == "shardwise":
+        import shardwise.dtensor_ops as api
+        from shardwise.dtensor_ops import _op_schema as schema
+        from shardwise.dtensor_ops._dtensor_spec import DTensorSpec
+        from shardwise.dtensor_ops._sharding_prop import sharding_propagator
+        from shardwise.mesh import init_device_mesh
+
+        costs = schema.generate_redistribute_costs
+        register = schema.register_op_strategy
+        propagator = sharding_propagator
+    else:
+        import torch.distributed.tensor as api  # type: ignore[no-redef]
+        from torch.distributed.device_mesh import init_device_mesh  # type: ignore[assignment]
+        from torch.distributed.tensor import _op_schema as schema  # type: ignore[no-redef]
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec  # type: ignore[assignment]
+        from torch.distributed.tensor._ops.utils import generate_redistribute_costs as costs  # type: ignore[assignment]
+        from torch.distributed.tensor._ops.utils import register_op_strategy as register  # type: ignore[assignment]
+
+        propagator = api.DTensor._op_dispatcher.sharding_propagator  # type: ignore[attr-defined]
+    return SimpleNamespace(
+        api=api, schema=schema, spec=DTensorSpec, costs=costs, register=register,
+        init_device_mesh=init_device_mesh, propagator=propagator,
+    )  # fmt: skip
+
+
+def _row_scale_strategy(impl: SimpleNamespace) -> Callable[[Any], Any]:
+    """x (n, m) * scale (n,) per row: both whole, both split by rows, or x split by columns."""
+    Shard, Replicate = impl.api.Shard, impl.api.Replicate
+
+    def strategy(op_schema: Any) -> Any:
+        x_strategy, scale_strategy = op_schema.args_schema
+        assert isinstance(x_strategy, impl.schema.OpStrategy) and isinstance(scale_strategy, impl.schema.OpStrategy)
+        mesh = x_strategy.mesh
+        x_meta, scale_meta = x_strategy.strategies[0].output_spec.tensor_meta, scale_strategy.strategies[0].output_spec.tensor_meta
+        candidates = []
+        for out, x_place, scale_place in ((Replicate(), Replicate(), Replicate()), (Shard(0), Shard(0), Shard(0)), (Shard(1), Shard(1), Replicate())):
+            x_spec = impl.spec(mesh, (x_place,), tensor_meta=x_meta)
+            scale_spec = impl.spec(mesh, (scale_place,), tensor_meta=scale_meta)
+            candidates.append(
+                impl.schema.OpSpec(
+                    output_specs=impl.spec(mesh, (out,)),
+                    input_specs=[x_spec, scale_spec],
+                    redistribute_cost=[impl.costs(x_strategy, x_spec), impl.costs(scale_strategy, scale_spec)],
+                )
+            )
+        return impl.schema.OpStrategy(candidates)
+
+    return strategy
+
+
+_LAYOUTS = [("S0", "R"), ("S1", "R"), ("R", "R"), ("R", "S0"), ("S0", "S0")]
+
+
+def _placement(impl: SimpleNamespace, name: str) -> Any:
+    return impl.api.Replicate() if name == "R" else impl.api.Shard(int(name[1:]))
+
+
+def _custom_op_on_dtensors(name: str) -> list[tuple[str, str, str, bool]]:
+    impl = _implementation(name)
+    impl.register(ROW_SCALE)(_row_scale_strategy(impl))
+    mesh = impl.init_device_mesh("cpu", (WORLD,))
+    x_full = torch.arange(24.0).reshape(4, 6)
+    scale_full = torch.arange(1.0, 5.0)
+    expected = _row_scale(x_full, scale_full)
+    seen = []
+    for x_name, scale_name in _LAYOUTS:
+        x = impl.api.distribute_tensor(x_full, mesh, [_placement(impl, x_name)])
+        scale = impl.api.distribute_tensor(scale_full, mesh, [_placement(impl, scale_name)])
+        out = ROW_SCALE(x, scale)
+        seen.append((x_name, scale_name, str(out.placements), torch.equal(out.full_tensor(), expected)))
+    return seen
+
+
+def test_a_registered_op_strategy_runs_with_the_placements_pytorch_chooses() -> None:
+    ours = run_on_threads(_custom_op_on_dtensors, "shardwise", world_size=WORLD)
+    theirs = run_on_threads(_custom_op_on_dtensors, "torch", world_size=WORLD)
+    assert ours == theirs
+    for rank_results in ours:
+        assert all(correct for *_, correct in rank_results)
+        # Rows stay rows, columns stay columns: no data moved when a candidate fits as is.
+        placements = {(x, scale): out for x, scale, out, _ in rank_results}
+        assert placements[("S0", "R")] == "(Shard(dim=0),)"
+        assert placements[("S1", "R")] == "(Shard(dim=1),)"
+
+
+def _propagate_a_schema() -> dict[str, Any]:
+    from shardwise.dtensor_ops import Replicate, Shard, distribute_tensor
+    from shardwise.dtensor_ops._op_schema import OpInfo, OpSchema, OutputSharding
+    from shardwise.dtensor_ops._sharding_prop import ShardingPropagator, sharding_propagator
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rows = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])._spec
+    cols = distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])._spec
+    weight = distribute_tensor(torch.ones(6, 3), mesh, [Replicate()])._spec
+    mm = torch.ops.aten.mm.default
+    stays = sharding_propagator.propagate_op_sharding(OpSchema(mm, (rows, weight), {}))
+    moves = sharding_propagator.propagate_op_sharding(OpSchema(mm, (cols, weight), {}))
+    fresh = ShardingPropagator().propagate_op_sharding_non_cached(OpSchema(mm, (cols, weight), {}))
+    info = OpInfo(mesh, OpSchema(mm, (rows, weight), {}))
+    sharding_propagator.propagate(info)
+    decision = sharding_propagator.propagate_op_sharding(mm, (cols, weight), {})
+    assert isinstance(stays, OutputSharding) and isinstance(moves, OutputSharding)
+    assert moves.redistribute_schema is not None
+    return {
+        "stays": (str(stays.output_spec.placements), stays.needs_redistribute, stays.redistribute_schema),
+        "moves": (str(moves.output_spec.placements), moves.needs_redistribute),
+        "moved_inputs": [str(spec.placements) for spec in moves.redistribute_schema.args_spec],
+        "decision_inputs": [str(spec.placements) for spec in decision.input_specs],
+        "fresh_same": fresh.output_spec == moves.output_spec,
+        "info": info.output_sharding is not None and info.output_sharding.output_spec == stays.output_spec,
+    }
+
+
+def test_propagate_op_sharding_takes_an_op_schema_and_answers_an_output_sharding() -> None:
+    for result in run_on_threads(_propagate_a_schema, world_size=WORLD):
+        assert result["stays"] == ("(Shard(dim=0),)", False, None)
+        assert result["moves"][1] is True
+        assert result["moved_inputs"] == result["decision_inputs"]
+        assert result["moved_inputs"] != ["(Shard(dim=1),)", "(Replicate(),)"]
+        assert result["fresh_same"] and result["info"]
+
+
+def _bad_strategies() -> list[str]:
+    from shardwise.dtensor_ops import Shard, distribute_tensor
+    from shardwise.dtensor_ops._op_schema import OpSpec, OpStrategy, TupleStrategy, register_op_strategy
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    messages = []
+    strategies: list[Callable[[Any], Any]] = [
+        lambda schema: OpStrategy([OpSpec(schema.args_schema[0].strategies[0].output_spec, input_specs=[])]),
+        lambda schema: OpStrategy([]),
+        lambda schema: TupleStrategy([]),
+    ]
+    for strategy in strategies:
+        register_op_strategy(BAD_COUNT)(strategy)
+        with CommDebugMode() as comm, pytest.raises(RuntimeError) as raised:
+            BAD_COUNT(x)
+        assert comm.get_total_counts() == 0
+        messages.append(str(raised.value))
+    return messages
+
+
+def test_bad_strategies_and_registrations_get_clear_errors() -> None:
+    for gave_no_inputs, empty, tuple_strategy in run_on_threads(_bad_strategies, world_size=WORLD):
+        assert "swopschema.bad_count" in gave_no_inputs and "gave 0 input specs" in gave_no_inputs
+        assert "1 DTensor inputs" in gave_no_inputs
+        assert "no candidate OpSpecs" in empty
+        assert "returned TupleStrategy; expected an OpStrategy" in tuple_strategy
+    from shardwise.dtensor_ops._op_schema import register_op_strategy
+
+    with pytest.raises(TypeError, match="expected an OpOverload .* got OpOverloadPacket"):
+        register_op_strategy(torch.ops.swopschema.row_scale)  # type: ignore[arg-type]
