@@ -19,7 +19,7 @@ from shardwise.dtensor_ops import DeviceMesh, Partial, Replicate, Shard, distrib
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._sharding_prop import _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
-from shardwise.placement import DTensorSpec, TensorMeta
+from shardwise.placement import DTensorSpec, TensorMeta, _StridedShard
 from shardwise.testing import Attention, DTensorOpTestBase, DTensorTestBase, FakeMesh, ModelArgs, with_comms
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, as_dtensor, check_layout, sweep
 
@@ -152,8 +152,9 @@ class ViewOpsTest(DTensorOpTestBase):
             ((2, 5, 4, 4), Shard(2), (2, 5, 16), Shard(2), {}),  # and merged back
             ((1, 8, 16), Shard(1), (8, 16), Shard(0), {}),  # a batch of 1 is its own group
             ((4, 3), Shard(0), (12,), Shard(0), {}),
-            # (b, s) -> (b*s) sharded on s with b > 1: each rank's rows are strided, not a range.
-            ((2, 8, 16), Shard(1), (16, 16), Shard(1), {"all_to_all_single": 1}),
+            # (b, s) -> (b*s) sharded on s with b > 1: each rank's rows are strided, not a range, so the
+            # merged dim is a strided shard (as in PyTorch), without communication.
+            ((2, 8, 16), Shard(1), (16, 16), _StridedShard(0, split_factor=2), {}),
             # 2 rows cut 4 ways (1, 1, 0, 0) are not the 6 flat elements cut 4 ways (2, 2, 2, 0).
             ((2, 3), Shard(0), (6,), Replicate(), {"all_gather_into_tensor": 1}),
         ]

@@ -54,7 +54,7 @@ from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
-from ._strided_specs import decide_with_strided_shards, has_strided_shard
+from ._strided_specs import decide_with_strided_shards, has_strided_shard, rule_reads_strided_shards
 
 __all__ = [
     "OpDecision",
@@ -594,7 +594,7 @@ def decide_op_sharding(
     op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> OpDecision:
     """Compute (without the cache) the decision :func:`propagate_op_sharding` returns."""
-    if has_strided_shard(args) or has_strided_shard(kwargs):
+    if (has_strided_shard(args) or has_strided_shard(kwargs)) and not rule_reads_strided_shards(op, args, kwargs):
         return decide_with_strided_shards(op, args, kwargs, decide_op_sharding)
     spec_list: list[DTensorSpec[Any]] = []
     position_list: list[ArgPosition] = []

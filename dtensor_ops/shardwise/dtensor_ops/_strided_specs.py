@@ -22,7 +22,30 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Shard, _Strided
 
 from ._decision import OpDecision
 
-__all__ = ["has_strided_shard", "decide_with_strided_shards"]
+__all__ = [
+    "declare_rule_reads_strided_shards",
+    "decide_with_strided_shards",
+    "has_strided_shard",
+    "rule_reads_strided_shards",
+]
+
+# Ops whose sharding rules take some _StridedShard inputs as they are (the view rule: a strided merged
+# dim splits back into a Shard).  The predicate says, from the call's arguments, whether the rule can
+# keep this call's strided inputs; when it cannot, the substitution below decides (or refuses) as usual.
+StridedCallPredicate = Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], bool]
+_RULES_READING_STRIDED_SHARDS: dict[torch._ops.OpOverload, StridedCallPredicate] = {}
+
+
+def declare_rule_reads_strided_shards(ops: Sequence[torch._ops.OpOverload], keeps: StridedCallPredicate) -> None:
+    for op in ops:
+        _RULES_READING_STRIDED_SHARDS[op] = keeps
+
+
+def rule_reads_strided_shards(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> bool:
+    keeps = _RULES_READING_STRIDED_SHARDS.get(op)
+    return keeps is not None and keeps(op, args, kwargs)
 
 
 def has_strided_shard(values: Sequence[object] | Mapping[str, object]) -> bool:
@@ -141,11 +164,29 @@ def decide_with_strided_shards(
         if target is stand_in or target == stand_in:
             input_targets.append(original)
         else:
-            # Redistribution on the other mesh dims only: put the strided placements back.
+            # Redistribution on the other mesh dims only: put the strided placements back.  An input not
+            # strided there (Replicate) that the rule cuts along the strided dim, to line up with its
+            # strided partner, must hold the partner's indices: the strided layout, not a plain Shard.
+            def target_on(mesh_dim: int, placement: Placement) -> Placement:
+                if mesh_dim in strided_here:
+                    return original.placements[mesh_dim]
+                partner = found.get(mesh_dim)
+                if (
+                    partner is not None
+                    and placement == Shard(partner.dim)
+                    and any(
+                        len(spec.shape) == len(original.shape)
+                        and spec.shape[partner.dim] == original.shape[partner.dim]
+                        for spec in originals
+                        if spec.placements[mesh_dim] == partner
+                    )
+                ):
+                    return partner
+                return placement
+
             input_targets.append(
                 target.with_placements(
-                    original.placements[mesh_dim] if mesh_dim in strided_here else placement
-                    for mesh_dim, placement in enumerate(target.placements)
+                    target_on(mesh_dim, placement) for mesh_dim, placement in enumerate(target.placements)
                 )
             )
     extents = {

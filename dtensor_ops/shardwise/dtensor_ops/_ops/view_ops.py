@@ -46,10 +46,13 @@ from shardwise.placement import (
     Replicate,
     Shard,
     TensorMeta,
+    _StridedShard,
     chunk_size_and_offset,
+    local_index_runs,
 )
 
 from ._shapes import contiguous_meta, input_meta, is_contiguous, resolve_view_size
+from .._strided_specs import declare_rule_reads_strided_shards
 from .._rules import (
     ArgPosition,
     OneDimStrategy,
@@ -138,13 +141,39 @@ def _view_size_position(call: OpCall) -> ArgPosition:
 
 
 def _view_strategies(call: OpCall) -> list[OneDimStrategy]:
-    groups = view_dim_groups(call.input_shape(0), call.output_shape(0))
+    in_shape = call.input_shape(0)
+    groups = view_dim_groups(in_shape, call.output_shape(0))
+    out_shape = call.output_shape(0)
+    strided_inputs = {p for p in call.input_specs[0].placements if isinstance(p, _StridedShard)}
     strategies: list[OneDimStrategy] = []
+    strided_strategies: list[OneDimStrategy] = []
     for in_dims, out_dims in groups or ():
         # Outermost to outermost first: on ties between exact strategies it is the natural one.
         for in_dim in in_dims:
             for out_dim in out_dims:
                 strategies.append(OneDimStrategy((Shard(out_dim),), (Shard(in_dim),)))
+        if len(in_dims) > 1 and len(out_dims) == 1:
+            # Merging dims behind a sharded one: every outer index keeps its own piece of the sharded
+            # dim, which is a strided shard of the merged dim (checked exact in _view_is_valid).
+            for position in range(1, len(in_dims)):
+                outer = math.prod(in_shape[dim] for dim in in_dims[:position])
+                strided_strategies.append(
+                    OneDimStrategy((_StridedShard(out_dims[0], split_factor=outer),), (Shard(in_dims[position]),))
+                )
+        for strided in strided_inputs:
+            if in_dims != (strided.dim,):
+                continue
+            if len(out_dims) == 1:
+                strided_strategies.append(
+                    OneDimStrategy((_StridedShard(out_dims[0], split_factor=strided.split_factor),), (strided,))
+                )
+                continue
+            # The inverse of the merge: the outer dims whose sizes make up the split factor come first.
+            for position in range(1, len(out_dims)):
+                if math.prod(out_shape[dim] for dim in out_dims[:position]) == strided.split_factor:
+                    strided_strategies.append(OneDimStrategy((Shard(out_dims[position]),), (strided,)))
+    # After the plain shards: where both are exact, the plain Shard is the simpler layout.
+    strategies.extend(strided_strategies)
     strategies.extend(_unchanged_replicate_and_partials(call))
     return strategies
 
@@ -211,13 +240,82 @@ def _group_shards_line_up(
     return True
 
 
+# Enumerating a strided layout costs one run per held index of the outer dims: beyond this, assume inexact.
+_MAX_FLAT_RUNS = 1 << 14
+
+
+def _flat_runs(
+    group_shape: Sequence[int], mesh_size: int, index: int, placement: Placement
+) -> list[tuple[int, int]] | None:
+    """(start, length) runs of the group's row-major order held at ``index`` of a 1-D mesh of ``mesh_size``.
+
+    ``placement`` is a ``Shard`` or ``_StridedShard`` of a dim of the group, numbered within the group.
+    None when there would be more than ``_MAX_FLAT_RUNS`` runs.
+    """
+    per_dim = local_index_runs(group_shape, (mesh_size,), (index,), (placement,))
+    outer_count = 1
+    for dim_runs in per_dim[:-1]:
+        outer_count *= sum(length for _, length in dim_runs)
+    if outer_count * max(len(per_dim[-1]), 1) > _MAX_FLAT_RUNS:
+        return None
+    runs: list[tuple[int, int]] = []
+    starts = [0]
+    for dim, dim_runs in enumerate(per_dim[:-1]):
+        inner = math.prod(group_shape[dim + 1 :])
+        starts = [base + i * inner for base in starts for start, length in dim_runs for i in range(start, start + length)]
+    for base in starts:
+        for start, length in per_dim[-1]:
+            if runs and runs[-1][0] + runs[-1][1] == base + start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((base + start, length))
+    return runs
+
+
+def _strided_group_is_exact(
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+    group: DimGroup,
+    mesh_size: int,
+    before: Placement,
+    after: Placement,
+) -> bool:
+    """Whether, with one mesh dim of ``mesh_size`` cutting the group, every rank holds the same flat elements."""
+    in_dims, out_dims = group
+
+    def within_group(placement: Placement, dims: Sequence[int]) -> Placement:
+        if isinstance(placement, _StridedShard):
+            return _StridedShard(dims.index(placement.dim), split_factor=placement.split_factor)
+        assert isinstance(placement, Shard)
+        return Shard(dims.index(placement.dim))
+
+    in_group_shape = [in_shape[dim] for dim in in_dims]
+    out_group_shape = [out_shape[dim] for dim in out_dims]
+    for index in range(mesh_size):
+        held_before = _flat_runs(in_group_shape, mesh_size, index, within_group(before, in_dims))
+        held_after = _flat_runs(out_group_shape, mesh_size, index, within_group(after, out_dims))
+        if held_before is None or held_after is None or held_before != held_after:
+            return False
+    return True
+
+
 def _view_is_valid(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
+    current = call.input_specs[0].placements
+    if any(isinstance(p, _StridedShard) for p in current) and inputs[0] != current:
+        return False  # a strided input is taken as it is (_view_keeps_strided_input promised that works)
+    strided_in_or_out = any(isinstance(p, _StridedShard) for p in (*inputs[0], *(outputs[0] or ())))
+    if strided_in_or_out and any(isinstance(p, Partial) for p in current):
+        return False  # strided and Partial mesh dims together cannot be redistributed later
+    if strided_in_or_out and inputs[0] != current:
+        # Strided layouts only where they save the communication; after moving data anyway, a plain
+        # layout serves every later op (the planner does not build strided layouts for a view either).
+        return False
     in_shape, out_shape = call.input_shape(0), call.output_shape(0)
     groups = view_dim_groups(in_shape, out_shape)
     if groups is None:
-        return True
+        return not any(isinstance(p, _StridedShard) for p in (*inputs[0], *(outputs[0] or ())))
     output = outputs[0]
     assert output is not None
     mesh_shape = tuple(call.mesh.shape)
@@ -227,11 +325,25 @@ def _view_is_valid(
             continue  # one dim to one dim of the same size: the same cut on both sides
         in_cuts: list[tuple[int, int]] = []
         out_cuts: list[tuple[int, int]] = []
+        strided_cuts: list[tuple[int, Placement, Placement]] = []
         for mesh_dim, (before, after) in enumerate(zip(inputs[0], output)):
-            if isinstance(before, Shard) and before.dim in in_dims:
-                assert isinstance(after, Shard) and after.dim in out_dims, "strategies pair shards within a group"
-                in_cuts.append((mesh_dim, before.dim))
-                out_cuts.append((mesh_dim, after.dim))
+            if isinstance(before, (Shard, _StridedShard)) and before.dim in in_dims:
+                assert isinstance(after, (Shard, _StridedShard)) and after.dim in out_dims, (
+                    "strategies pair shards within a group"
+                )
+                if isinstance(before, _StridedShard) or isinstance(after, _StridedShard):
+                    strided_cuts.append((mesh_dim, before, after))
+                else:
+                    in_cuts.append((mesh_dim, before.dim))
+                    out_cuts.append((mesh_dim, after.dim))
+        if strided_cuts:
+            # Strided layouts are checked for one mesh dim cutting the group only (nested cuts: not exact here).
+            if in_cuts or len(strided_cuts) > 1:
+                return False
+            mesh_dim, before, after = strided_cuts[0]
+            if not _strided_group_is_exact(in_shape, out_shape, group, mesh_shape[mesh_dim], before, after):
+                return False
+            continue
         if in_cuts and not _group_shards_line_up(in_shape, out_shape, group, mesh_shape, in_cuts, out_cuts):
             return False
     return True
@@ -552,7 +664,53 @@ UNSQUEEZE_RULE = ShardingRule(
     family="unsqueeze", one_dim_strategies=_unsqueeze_strategies, output_meta=_unsqueeze_output_meta
 )
 
-register_rule((aten.view.default, aten._unsafe_view.default, aten._unsafe_view.out, aten.reshape.default), VIEW_RULE)
+def _view_keeps_strided_input(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> bool:
+    """Whether the view rule can keep this call's strided input where it is (else it is refused as before).
+
+    Each ``_StridedShard(d, sf)`` mesh dim must cut a dim that maps one to one, or splits into dims whose
+    outer ones make up ``sf`` with the layout exact, and no other mesh dim may cut that group; the other
+    mesh dims must be kept as they are by a one-to-one dim, Replicate or Partial.
+    """
+    spec = args[0] if args else None
+    size = args[1] if len(args) > 1 else kwargs.get("size")
+    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None or not isinstance(size, (list, tuple)):
+        return False
+    in_shape = tuple(spec.shape)
+    out_shape = resolve_view_size(size, math.prod(in_shape))
+    groups = None if out_shape is None else view_dim_groups(in_shape, out_shape)
+    if out_shape is None or groups is None:
+        return False
+    group_of = {dim: group for group in groups for dim in group[0]}
+    mesh_shape = tuple(spec.mesh.shape)
+    for mesh_dim, placement in enumerate(spec.placements):
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        in_dims, out_dims = group_of[placement.dim]
+        if len(in_dims) == 1 and len(out_dims) == 1:
+            continue
+        if not isinstance(placement, _StridedShard) or in_dims != (placement.dim,) or not out_dims:
+            return False
+        cutting_group = [p for p in spec.placements if isinstance(p, (Shard, _StridedShard)) and p.dim in in_dims]
+        if len(cutting_group) > 1:
+            return False
+        split_back = [
+            Shard(out_dims[position])
+            for position in range(1, len(out_dims))
+            if math.prod(out_shape[dim] for dim in out_dims[:position]) == placement.split_factor
+        ]
+        if not split_back or not _strided_group_is_exact(
+            in_shape, out_shape, (in_dims, out_dims), mesh_shape[mesh_dim], placement, split_back[0]
+        ):
+            return False
+    return True
+
+
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten._unsafe_view.out, aten.reshape.default)
+register_rule(_VIEW_OPS, VIEW_RULE)
+# The view rule maps _StridedShard inputs itself (a strided merged dim split back to a Shard).
+declare_rule_reads_strided_shards(_VIEW_OPS, _view_keeps_strided_input)
 register_rule((aten.expand.default,), EXPAND_RULE)
 # t_/transpose_/squeeze_/unsqueeze_ change the shape of self in place; not supported here.
 register_rule(aten_overloads(("t", "transpose"), overloads=("default", "int"), with_inplace=False), TRANSPOSE_RULE)
