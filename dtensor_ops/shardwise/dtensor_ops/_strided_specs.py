@@ -8,7 +8,10 @@ as if the mesh dim were ``Shard(d)``, and the decision is accepted only when it 
 input where it is on that mesh dim and gives outputs that are either the same ``Shard(d)`` with
 the same extent of ``d`` (relabelled back to the ``_StridedShard``) or Partial.  Anything else
 (a view changing ``d``, an op needing ``d`` whole) is refused with an error naming the op: the
-caller redistributes first.  Pure: no collectives.
+caller redistributes first.  A replicated input that the rule cuts along ``d`` to line up with a
+strided partner gets the partner's strided layout (a local selection).  Rules declared with
+:func:`declare_rule_reads_strided_shards` (the view rule) get the strided inputs as they are
+wherever their predicate says they can keep them.  Pure: no collectives.
 """
 
 from __future__ import annotations

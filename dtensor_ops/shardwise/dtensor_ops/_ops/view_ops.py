@@ -18,9 +18,21 @@ and empty shards included.  So ``[4, 3] -> [12]`` cut in 4 keeps the shard
 ``b == 1`` (then ``b`` is a group of its own) or when other mesh dims already cut
 ``b`` into single rows; the attention head split ``[b, s, heads*hd] -> [b, s,
 heads, hd]`` sharded on the last dim gives a shard of ``heads`` whenever the
-heads divide evenly (and back again for the merge).  Otherwise the cheapest
-strategy that redistributes the input wins.  The local op gets the local output
-shape in place of the global ``size`` argument.
+heads divide evenly (and back again for the merge).
+
+Merging dims behind a sharded one (attention's ``(b, h, s, d) -> (b*h, s, d)``
+with the heads sharded) gives, as PyTorch does, ``_StridedShard(flat,
+split_factor=b)``: every outer index keeps its own piece of the sharded dim.
+That is taken only where it holds exactly the elements the input holds on every
+rank (compared run by run with ``local_index_runs``, uneven sizes included),
+where one mesh dim alone cuts the group, the input has no Partial mesh dim and
+no communication is needed; splitting such a dim back (``split_factor`` = the
+product of the outer new dims) gives the ``Shard`` again, and a strided dim that
+maps one to one stays strided.  The propagator hands strided inputs to this rule
+only where ``_view_keeps_strided_input`` says it can keep them; other views of
+strided inputs are refused as before (see ``_strided_specs``).  Otherwise the
+cheapest strategy that redistributes the input wins.  The local op gets the
+local output shape in place of the global ``size`` argument.
 
 ``squeeze`` removes only the dims of *global* size 1.  A local shard can have
 size 1 where the global dim does not (a 4-row dim cut in 4); ``squeeze.dims``
