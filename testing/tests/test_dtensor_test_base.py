@@ -271,6 +271,34 @@ def test_run_on_threads_returns_each_rank_result() -> None:
     assert run_on_threads(lambda scale: dist.get_rank() * scale, 10, world_size=3) == [0, 10, 20]
 
 
+def _reduce_scatter_every_op() -> dict[str, list[float]]:
+    mine = torch.tensor([1.0, 8.0, 3.0, 5.0]) * (1 + dist.get_rank()) * torch.tensor([1.0, -1.0, 1.0, -1.0])
+    group = dist.group.WORLD.group_name
+    return {
+        op: torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.reduce_scatter_tensor(mine, op, dist.get_world_size(), group)
+        ).tolist()
+        for op in ("sum", "max", "min")
+    }
+
+
+def test_thread_ranks_reduce_scatter_with_max_and_min_as_gloo_does() -> None:
+    # torch's threaded group only sums; the thread ranks stand for gloo ranks, which also take max/min.
+    pieces = [torch.tensor([1.0, 8.0, 3.0, 5.0]) * (1 + r) * torch.tensor([1.0, -1.0, 1.0, -1.0]) for r in range(2)]
+    stacked = torch.stack(pieces)
+    expected = {
+        "sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0),
+    }
+    results = run_on_threads(_reduce_scatter_every_op, world_size=2)
+    for rank, result in enumerate(results):
+        for op, values in result.items():
+            assert values == expected[op][2 * rank : 2 * rank + 2].tolist(), (rank, op)
+    # The world left torch's threaded group as it found it.
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    assert multi_threaded_pg.ReduceScatter.__name__ == "ReduceScatter"
+
+
 def test_run_on_threads_reports_a_rank_stuck_outside_collectives() -> None:
     release = threading.Event()
 

@@ -316,6 +316,8 @@ def _run_world(
     process_local_group.reset()
     _set_thread_isolation_mode(True)
     multi_threaded_pg._install_threaded_pg()
+    summing_reduce_scatter = multi_threaded_pg.ReduceScatter
+    setattr(multi_threaded_pg, "ReduceScatter", _reduce_scatter_with_max_and_min(summing_reduce_scatter))
     threads: dict[int, threading.Thread] = {}
     try:
         with isolated_rank_state():
@@ -348,9 +350,40 @@ def _run_world(
         world_active.clear()
         process_local_group.reset()
         multi_threaded_pg._uninstall_threaded_pg()
+        setattr(multi_threaded_pg, "ReduceScatter", summing_reduce_scatter)
         _set_thread_isolation_mode(False)
 
     return _collect(outcomes, stuck, stacks, world_size, timeout_s, description)
+
+
+def _reduce_scatter_with_max_and_min(summing: type) -> type:
+    """torch's threaded reduce-scatter (``summing``) with MAX and MIN added, as gloo and NCCL have them.
+
+    The thread ranks stand for gloo ranks; without these, redistributions a real backend runs
+    (Partial(max) -> Shard) would fail only in threaded tests.
+    """
+
+    class ReduceScatterWithMaxAndMin:
+        def __init__(self, op: Any) -> None:
+            # ``op`` is a ReduceOp, which compares equal to (but does not hash as) its RedOpType.
+            self.combine = torch.maximum if op == dist.ReduceOp.MAX else torch.minimum if op == dist.ReduceOp.MIN else None
+            self.summing = summing(op) if self.combine is None else None
+
+        @torch.no_grad()
+        def work(self, data: list[Any]) -> None:
+            # data[rank] = ([output tensor], [[piece for rank 0, piece for rank 1, ...]])
+            if self.summing is not None:
+                self.summing.work(data)
+                return
+            assert self.combine is not None
+            for destination_rank, (outputs, _) in enumerate(data):
+                pieces = [inputs[0][destination_rank] for _, inputs in data]
+                reduced = pieces[0]
+                for piece in pieces[1:]:
+                    reduced = self.combine(reduced, piece.to(reduced.device))
+                outputs[0].detach().copy_(reduced)
+
+    return ReduceScatterWithMaxAndMin
 
 
 def _collect(
