@@ -298,3 +298,41 @@ def test_offset_based_rng_tracker_gives_each_shard_its_stream() -> None:
     assert torch.equal(first["after"], second["after"])  # and the generators stay in step
     assert torch.equal(first["plain"], second["plain"])  # region disabled: each rank's generator as it is
     assert not torch.equal(first["streamed"], second["streamed"])
+
+
+def _tracker_state_sync(mesh_shape: tuple[int, ...], sync: bool) -> dict[str, Any]:
+    import warnings
+
+    import shardwise.dtensor_ops._random as sw_random
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(100 + dist.get_rank())  # seeded per rank on purpose: the states differ
+    with warnings.catch_warnings(record=True) as caught, CommDebugMode() as comm:
+        warnings.simplefilter("always")
+        sw_random.OffsetBasedRNGTracker(mesh, run_state_sync=sync)
+    return {
+        "draw": torch.rand(3),
+        "warned": any("differed from the mesh's first rank's" in str(w.message) for w in caught),
+        "broadcasts": comm.get_comm_counts()[torch.ops.c10d_functional.broadcast],
+        "total": comm.get_total_counts(),
+    }
+
+
+# 2 ranks only (a 4-process pool costs more than this test is worth); (1, 2): the broadcast runs along
+# the mesh dim that has more than one rank.
+@pytest.mark.parametrize("mesh_shape,sync", [((2,), True), ((2,), False), ((1, 2), True)])
+def test_offset_based_rng_tracker_takes_the_first_ranks_generator_state(mesh_shape: tuple[int, ...], sync: bool) -> None:
+    results = run_on_ranks(_tracker_state_sync, mesh_shape, sync, world_size=math.prod(mesh_shape))
+    first_rank_draw = torch.rand(3, generator=torch.Generator().manual_seed(100))
+    for rank, result in enumerate(results):
+        if sync:
+            # Every rank now draws what rank 0 draws; only ranks whose state differed were warned.
+            assert torch.equal(result["draw"], first_rank_draw)
+            assert result["warned"] == (rank != 0)
+            assert result["broadcasts"] == result["total"] == 1
+        else:
+            assert not result["warned"] and result["total"] == 0
+    if not sync:
+        assert not torch.equal(results[0]["draw"], results[1]["draw"])

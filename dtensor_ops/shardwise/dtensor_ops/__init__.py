@@ -23,6 +23,8 @@ from ._extensions import load_extensions
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
+from ._random import set_rng_state_sync
+from .random import broadcast_first_rank_rng_state
 
 
 def _wire() -> None:
@@ -42,6 +44,9 @@ def _wire() -> None:
     for supported in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
         if DTensor not in supported:
             supported.append(DTensor)  # type: ignore[arg-type]
+    # OffsetBasedRNGTracker(run_state_sync=True) broadcasts the first rank's generator state; _random
+    # sits below the collectives, so the broadcast is handed down to it from here.
+    set_rng_state_sync(broadcast_first_rank_rng_state)
 
 
 _wire()

@@ -60,6 +60,7 @@ __all__ = [
     "random_ops",
     "run_in_shard_stream",
     "run_random_op",
+    "set_rng_state_sync",
 ]
 
 aten = torch.ops.aten
@@ -418,9 +419,13 @@ class OffsetBasedRNGTracker:
       for its own random ops), leaving the generator in step on every rank afterwards;
     * ``_manual_seed(seed)``: ``torch.manual_seed(seed)`` on this rank.
 
-    Unlike PyTorch's (CUDA-like devices only), it works on CPU and CUDA meshes. ``run_state_sync``
-    is accepted for compatibility; no state is broadcast (PyTorch deprecates that sync too): seed
-    every rank alike with ``torch.manual_seed`` or :func:`manual_seed`.
+    Unlike PyTorch's (CUDA-like devices only), it works on CPU and CUDA meshes.  With
+    ``run_state_sync=True`` (the default, as in PyTorch) and a mesh, constructing it is a collective
+    over the mesh: every rank's default generator for the mesh's device takes the state of the
+    mesh's first rank (coordinate 0 on every dim; one broadcast per mesh dim of size > 1), with a
+    ``UserWarning`` on ranks whose state differed (PyTorch logs a warning and deprecates the sync:
+    seed every rank alike with ``torch.manual_seed`` or :func:`manual_seed` instead).  Ranks
+    outside the mesh take no part.
     """
 
     def __init__(self, device_mesh: DeviceMesh | None = None, run_state_sync: bool = True) -> None:
@@ -434,6 +439,31 @@ class OffsetBasedRNGTracker:
         self._device = torch.device(device_type)
         self._use_distribute_region = True
         self.run_state_sync = bool(run_state_sync)
+        if self.run_state_sync and device_mesh is not None:
+            self._take_first_rank_state(device_mesh)
+
+    def _take_first_rank_state(self, mesh: DeviceMesh) -> None:
+        generator = default_generator_for(self._device)
+        if generator is None or mesh.get_coordinate() is None:
+            return
+        if _rng_state_sync is None:
+            raise RuntimeError(
+                "OffsetBasedRNGTracker(run_state_sync=True) broadcasts the first rank's generator state, which "
+                "needs the collectives installed by `import shardwise.dtensor_ops`; import it first, or pass "
+                "run_state_sync=False"
+            )
+        own = generator.get_state()
+        first = _rng_state_sync(mesh, own)
+        if not torch.equal(first, own):
+            warnings.warn(
+                "OffsetBasedRNGTracker: this rank's random generator state differed from the mesh's first rank's; "
+                "it now has the first rank's state (as PyTorch's DTensor synchronises it). Seed every rank alike "
+                "with torch.manual_seed(seed) or shardwise.dtensor_ops.random.manual_seed(seed, mesh) instead "
+                "(PyTorch deprecates this sync)",
+                UserWarning,
+                stacklevel=3,
+            )
+            generator.set_state(first)
 
     @property
     def distribute_region_enabled(self) -> bool:
@@ -458,6 +488,18 @@ class OffsetBasedRNGTracker:
             yield
         finally:
             leave()
+
+
+# (mesh, this rank's generator state) -> the mesh's first rank's state, on every rank of the mesh.
+# A broadcast: this leaf module issues no collectives, so the package's wiring installs it.
+RngStateSync = Callable[[DeviceMesh, torch.Tensor], torch.Tensor]
+_rng_state_sync: RngStateSync | None = None
+
+
+def set_rng_state_sync(sync: RngStateSync | None) -> None:
+    """Install how ``OffsetBasedRNGTracker(run_state_sync=True)`` gets the first rank's generator state."""
+    global _rng_state_sync
+    _rng_state_sync = sync
 
 
 # PyTorch installs a tracker at the first random op; here one is only ever set by the user (or a
