@@ -42,11 +42,11 @@ def _implementation(name: str) -> SimpleNamespace:
         import shardwise.dtensor_ops as api
         from shardwise.dtensor_ops import _op_schema as schema
         from shardwise.dtensor_ops._dtensor_spec import DTensorSpec
+        from shardwise.dtensor_ops._ops.utils import generate_redistribute_costs as costs
+        from shardwise.dtensor_ops._ops.utils import register_op_strategy as register
         from shardwise.dtensor_ops._sharding_prop import sharding_propagator
         from shardwise.mesh import init_device_mesh
 
-        costs = schema.generate_redistribute_costs
-        register = schema.register_op_strategy
         propagator = sharding_propagator
     else:
         import torch.distributed.tensor as api  # type: ignore[no-redef]
@@ -97,7 +97,6 @@ def _placement(impl: SimpleNamespace, name: str) -> Any:
 
 def _custom_op_on_dtensors(name: str) -> list[tuple[str, str, str, bool]]:
     impl = _implementation(name)
-    impl.register(ROW_SCALE)(_row_scale_strategy(impl))
     mesh = impl.init_device_mesh("cpu", (WORLD,))
     x_full = torch.arange(24.0).reshape(4, 6)
     scale_full = torch.arange(1.0, 5.0)
@@ -112,6 +111,10 @@ def _custom_op_on_dtensors(name: str) -> list[tuple[str, str, str, bool]]:
 
 
 def test_a_registered_op_strategy_runs_with_the_placements_pytorch_chooses() -> None:
+    # Registries are process-wide: registered once, before the rank threads start.
+    for name in ("shardwise", "torch"):
+        impl = _implementation(name)
+        impl.register(ROW_SCALE)(_row_scale_strategy(impl))
     ours = run_on_threads(_custom_op_on_dtensors, "shardwise", world_size=WORLD)
     theirs = run_on_threads(_custom_op_on_dtensors, "torch", world_size=WORLD)
     assert ours == theirs
@@ -128,6 +131,7 @@ def _propagate_a_schema() -> dict[str, Any]:
     from shardwise.dtensor_ops._op_schema import OpInfo, OpSchema, OutputSharding
     from shardwise.dtensor_ops._sharding_prop import ShardingPropagator, sharding_propagator
     from shardwise.mesh import init_device_mesh
+    from shardwise.placement import DTensorSpec
 
     mesh = init_device_mesh("cpu", (WORLD,))
     rows = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])._spec
@@ -142,6 +146,7 @@ def _propagate_a_schema() -> dict[str, Any]:
     decision = sharding_propagator.propagate_op_sharding(mm, (cols, weight), {})
     assert isinstance(stays, OutputSharding) and isinstance(moves, OutputSharding)
     assert moves.redistribute_schema is not None
+    assert isinstance(stays.output_spec, DTensorSpec) and isinstance(moves.output_spec, DTensorSpec)
     return {
         "stays": (str(stays.output_spec.placements), stays.needs_redistribute, stays.redistribute_schema),
         "moves": (str(moves.output_spec.placements), moves.needs_redistribute),
@@ -161,36 +166,44 @@ def test_propagate_op_sharding_takes_an_op_schema_and_answers_an_output_sharding
         assert result["fresh_same"] and result["info"]
 
 
-def _bad_strategies() -> list[str]:
+_BAD_STRATEGIES: list[Callable[[Any], Any]] = [
+    lambda schema: _op_schema().OpStrategy(
+        [_op_schema().OpSpec(schema.args_schema[0].strategies[0].output_spec, input_specs=[])]
+    ),
+    lambda schema: _op_schema().OpStrategy([]),
+    lambda schema: _op_schema().TupleStrategy([]),
+]
+
+
+def _op_schema() -> Any:
+    from shardwise.dtensor_ops import _op_schema as schema
+
+    return schema
+
+
+def _run_bad_count() -> str:
     from shardwise.dtensor_ops import Shard, distribute_tensor
-    from shardwise.dtensor_ops._op_schema import OpSpec, OpStrategy, TupleStrategy, register_op_strategy
     from shardwise.dtensor_ops.debug import CommDebugMode
     from shardwise.mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,))
     x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
-    messages = []
-    strategies: list[Callable[[Any], Any]] = [
-        lambda schema: OpStrategy([OpSpec(schema.args_schema[0].strategies[0].output_spec, input_specs=[])]),
-        lambda schema: OpStrategy([]),
-        lambda schema: TupleStrategy([]),
-    ]
-    for strategy in strategies:
-        register_op_strategy(BAD_COUNT)(strategy)
-        with CommDebugMode() as comm, pytest.raises(RuntimeError) as raised:
-            BAD_COUNT(x)
-        assert comm.get_total_counts() == 0
-        messages.append(str(raised.value))
-    return messages
+    with CommDebugMode() as comm, pytest.raises(RuntimeError) as raised:
+        BAD_COUNT(x)
+    assert comm.get_total_counts() == 0
+    return str(raised.value)
 
 
 def test_bad_strategies_and_registrations_get_clear_errors() -> None:
-    for gave_no_inputs, empty, tuple_strategy in run_on_threads(_bad_strategies, world_size=WORLD):
-        assert "swopschema.bad_count" in gave_no_inputs and "gave 0 input specs" in gave_no_inputs
-        assert "1 DTensor inputs" in gave_no_inputs
-        assert "no candidate OpSpecs" in empty
-        assert "returned TupleStrategy; expected an OpStrategy" in tuple_strategy
-    from shardwise.dtensor_ops._op_schema import register_op_strategy
-
+    messages = []
+    for strategy in _BAD_STRATEGIES:
+        _op_schema().register_op_strategy(BAD_COUNT)(strategy)  # process-wide: before the rank threads
+        messages.append(set(run_on_threads(_run_bad_count, world_size=WORLD)))
+    gave_no_inputs, empty, tuple_strategy = (message.pop() for message in messages)
+    assert all(len(message) == 0 for message in messages)  # every rank raised the same error
+    assert "swopschema.bad_count" in gave_no_inputs and "gave 0 input specs" in gave_no_inputs
+    assert "1 DTensor inputs" in gave_no_inputs
+    assert "no candidate OpSpecs" in empty
+    assert "returned TupleStrategy; expected an OpStrategy" in tuple_strategy
     with pytest.raises(TypeError, match="expected an OpOverload .* got OpOverloadPacket"):
-        register_op_strategy(torch.ops.swopschema.row_scale)  # type: ignore[arg-type]
+        _op_schema().register_op_strategy(torch.ops.swopschema.row_scale)

@@ -7,7 +7,9 @@ from typing import Any
 from shardwise.placement import DTensorSpec
 from shardwise.placement import normalize_dim as _normalize_dim
 
-__all__ = ["is_tensor_partial", "normalize_dim"]
+from .._op_schema import generate_redistribute_costs, register_op_strategy
+
+__all__ = ["generate_redistribute_costs", "is_tensor_partial", "normalize_dim", "register_op_strategy"]
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
