@@ -294,3 +294,20 @@ def test_an_in_place_write_into_a_view_of_a_redistributed_input_raises_instead_o
     # A view that keeps the shards aliases the DTensor: the write reaches it.
     d.view(16).mul_(2.0)
     assert torch.equal(d.full_tensor(), full * 2)
+
+
+@multi_rank
+def test_the_moved_view_checks_stop_once_the_marked_views_are_freed() -> None:
+    import gc
+
+    mesh = init_device_mesh("cpu", (4,))
+    d = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    gc.collect()
+    before = dispatch._moved_view_copies
+    merged = d.view(2, 8)  # a view of a redistributed copy: marked, and views of it too
+    row = merged[0]
+    assert dispatch._moved_view_copies == before + 2
+    del merged, row
+    gc.collect()
+    # Counted while alive only, so dispatch's C++ hit (off while any marked view lives) comes back.
+    assert dispatch._moved_view_copies == before

@@ -22,6 +22,7 @@ tensors, kwargs (``out=``), plain tensors (0-dim ones always, others under
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Sequence, cast
 
 import torch
@@ -180,17 +181,24 @@ def _finish(prepared: OpDecision, result: Any, args: Sequence[Any], kwargs: dict
 # A view op whose input had to be redistributed returns a view of a *copy*: writing into it in place cannot
 # reach the DTensor it was taken from.  Such results are marked (and views of them, as they are taken), and
 # an in-place or out= write into a marked DTensor raises instead of being silently lost.  Views below
-# autograd carry no ``_base``, so the mark lives on the DTensor.  The count lets dispatch skip all of this
-# while no such view was ever made (the usual training step).
+# autograd carry no ``_base``, so the mark lives on the DTensor.  The count of marked DTensors still alive
+# lets dispatch skip all of this (and keep the C++ hit) while there is none: the usual training step, and
+# again once the few marked views of an earlier step are freed.
 _MOVED_VIEW_MARK = "_shardwise_views_a_redistributed_copy"
 _moved_view_copies = 0
 
 
+def _forget_moved_view() -> None:
+    global _moved_view_copies
+    _moved_view_copies -= 1
+
+
 def _mark_moved_view(result: Any) -> None:
     global _moved_view_copies
-    if isinstance(result, DTensor):
+    if isinstance(result, DTensor) and not getattr(result, _MOVED_VIEW_MARK, False):
         setattr(result, _MOVED_VIEW_MARK, True)
         _moved_view_copies += 1
+        weakref.finalize(result, _forget_moved_view)
 
 
 def _is_moved_view(value: Any) -> bool:
