@@ -211,6 +211,33 @@ def test_the_model_zoo_attention_with_sharded_heads_needs_no_collective_under_th
         run_on_threads(_model_zoo_attention_under_the_math_backend, world_size=4)
 
 
+def _ops_that_need_the_strided_dim_whole_gather_it() -> None:
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    # linear on a sequence-sharded (b, s, d) input: the flattened rows are strided, the weight is cut on
+    # its output dim; mm cannot pair those, so the strided mesh dim is gathered first (one all-gather).
+    x_full, weight_full = randn(2, 8, 3), randn(4, 3, seed=1)
+    x = distribute_tensor(x_full, mesh, [Shard(1)], src_data_rank=None)
+    weight = distribute_tensor(weight_full, mesh, [Shard(0)], src_data_rank=None)
+    out = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(out.full_tensor(), torch.nn.functional.linear(x_full, weight_full))
+    # A contraction over a strided dim: the replicated partner must not be cut as a plain Shard of its rows.
+    a_full, b_full = randn(2, 2, 4, seed=2), randn(2, 4, 3, seed=3)
+    a = distribute_tensor(a_full, mesh, [Shard(2)], src_data_rank=None)
+    b = distribute_tensor(b_full, mesh, [Replicate()], src_data_rank=None)
+    torch.testing.assert_close(torch.tensordot(a, b, dims=2).full_tensor(), torch.tensordot(a_full, b_full, dims=2))
+    # An op needing the strided dim whole (cumsum along it) runs on the gathered dim.
+    flat = distribute_tensor(x_full, mesh, [Shard(1)], src_data_rank=None).flatten(0, 1)
+    assert flat.placements == (_StridedShard(0, split_factor=2),)
+    with CommDebugMode() as mode:
+        summed = torch.cumsum(flat, 0)
+    assert mode.get_total_counts() >= 1
+    torch.testing.assert_close(summed.full_tensor(), torch.cumsum(x_full.flatten(0, 1), 0))
+
+
+def test_ops_that_cannot_keep_a_view_made_strided_dim_gather_it_exactly() -> None:
+    run_on_threads(_ops_that_need_the_strided_dim_whole_gather_it, world_size=4)
+
+
 def _nested_cuts_of_one_group() -> None:
     # Two mesh dims cutting the merged group: PyTorch gives (Shard(0), _StridedShard(0, sf=2)); ours
     # keeps its plain nested layout (one all-to-all), with exact values.

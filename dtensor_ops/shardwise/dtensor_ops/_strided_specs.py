@@ -9,7 +9,9 @@ input where it is on that mesh dim and gives outputs that are either the same ``
 the same extent of ``d`` (relabelled back to the ``_StridedShard``) or Partial.  Anything else
 (a view changing ``d``, an op needing ``d`` whole) is refused with an error naming the op: the
 caller redistributes first.  A replicated input that the rule cuts along ``d`` to line up with a
-strided partner gets the partner's strided layout (a local selection).  Rules declared with
+strided partner gets the partner's strided layout (a local selection); one cut another way (a
+contraction dim) is refused.  A refused op whose strided inputs are lone strided shards (a merged view
+dim, cut by no other mesh dim) runs on those mesh dims gathered instead.  Rules declared with
 :func:`declare_rule_reads_strided_shards` (the view rule) get the strided inputs as they are
 wherever their predicate says they can keep them.  Pure: no collectives.
 """
@@ -21,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Shard, _StridedShard
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, _StridedShard
 
 from ._decision import OpDecision
 
@@ -118,13 +120,62 @@ def _flat_specs(value: object, into: list[DTensorSpec[Any]]) -> None:
             _flat_specs(item, into)
 
 
+def _is_lone_strided_shard(spec: DTensorSpec[Any]) -> bool:
+    """Every strided mesh dim of ``spec`` is the only mesh dim cutting its tensor dim (a view's layout).
+
+    FSDP over TP nests a strided and a plain shard on one tensor dim; a merged view dim (see the view
+    rule) is cut by its strided mesh dim alone, and gathering that mesh dim is one all-gather.
+    """
+    for placement in spec.placements:
+        if isinstance(placement, _StridedShard):
+            cuts = [p for p in spec.placements if isinstance(p, (Shard, _StridedShard)) and p.dim == placement.dim]
+            if len(cuts) > 1:
+                return False
+    return True
+
+
+def _gathered(value: object) -> object:
+    if isinstance(value, DTensorSpec):
+        if not any(type(p) is _StridedShard for p in value.placements):
+            return value
+        return value.with_placements(Replicate() if isinstance(p, _StridedShard) else p for p in value.placements)
+    if isinstance(value, list):
+        return [_gathered(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_gathered(item) for item in value)
+    return value
+
+
 def decide_with_strided_shards(
     op: torch._ops.OpOverload,
     args: Sequence[object],
     kwargs: Mapping[str, object],
     decide: Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], OpDecision],
 ) -> OpDecision:
-    """``decide``'s decision for inputs with ``_StridedShard`` placements, or an error when it would be wrong."""
+    """``decide``'s decision for inputs with ``_StridedShard`` placements, or an error when it would be wrong.
+
+    Where keeping the strided layout is refused and every strided input is a lone strided shard (a
+    merged view dim, not FSDP over TP), those mesh dims are gathered instead (as PyTorch redistributes
+    them) and the op is decided on the gathered layouts: the dispatcher moves each input there.
+    """
+    try:
+        return _decide_keeping_strided_shards(op, args, kwargs, decide)
+    except NotImplementedError:
+        specs: list[DTensorSpec[Any]] = []
+        for value in (*args, *kwargs.values()):
+            _flat_specs(value, specs)
+        if not all(_is_lone_strided_shard(spec) for spec in specs):
+            raise
+    decision = decide(op, [_gathered(arg) for arg in args], {name: _gathered(v) for name, v in kwargs.items()})
+    return dataclasses.replace(decision, needs_redistribute=True)
+
+
+def _decide_keeping_strided_shards(
+    op: torch._ops.OpOverload,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    decide: Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], OpDecision],
+) -> OpDecision:
     substituted_args = [_substitute(arg) for arg in args]
     substituted_kwargs = {name: _substitute(value) for name, value in kwargs.items()}
     originals: list[DTensorSpec[Any]] = []
@@ -185,6 +236,10 @@ def decide_with_strided_shards(
                     )
                 ):
                     return partner
+                if partner is not None and isinstance(placement, Shard):
+                    # Lined up with other indices of the partner (a contraction dim, another tensor dim):
+                    # a plain Shard would pair wrong elements.
+                    raise refuse(f"its sharding rule cuts another input as {placement!r} on mesh dim {mesh_dim}")
                 return placement
 
             input_targets.append(
