@@ -346,14 +346,22 @@ def _assemble(
         current = {key: reducer(torch.stack(group)) for key, group in grouped.items()}
     result = torch.zeros(meta.shape, dtype=meta.dtype)
     covered = torch.zeros(meta.shape, dtype=torch.bool)
+    # Which global elements each piece holds, by the layout's own selection: a _StridedShard piece is not
+    # one box of the global tensor.
+    global_index = torch.arange(result.numel()).reshape(meta.shape)
+    flat_result, flat_covered = result.view(-1), covered.view(-1)
     for coordinate, piece in current.items():
-        shape, offset = compute_local_shape_and_global_offset(meta.shape, mesh_shape, coordinate, placements)
+        shape, _ = compute_local_shape_and_global_offset(meta.shape, mesh_shape, coordinate, placements)
         assert tuple(piece.shape) == shape, f"{coordinate}: local shape {tuple(piece.shape)}, spec says {shape}"
-        region = tuple(slice(start, start + size) for start, size in zip(offset, shape))
-        if covered[region].any():
-            torch.testing.assert_close(piece, result[region], equal_nan=True, msg=f"replicas differ at {coordinate}")
-        result[region] = piece
-        covered[region] = True
+        held = select_local_shard(global_index, mesh_shape, coordinate, placements).reshape(-1)
+        values = piece.reshape(-1)
+        seen = flat_covered[held]
+        if seen.any():
+            torch.testing.assert_close(
+                values[seen], flat_result[held][seen], equal_nan=True, msg=f"replicas differ at {coordinate}"
+            )
+        flat_result[held] = values
+        flat_covered[held] = True
     assert bool(covered.all()), f"the shards of {spec} do not cover the tensor"
     return result
 
