@@ -27,6 +27,7 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta, contiguous_s
 
 from .._dtensor import DTensor, new_dtensor
 from .._op_handlers import OpHandler
+from .._ops.nn_ops import bound_arguments
 from .._redistribute import redistribute_local_tensor
 
 __all__ = ["AS_STRIDED_HANDLERS"]
@@ -36,21 +37,6 @@ aten = torch.ops.aten
 
 def _replicated(spec: DTensorSpec[DeviceMesh]) -> bool:
     return all(placement.is_replicate() for placement in spec.placements)
-
-
-def _bound(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """Every schema argument in order, defaults filled."""
-    bound: list[Any] = []
-    for position, argument in enumerate(op._schema.arguments):
-        if position < len(args):
-            bound.append(args[position])
-        elif argument.name in kwargs:
-            bound.append(kwargs[argument.name])
-        elif argument.has_default_value():
-            bound.append(argument.default_value)
-        else:
-            raise TypeError(f"{op}: missing argument {argument.name!r}")
-    return bound
 
 
 def _whole_local(op: torch._ops.OpOverload, tensor: DTensor, *, gather: bool) -> torch.Tensor:
@@ -93,7 +79,7 @@ def _wrap_replicated(mesh: DeviceMesh, out: torch.Tensor) -> DTensor:
 
 
 def _as_strided(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    tensor, size, stride, storage_offset = _bound(op, args, kwargs)
+    tensor, size, stride, storage_offset = bound_arguments(op, args, kwargs)
     if not isinstance(tensor, DTensor):
         return NotImplemented
     offset = 0 if storage_offset is None else int(storage_offset)
@@ -115,7 +101,7 @@ def _as_strided(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _as_strided_scatter(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    tensor, source, size, stride, storage_offset = _bound(op, args, kwargs)
+    tensor, source, size, stride, storage_offset = bound_arguments(op, args, kwargs)
     if not isinstance(tensor, DTensor):
         return NotImplemented
     if not isinstance(source, DTensor):
