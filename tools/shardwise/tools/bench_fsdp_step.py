@@ -50,9 +50,11 @@ from shardwise.tools.bench_tp_step import (
     _build_model,
     _count_collectives,
     _free_port,
+    _guard,
     _profiled_allocation_sizes,
     _Stack,
     _stack,
+    _time_rounds,
     _transformer_plan,
     transient_peak_bytes,
 )
@@ -138,35 +140,12 @@ class _FSDPTrainer:
         return sum(seen.values())
 
 
-def _timed(trainer: _FSDPTrainer, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float, float]:
-    import time
-
-    dist.barrier()
-    started, cpu_started = time.perf_counter(), time.process_time()
-    loss = trainer.step(batch)
-    cpu_seconds = time.process_time() - cpu_started
-    dist.barrier()
-    return time.perf_counter() - started, cpu_seconds, loss
-
-
 def _run_on_rank(config: BenchConfig, dp: int, tp: int) -> list[ImplementationResult]:
     world_size = dp * tp
     batches = _batches(config, config.warmup + config.steps + 2)
     results = {name: ImplementationResult(name) for name in config.implementations}
     trainers: dict[str, _FSDPTrainer] = {}
-
-    def guarded(name: str, action: Callable[[], None]) -> None:
-        try:
-            action()
-            failed = 0
-        except Exception:  # noqa: BLE001 - reported in the table
-            results[name].error = traceback.format_exc(limit=-3).strip().splitlines()[-1]
-            failed = 1
-        flags = torch.tensor([failed])
-        dist.all_reduce(flags)
-        if int(flags.item()):
-            trainers.pop(name, None)
-            results[name].error = results[name].error or "failed on another rank"
+    guarded = _guard(results, trainers)
 
     for name in config.implementations:
         def build(name: str = name) -> None:
@@ -176,20 +155,7 @@ def _run_on_rank(config: BenchConfig, dp: int, tp: int) -> list[ImplementationRe
 
         guarded(name, build)
 
-    for round_index in range(config.steps):
-        order = list(trainers)
-        shift = round_index % max(len(order), 1)
-        for name in order[shift:] + order[:shift]:
-            def timed(name: str = name) -> None:
-                seconds, cpu_seconds, loss = _timed(trainers[name], batches[config.warmup + round_index])
-                all_ranks = torch.tensor([cpu_seconds], dtype=torch.float64)
-                dist.all_reduce(all_ranks)
-                results[name].step_seconds.append(seconds)
-                results[name].step_cpu_seconds.append(float(all_ranks.item()))
-                results[name].losses.append(loss)
-
-            if name in trainers:
-                guarded(name, timed)
+    _time_rounds(trainers, batches, config, results, guarded)
 
     for name in list(trainers):
         def measure(name: str = name) -> None:

@@ -69,7 +69,7 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -394,7 +394,11 @@ def _count_collectives(stack: _Stack, run_step: Callable[[], object]) -> dict[st
     return dict(sorted(counts.items()))
 
 
-def _timed_step(trainer: _Trainer, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float, float]:
+class _Steps(Protocol):
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float: ...
+
+
+def _timed_step(trainer: _Steps, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float, float]:
     """(wall seconds of the slowest rank, this rank's CPU seconds, loss)."""
     dist.barrier()
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -402,6 +406,54 @@ def _timed_step(trainer: _Trainer, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     cpu_seconds = time.process_time() - cpu_started
     dist.barrier()
     return time.perf_counter() - started, cpu_seconds, loss
+
+
+Guard = Callable[[str, Callable[[], None]], None]
+
+
+def _guard(results: dict[str, ImplementationResult], trainers: dict[str, Any]) -> Guard:
+    """``guarded(name, action)``: runs ``action``; if it raised on any rank, every rank drops ``name``."""
+
+    def guarded(name: str, action: Callable[[], None]) -> None:
+        # Errors in one implementation are deterministic (the same on every rank), so the ranks
+        # agree to drop it and go on with the others.
+        try:
+            action()
+            failed = 0
+        except Exception:  # noqa: BLE001 - reported in the table, not hidden
+            results[name].error = traceback.format_exc(limit=-3).strip().splitlines()[-1]
+            failed = 1
+        flags = torch.tensor([failed])
+        dist.all_reduce(flags)
+        if int(flags.item()):
+            trainers.pop(name, None)
+            results[name].error = results[name].error or "failed on another rank"
+
+    return guarded
+
+
+def _time_rounds(
+    trainers: dict[str, Any],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    config: BenchConfig,
+    results: dict[str, ImplementationResult],
+    guarded: Guard,
+) -> None:
+    """``config.steps`` timed rounds, one step per implementation each, the order rotating every round."""
+    for round_index in range(config.steps):
+        order = list(trainers)
+        shift = round_index % max(len(order), 1)
+        for name in order[shift:] + order[:shift]:
+            def timed(name: str = name) -> None:
+                seconds, cpu_seconds, loss = _timed_step(trainers[name], batches[config.warmup + round_index])
+                all_ranks = torch.tensor([cpu_seconds], dtype=torch.float64)
+                dist.all_reduce(all_ranks)
+                results[name].step_seconds.append(seconds)
+                results[name].step_cpu_seconds.append(float(all_ranks.item()))
+                results[name].losses.append(loss)
+
+            if name in trainers:
+                guarded(name, timed)
 
 
 def _rank_main(rank: int, world_size: int, port: int, config: BenchConfig, out_path: str) -> None:
@@ -430,22 +482,7 @@ def _run_on_rank(rank: int, world_size: int, config: BenchConfig) -> list[Implem
     batches = _batches(config, config.warmup + config.steps + 2)
     results = {name: ImplementationResult(name) for name in config.implementations}
     trainers: dict[str, _Trainer] = {}
-
-    def guarded(name: str, action: Callable[[], None]) -> None:
-        # Errors in one implementation are deterministic (the same on every rank), so the ranks
-        # agree to drop it and go on with the others.
-        try:
-            action()
-            failed = 0
-        except Exception:  # noqa: BLE001 - reported in the table, not hidden
-            results[name].error = traceback.format_exc(limit=-3).strip().splitlines()[-1]
-            failed = 1
-        flags = torch.tensor([failed])
-        dist.all_reduce(flags)
-        if int(flags.item()) and name in trainers:
-            del trainers[name]
-        if int(flags.item()) and results[name].error is None:
-            results[name].error = "failed on another rank"
+    guarded = _guard(results, trainers)
 
     for name in config.implementations:
         def build(name: str = name) -> None:
@@ -455,20 +492,7 @@ def _run_on_rank(rank: int, world_size: int, config: BenchConfig) -> list[Implem
 
         guarded(name, build)
 
-    for round_index in range(config.steps):
-        order = list(trainers)
-        shift = round_index % max(len(order), 1)
-        for name in order[shift:] + order[:shift]:
-            def timed(name: str = name) -> None:
-                seconds, cpu_seconds, loss = _timed_step(trainers[name], batches[config.warmup + round_index])
-                all_ranks = torch.tensor([cpu_seconds], dtype=torch.float64)
-                dist.all_reduce(all_ranks)
-                results[name].step_seconds.append(seconds)
-                results[name].step_cpu_seconds.append(float(all_ranks.item()))
-                results[name].losses.append(loss)
-
-            if name in trainers:
-                guarded(name, timed)
+    _time_rounds(trainers, batches, config, results, guarded)
 
     memory_batch = batches[config.warmup + config.steps]
     for name in list(trainers):
