@@ -38,17 +38,22 @@ from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision
 from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
 from ._ops.fallback import replicate_fallback_rule
 from ._op_schema import (
+    OP_SINGLE_DIM_STRATEGY_FUNCS,
     OP_STRATEGY_FUNCS,
     OP_TO_RULES,
     OP_TO_SCHEMA_INFO,
+    OP_TO_SCHEMA_INFO_FOR_SINGLE_DIM_STRATEGY,
     OpInfo,
     OpSchema,
     OutputSharding,
     OutputSpecType,
     RuntimeSchemaInfo,
+    SingleDimStrategyFunc,
     StrategyType,
+    _SingleDimStrategyInfo,
     register_op_strategy_func,
     register_prop_rule_func,
+    register_single_dim_op_strategy_func,
 )
 from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
@@ -181,16 +186,20 @@ class ShardingPropagator:
     ``DTensorSpec`` (with ``tensor_meta``).
 
     PyTorch's forms (``_op_schema``): ``propagate_op_sharding(op_schema)`` -> ``OutputSharding``;
-    ``propagate(op_info)`` sets ``op_info.output_sharding``; ``register_op_strategy(op, strategy_func,
-    schema_info=None)`` and ``register_sharding_prop_rule(op, rule_func, schema_info=None)`` make such
-    functions real rules of the engine (listed in ``op_strategy_funcs`` / ``op_to_rules``).
+    ``propagate(op_info)`` sets ``op_info.output_sharding``; ``register_single_dim_op_strategy(op,
+    strategy_info, schema_info=None)``, ``register_op_strategy(op, strategy_func, schema_info=None)`` and
+    ``register_sharding_prop_rule(op, rule_func, schema_info=None)`` make such functions real rules of the
+    engine (listed in ``op_single_dim_strategy_funcs`` / ``op_strategy_funcs`` / ``op_to_rules``; an op
+    registered several ways follows the first of these, as in PyTorch).
     """
 
     def __init__(self) -> None:
         self.propagate_op_sharding = _CachedPropagation()
+        self.op_single_dim_strategy_funcs = OP_SINGLE_DIM_STRATEGY_FUNCS
         self.op_strategy_funcs = OP_STRATEGY_FUNCS
         self.op_to_rules = OP_TO_RULES
         self.op_to_schema_info = OP_TO_SCHEMA_INFO
+        self.op_to_schema_info_for_single_dim_strategy = OP_TO_SCHEMA_INFO_FOR_SINGLE_DIM_STRATEGY
 
     @overload
     def propagate_op_sharding_non_cached(self, op: OpSchema) -> OutputSharding: ...
@@ -217,6 +226,15 @@ class ShardingPropagator:
         if op_info.schema is None:
             raise ValueError("ShardingPropagator.propagate: op_info.schema is None; expected the call's OpSchema")
         op_info.output_sharding = self.propagate_op_sharding(op_info.schema)
+
+    def register_single_dim_op_strategy(
+        self,
+        op_overload: torch._ops.OpOverload,
+        strategy_info: _SingleDimStrategyInfo | SingleDimStrategyFunc,
+        schema_info: RuntimeSchemaInfo | None = None,
+    ) -> None:
+        """Make a one-mesh-dim strategy (rows of placements, expanded over every mesh dim) the op's rule."""
+        register_single_dim_op_strategy_func(op_overload, strategy_info, schema_info)
 
     def register_op_strategy(
         self,

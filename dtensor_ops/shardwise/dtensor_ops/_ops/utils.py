@@ -7,9 +7,23 @@ from typing import Any
 from shardwise.placement import DTensorSpec
 from shardwise.placement import normalize_dim as _normalize_dim
 
-from .._op_schema import generate_redistribute_costs, register_op_strategy
+from .._op_schema import (
+    expand_to_full_mesh_op_strategy,
+    generate_redistribute_costs,
+    is_tensor_shardable,
+    register_op_strategy,
+    register_prop_rule,
+)
 
-__all__ = ["generate_redistribute_costs", "is_tensor_partial", "normalize_dim", "register_op_strategy"]
+__all__ = [
+    "expand_to_full_mesh_op_strategy",
+    "generate_redistribute_costs",
+    "is_tensor_partial",
+    "is_tensor_shardable",
+    "normalize_dim",
+    "register_op_strategy",
+    "register_prop_rule",
+]
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
