@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise.dtensor_ops._dispatch as dispatch
+import shardwise.dtensor_ops._sharding_prop as sharding_prop
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._decision_cache import decision_cache_size
+from shardwise.dtensor_ops._decision_cache import call_key, decision_cache_size
 from shardwise.dtensor_ops._sharding_prop import OpDecision
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
@@ -41,11 +42,11 @@ def scripted_rules(rules: dict[Any, Rule], calls: list[Any]) -> Iterator[None]:
     """Replace the rule engine: ``rules[op](spec_args, spec_kwargs)`` decides; every call is recorded."""
     real = dispatch.propagate_op_sharding
 
-    def scripted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpDecision:
+    def scripted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, key: Any = None) -> OpDecision:
         calls.append((op, args, kwargs))
         if op in rules:
             return rules[op](args, kwargs)
-        return real(op, args, kwargs)
+        return real(op, args, kwargs, key=key)
 
     clear_all_caches()
     dispatch.propagate_op_sharding = scripted  # type: ignore[assignment]
@@ -111,6 +112,44 @@ def test_scripted_redistribution_cache_and_overrides() -> None:
         assert viewed.shape == (4, 8) and viewed.to_local().shape == (1, 8)
         assert torch.equal(viewed.to_local(), a.to_local().reshape(1, 8))
     assert decision_cache_size() == 0
+
+
+@multi_rank
+def test_a_miss_builds_its_key_once_and_propagation_gets_the_same_key() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    built: list[Any] = []
+    handed: list[Any] = []
+    real_call_key = sharding_prop.call_key
+    real_propagate = dispatch.propagate_op_sharding
+
+    def counting_call_key(*args: Any, **kwargs: Any) -> Any:
+        key = real_call_key(*args, **kwargs)
+        built.append(key)
+        return key
+
+    def recording(op: Any, args: Any, kwargs: Any, *, key: Any = None) -> OpDecision:
+        handed.append(key)
+        return real_propagate(op, args, kwargs, key=key)
+
+    clear_all_caches()
+    sharding_prop.call_key = counting_call_key  # type: ignore[assignment]
+    dispatch.propagate_op_sharding = recording  # type: ignore[assignment]
+    try:
+        flat = as_dtensor(x * 3.0)  # the flat path
+        general = as_dtensor(torch.add(x, x, alpha=2))  # kwargs: the general path
+    finally:
+        sharding_prop.call_key = real_call_key  # type: ignore[assignment]
+        dispatch.propagate_op_sharding = real_propagate
+    # Two misses: each handed its own key on, and propagation built none.
+    assert built == []
+    assert handed == [
+        call_key(aten.mul.Tensor, (x._spec, 3.0)),
+        call_key(aten.add.Tensor, (x._spec, x._spec), {"alpha": 2}),
+    ]
+    torch.testing.assert_close(flat.full_tensor(), x.full_tensor() * 3.0)
+    torch.testing.assert_close(general.full_tensor(), x.full_tensor() * 3)
+    clear_all_caches()
 
 
 @multi_rank

@@ -62,8 +62,12 @@ _cpp_hit = fast_hit(DTensor)
 def _decide(
     op: torch._ops.OpOverload, key: tuple[Any, ...], spec_args: tuple[Any, ...], spec_kwargs: dict[str, Any]
 ) -> OpDecision:
-    """Stage (b) on a miss: the engine's decision, completed for ``op`` and cached under ``key``."""
-    decision = propagate_op_sharding(op, spec_args, spec_kwargs).for_op(op)
+    """Stage (b) on a miss: the engine's decision, completed for ``op`` and cached under ``key``.
+
+    ``key`` is the one dispatch just missed (``call_key``'s key of this call): handed on so that
+    propagation neither builds it again nor needs another key builder.
+    """
+    decision = propagate_op_sharding(op, spec_args, spec_kwargs, key=key).for_op(op)
     remember_decision(key, decision)
     return decision
 

@@ -82,15 +82,22 @@ def sharding_cache_size() -> int:
 
 
 def propagate_op_sharding(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+    op: torch._ops.OpOverload,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    *,
+    key: Hashable | None = None,
 ) -> OpDecision:
     """Decision for ``op(*args, **kwargs)`` where every DTensor is replaced by its spec (with tensor_meta).
 
     Cached: the same key gives the same :class:`OpDecision` object.  Raises
     ``NotImplementedError`` naming the op and the input placements when the op has
-    no rule, and :class:`ShardingPropagationError` when no strategy fits.
+    no rule, and :class:`ShardingPropagationError` when no strategy fits.  ``key``: this
+    call's ``call_key`` when the caller has built it already (dispatch, after its own lookup
+    missed), so that a miss builds it once.
     """
-    key = call_key(op, args, kwargs)
+    if key is None:
+        key = call_key(op, args, kwargs)
     try:
         decision = DECISIONS.get(key)
     except TypeError:
