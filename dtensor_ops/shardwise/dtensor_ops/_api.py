@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import (
     DTensorSpec,
     Placement,
@@ -28,7 +29,7 @@ from shardwise.placement import (
 from ._dtensor import DTensor, new_dtensor
 from ._implicit_replication import implicit_replication
 from ._placement_args import normalize_placements, resolve_device_mesh
-from ._src_data import agree_on_source_meta, distribute_local_data
+from ._src_data import agree_on_source_meta, distribute_local_data, distribute_simulated
 
 __all__ = [
     "distribute_tensor",
@@ -96,6 +97,11 @@ def distribute_tensor(
     data = tensor.detach()
     if data.device.type != mesh.device_type and not data.is_meta:
         data = data.to(mesh.device_type)
+    simulated = simulation.simulated_view()
+    if isinstance(simulated, frozenset) and not data.is_meta:
+        # Every rank simulated in this process (torch's LocalTensorMode): no collective needed.
+        local, meta = distribute_simulated(data, mesh, target, src_data_rank, simulated)
+        return new_dtensor(local.requires_grad_(requires_grad), DTensorSpec(mesh, target, meta), requires_grad=requires_grad)
     source_meta: TensorMeta | None = None
     if src_data_rank is not None and not data.is_meta and mesh.get_coordinate() is not None:
         # The result is the source's tensor: its shape, stride and dtype too, on every rank.

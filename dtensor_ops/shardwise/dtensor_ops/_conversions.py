@@ -13,6 +13,7 @@ from typing import Any, Sequence, TypeVar, cast
 
 import torch
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh._simulation import first_simulated_piece, run_for_each_simulated_rank
 from shardwise.placement import (
     DTensorSpec,
     Placement,
@@ -60,7 +61,8 @@ def from_local(
             local_tensor, mesh, placement_tuple, global_shape
         )
     elif global_shape is not None:
-        _check_local_shape_matches(local_tensor, mesh, placement_tuple, global_shape)
+        # Per simulated rank under torch's LocalTensorMode (each checks its own piece); a plain call otherwise.
+        run_for_each_simulated_rank(_check_local_shape_matches, local_tensor, mesh, placement_tuple, global_shape)
     else:
         global_shape = even_global_shape(local_tensor.shape, mesh.shape, placement_tuple)
     if len(global_shape) != local_tensor.ndim:
@@ -75,7 +77,8 @@ def from_local(
                 f"DTensor.from_local: stride {global_stride} and shape {global_shape} have different lengths"
             )
     else:
-        global_stride = strides_in_local_dim_order(local_tensor, global_shape)
+        # Under LocalTensorMode the pieces' layouts are read from one rank (every rank holds its piece alike).
+        global_stride = strides_in_local_dim_order(first_simulated_piece(local_tensor), global_shape)
     meta = TensorMeta(torch.Size(global_shape), global_stride, local_tensor.dtype)
     spec = DTensorSpec(mesh, placement_tuple, meta)
     return cast(_DTensorT, _FromLocal.apply(local_tensor, spec, cls))
@@ -220,16 +223,22 @@ class _ToLocal(torch.autograd.Function):
             # differ per rank (size-1 dims), so they must not decide it.
             TensorMeta(meta.shape, meta.stride, grad_output.dtype),
         )
-        coordinate = spec.mesh.get_coordinate()
-        if coordinate is not None:
-            expected = grad_spec.local_shape(coordinate)
-            if tuple(grad_output.shape) != tuple(expected):
-                raise RuntimeError(
-                    f"to_local(): the local gradient has shape {tuple(grad_output.shape)} but gradient placements "
-                    f"{placements} of the global shape {tuple(meta.shape)} give local shape {tuple(expected)} on "
-                    f"mesh coordinate {tuple(coordinate)}; pass grad_placements that describe the gradient"
-                )
+        run_for_each_simulated_rank(_check_local_gradient_shape, grad_output, grad_spec)
         return wrap_local_tensor(ctx.cls, _laid_out_like(grad_output, meta.stride), grad_spec), None
+
+
+def _check_local_gradient_shape(grad_output: torch.Tensor, grad_spec: DTensorSpec[DeviceMesh]) -> None:
+    coordinate = grad_spec.mesh.get_coordinate()
+    if coordinate is None:
+        return
+    expected = grad_spec.local_shape(coordinate)
+    if tuple(grad_output.shape) != tuple(expected):
+        meta = cast(TensorMeta, grad_spec.tensor_meta)
+        raise RuntimeError(
+            f"to_local(): the local gradient has shape {tuple(grad_output.shape)} but gradient placements "
+            f"{grad_spec.placements} of the global shape {tuple(meta.shape)} give local shape {tuple(expected)} on "
+            f"mesh coordinate {tuple(coordinate)}; pass grad_placements that describe the gradient"
+        )
 
 
 def _laid_out_like(local: torch.Tensor, global_stride: Sequence[int]) -> torch.Tensor:

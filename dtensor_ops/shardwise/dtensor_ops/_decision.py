@@ -56,6 +56,8 @@ class RandomPlan:
     ``cuda_offset_stride`` is the Philox offset range reserved per shard.
     ``holds_zeros``: this rank's part of a Partial(sum) fill is zero.
     ``generator_arg``: where the op takes an explicit generator (position or keyword), if anywhere.
+    ``per_rank``: under torch's LocalTensorMode (every rank simulated in one process), each simulated
+    rank's own plan as ``(rank, plan)`` pairs; empty otherwise (the fields above are this rank's).
     """
 
     shard_index: int | None
@@ -63,6 +65,7 @@ class RandomPlan:
     cuda_offset_stride: int
     holds_zeros: bool
     generator_arg: int | str | None
+    per_rank: tuple[tuple[int, RandomPlan], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

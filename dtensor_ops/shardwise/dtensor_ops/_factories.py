@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import (
     DTensorSpec,
     Partial,
@@ -90,22 +91,44 @@ def _create(
     global_shape = _parse_size(size, where)
     target = normalize_placements(placements, mesh, len(global_shape), where)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
-    coordinate = mesh.get_coordinate()
-    local_shape = compute_local_shape(global_shape, mesh.shape, coordinate, target)
     device = torch.device(mesh.device_type)
     meta = TensorMeta(torch.Size(global_shape), contiguous_strides(global_shape), dtype)
     spec = DTensorSpec(mesh, target, meta)
-    source: _RandomSource | None = None
-    if random and coordinate is not None:
-        drawn = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
-        generator = torch.Generator(device=device)
-        generator.manual_seed(agree_on_int(drawn, mesh))
-        source = (generator, plan_for_spec(spec))
-    local = build(tuple(local_shape), dtype, layout, device, source)
+    if isinstance(simulation.simulated_view(), frozenset):
+        # Every rank simulated here (torch's LocalTensorMode): each rank builds its own shard; one seed,
+        # drawn once, is every rank's (no agreement needed).
+        seed: int | None = None
+        if random:
+            with simulation.mode_disabled():
+                seed = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
+        local = simulation.run_for_each_simulated_rank(_build_own_shard, spec, build, seed, layout)
+    else:
+        seed = None
+        if random and mesh.get_coordinate() is not None:
+            drawn = int(torch.randint(0, _SEED_MODULUS - 1, (1,), dtype=torch.int64).item())
+            seed = agree_on_int(drawn, mesh)
+        local = _build_own_shard(spec, build, seed, layout)
+    coordinate = mesh.get_coordinate()
     if partial_needs_conversion and coordinate is not None and any(isinstance(p, Partial) for p in target):
         as_replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in target)
         local = redistribute_local_tensor(local, DTensorSpec(mesh, as_replicated, meta), spec)
     return new_dtensor(local, spec, requires_grad=requires_grad)
+
+
+def _build_own_shard(spec: DTensorSpec[Any], build: _Builder, seed: int | None, layout: torch.layout) -> torch.Tensor:
+    """This rank's shard of a factory's DTensor (``seed``: the agreed seed of a random factory)."""
+    mesh = spec.mesh
+    meta = spec.tensor_meta
+    assert meta is not None
+    coordinate = mesh.get_coordinate()
+    local_shape = compute_local_shape(meta.shape, mesh.shape, coordinate, spec.placements)
+    device = torch.device(mesh.device_type)
+    source: _RandomSource | None = None
+    if seed is not None and coordinate is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        source = (generator, plan_for_spec(spec))
+    return build(tuple(local_shape), meta.dtype, layout, device, source)
 
 
 def zeros(

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import warnings
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
 
 from ._caches import register_cache
@@ -118,8 +120,23 @@ def plan_for_spec(
 
     ``zeros_off_root_of_partial_sum``: the values are to be stored in ``spec``'s
     Partial(sum) layout (one rank per group holds them, the others zeros).
+
+    Under torch's LocalTensorMode (every rank simulated here) the plan holds each simulated
+    rank's plan in ``per_rank`` (see :func:`run_random_op`).
     """
     mesh = spec.mesh
+    simulated = simulation.simulated_view()
+    if isinstance(simulated, frozenset):
+        plans = []
+        for rank in sorted(simulated):
+            with simulation.as_simulated_rank(rank):
+                plans.append(
+                    (rank, plan_for_spec(spec, zeros_off_root_of_partial_sum=zeros_off_root_of_partial_sum, generator_arg=generator_arg))
+                )
+        first = plans[0][1]
+        if all(plan == first for _, plan in plans):
+            return first
+        return dataclasses.replace(first, per_rank=tuple(plans))
     coordinate = mesh.get_coordinate()
     shard_index = 0
     num_shards = 1
@@ -339,6 +356,8 @@ def _is_traced(values: Sequence[Any]) -> bool:
 
 def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[Any], local_kwargs: dict[str, Any]) -> Any:
     """Dispatch's execution step for a random op: ``call`` on the local tensors in this rank's shard stream."""
+    if plan.per_rank:
+        return _run_random_op_per_simulated_rank(plan, call, local_args, local_kwargs)
     if plan.shard_index is None or (_rng_tracker is not None and not _rng_tracker.distribute_region_enabled):
         result = call(*local_args, **local_kwargs)
     elif _traced_random_runner is not None and _is_traced(local_args):
@@ -356,6 +375,35 @@ def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[A
     if plan.holds_zeros:
         _zero_result(result)
     return result
+
+
+def _run_random_op_per_simulated_rank(
+    plan: RandomPlan, call: Callable[..., Any], local_args: list[Any], local_kwargs: dict[str, Any]
+) -> Any:
+    """``run_random_op`` once per simulated rank (torch's LocalTensorMode), each with its own plan.
+
+    Real ranks keep their generators in step, so every simulated rank starts from the same
+    generator state: replicas draw equal values and shards their own streams, as on real ranks.
+    """
+    plans = dict(plan.per_rank)
+    with simulation.mode_disabled():
+        generator = _explicit_generator(plan, local_args, local_kwargs)
+        if generator is None:
+            device = _first_tensor_device(local_args) or _first_tensor_device(list(local_kwargs.values()))
+            generator = default_generator_for(device) if device is not None else None
+        start = generator.get_state() if generator is not None else None
+
+    def one_rank(args: list[Any], kwargs: dict[str, Any]) -> Any:
+        rank = simulation.pinned_rank()
+        assert rank is not None, "run_for_each_simulated_rank pins each rank"
+        if generator is not None and start is not None:
+            generator.set_state(start)
+        rank_generator = _explicit_generator(plan, args, kwargs)
+        if rank_generator is not None and start is not None:
+            rank_generator.set_state(start)
+        return run_random_op(plans[rank], call, args, kwargs)
+
+    return simulation.run_for_each_simulated_rank(one_rank, list(local_args), dict(local_kwargs))
 
 
 # --------------------------------------------------------------------------- public API (shardwise.dtensor_ops.random)

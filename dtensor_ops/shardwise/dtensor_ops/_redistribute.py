@@ -49,6 +49,8 @@ from shardwise.placement import (
     shard_sizes_along_mesh_dim,
 )
 
+from shardwise.mesh import _simulation as simulation
+
 from ._caches import register_cache
 from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
 from ._collectives import (
@@ -60,6 +62,7 @@ from ._collectives import (
     launch_reduce_scatter,
     mesh_group_names,
     wait,
+    wait_local_tensor,
 )
 from ._redistribute_plan import (
     Placements,
@@ -460,16 +463,22 @@ def _cut(tensor: torch.Tensor, region: _Region) -> torch.Tensor:
 
 
 def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
+    buffer = _joint_send_buffer(local, step, layout)
+    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+        return launch_all_to_all_exact(buffer, layout.output_splits, layout.input_splits, step.group_name)
+    return launch_reduce_scatter(buffer, step.reduce_op, step.group_size, step.group_name)
+
+
+def _joint_send_buffer(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
     if step.kind is StepKind.JOINT_ALL_TO_ALL:
         parts = [_cut(local, region).reshape(-1) for region in layout.send_regions if region is not None]
-        flat = torch.cat(parts) if parts else local.new_empty((0,))
-        return launch_all_to_all_exact(flat, layout.output_splits, layout.input_splits, step.group_name)
+        return torch.cat(parts) if parts else local.new_empty((0,))
     # reduce-scatter: member i's piece, padded, is dim-0 block i (padding is reduced and dropped)
     buffer = local.new_zeros((step.group_size, *layout.padded_shape))
     for member, region in enumerate(layout.send_regions):
         if region is not None:
             _cut(buffer[member], ((0,) * len(region[1]), region[1])).copy_(_cut(local, region))
-    return launch_reduce_scatter(buffer.flatten(0, 1), step.reduce_op, step.group_size, step.group_name)
+    return buffer.flatten(0, 1)
 
 
 def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
@@ -488,25 +497,41 @@ def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout)
 
 def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     """Pad and lay out ``local`` for the step's collective and start it (unwaited)."""
-    kind, group_size = step.kind, step.group_size
     if step.joint is not None:
         return _launch_joint(local, step, step.joint)
+    return _issue(_send_buffer(local, step), step)
+
+
+def _send_buffer(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    """``local`` padded and laid out for a one-dim step's collective (no communication)."""
+    kind, group_size = step.kind, step.group_size
     if kind is StepKind.ALL_REDUCE:
-        return launch_all_reduce(local, step.reduce_op, step.group_name)
+        return local
     if kind is StepKind.ALL_GATHER:
-        return launch_all_gather(pad_dim(local, step.from_dim, step.piece), group_size, step.group_name)
+        return pad_dim(local, step.from_dim, step.piece)
     if kind is StepKind.REDUCE_SCATTER:
         to_dim = step.to_dim
         padded = pad_dim(local, to_dim, step.piece * group_size)
         if to_dim != 0:
             # Put the group's pieces outermost so that member i's piece is dim-0 block i.
             padded = padded.unflatten(to_dim, (group_size, step.piece)).movedim(to_dim, 0).flatten(0, 1)
-        return launch_reduce_scatter(padded, step.reduce_op, group_size, step.group_name)
+        return padded
     # all-to-all: block i (this rank's piece of to_dim i) goes to member i
     to_dim = step.to_dim
     padded = pad_dim(pad_dim(local, step.from_dim, step.piece), to_dim, step.to_piece * group_size)
-    blocks = padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
-    return launch_all_to_all(blocks, group_size, step.group_name)
+    return padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
+
+
+def _issue(buffer: torch.Tensor, step: _ExecStep) -> torch.Tensor:
+    """Start a one-dim step's collective on its send buffer (unwaited)."""
+    kind, group_size = step.kind, step.group_size
+    if kind is StepKind.ALL_REDUCE:
+        return launch_all_reduce(buffer, step.reduce_op, step.group_name)
+    if kind is StepKind.ALL_GATHER:
+        return launch_all_gather(buffer, group_size, step.group_name)
+    if kind is StepKind.REDUCE_SCATTER:
+        return launch_reduce_scatter(buffer, step.reduce_op, group_size, step.group_name)
+    return launch_all_to_all(buffer, group_size, step.group_name)
 
 
 def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
@@ -628,6 +653,13 @@ def redistribute_local_tensor(
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
+    if type(local) is not torch.Tensor or simulation.simulated_view() is not None:
+        view = simulation.simulated_view()
+        if isinstance(view, frozenset):
+            # Every rank simulated in this process (torch's LocalTensorMode): see _redistribute_simulated.
+            return _redistribute_simulated(local, src, dst, view)
+        if view is not None:
+            return _redistribute_one_simulated_rank(local, src, dst, view)
     try:
         program = _programs.get((src, dst))
     except TypeError:
@@ -657,6 +689,125 @@ def redistribute_local_tensor(
         local = _run_step(local, step)
     pending = _launch(local, steps[last])
     return AsyncCollectiveTensor(pending, _Continuation(program, last), program.dst_local_shape)
+
+
+# -- every rank simulated in this process (torch's LocalTensorMode) ---------------------------
+
+# One program per simulated rank, compiled with that rank pinned (see shardwise.mesh._simulation).
+_simulated_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any], int], _Program] = register_cache(
+    {}, module=__name__, attribute="_simulated_programs", rank_local=False
+)
+
+
+def _simulated_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int) -> _Program:
+    key = (src, dst, rank)
+    program = _simulated_programs.get(key)
+    if program is None or program.mesh is not src.mesh:
+        with simulation.as_simulated_rank(rank):
+            program = _compile_program(src, dst, plan_redistribute(src, dst))
+        if len(_simulated_programs) >= _MAX_PROGRAMS:
+            _simulated_programs.clear()
+        _simulated_programs[key] = program
+    return program
+
+
+def _redistribute_simulated(
+    local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any], ranks: frozenset[int]
+) -> torch.Tensor:
+    """``redistribute_local_tensor`` for every simulated rank at once (a ``LocalTensor`` in and out).
+
+    Each rank runs its own program (its sizes, offsets and trims) on its own piece; a collective
+    step is issued once, on the ``LocalTensor`` of every rank's send buffer, and the mode performs
+    it for every group of the mesh dim. Runs synchronously (``async_op`` has nothing to overlap).
+    """
+    if involves_strided_shard(src, dst):
+        raise NotImplementedError(
+            f"redistribute {src} -> {dst} under LocalTensorMode: layouts with _StridedShard are not simulated; "
+            "run this test on rank threads or processes"
+        )
+    rank_list = sorted(ranks)
+    programs = {rank: _simulated_program(src, dst, rank) for rank in rank_list}
+    taking_part = [rank for rank in rank_list if programs[rank].participating]
+    if len(taking_part) not in (0, len(rank_list)):
+        raise NotImplementedError(
+            f"redistribute over {src.mesh!r} under LocalTensorMode: simulated ranks "
+            f"{sorted(set(rank_list) - set(taking_part))} are outside the mesh; simulate a world that the mesh covers"
+        )
+    with simulation.mode_disabled():
+        pieces = simulation.local_tensor_pieces(wait_local_tensor(local), ranks)
+        if not taking_part:
+            return simulation.join_rank_values(
+                {rank: pieces[rank].new_empty(programs[rank].dst_local_shape) for rank in rank_list}
+            )
+        for rank in rank_list:
+            if pieces[rank].shape != programs[rank].src_local_shape:
+                raise ValueError(
+                    f"redistribute {src} -> {dst}: the local tensor of simulated rank {rank} has shape "
+                    f"{tuple(pieces[rank].shape)} but that rank holds a shard of shape {programs[rank].src_local_shape} "
+                    f"for placements {src.placements} of global shape {check_redistribute_specs(src, dst)}"
+                )
+    for index in range(len(programs[rank_list[0]].steps)):
+        steps = {rank: programs[rank].steps[index] for rank in rank_list}
+        with simulation.mode_disabled():
+            if not steps[rank_list[0]].kind.is_collective:
+                pieces = {rank: _run_local(pieces[rank], steps[rank]) for rank in rank_list}
+                continue
+            if all(step.sends_nothing for step in steps.values()):
+                pieces = {rank: pieces[rank].new_empty(steps[rank].shape_after) for rank in rank_list}
+                continue
+            buffers = simulation.join_rank_values(
+                {
+                    rank: _send_buffer(pieces[rank], step)
+                    if step.joint is None
+                    else _joint_send_buffer(pieces[rank], step, step.joint)
+                    for rank, step in steps.items()
+                }
+            )
+        received = wait(_issue_simulated(buffers, steps))
+        with simulation.mode_disabled():
+            received_pieces = simulation.local_tensor_pieces(received, ranks)
+            pieces = {
+                rank: pieces[rank].new_empty(step.shape_after)
+                if step.sends_nothing
+                else _finish(received_pieces[rank], step)
+                for rank, step in steps.items()
+            }
+    return simulation.join_rank_values(pieces)
+
+
+def _redistribute_one_simulated_rank(
+    local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int
+) -> torch.Tensor:
+    """One simulated rank's redistribution, inside ``run_for_each_simulated_rank``: local steps only."""
+    program = _simulated_program(src, dst, rank)
+    if any(step.kind.is_collective for step in program.steps):
+        raise RuntimeError(
+            f"redistribute {src} -> {dst} needs a collective, but it was called for one simulated rank ({rank}) "
+            "inside run_for_each_simulated_rank, where ranks cannot communicate; call it outside"
+        )
+    if not program.participating:
+        return local.new_empty(program.dst_local_shape)
+    for step in program.steps:
+        local = _run_local(local, step)
+    return local
+
+
+def _issue_simulated(buffers: torch.Tensor, steps: dict[int, _ExecStep]) -> torch.Tensor:
+    """One step's collective for every simulated rank; sizes that differ by rank go as ``LocalIntNode`` SymInts."""
+    step = next(iter(steps.values()))
+    if step.kind is StepKind.JOINT_REDUCE_SCATTER:
+        return launch_reduce_scatter(buffers, step.reduce_op, step.group_size, step.group_name)
+    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+        input_splits, output_splits = [], []
+        for member in range(step.group_size):
+            input_splits.append(
+                simulation.per_rank_int({rank: s.joint.input_splits[member] for rank, s in steps.items() if s.joint})
+            )
+            output_splits.append(
+                simulation.per_rank_int({rank: s.joint.output_splits[member] for rank, s in steps.items() if s.joint})
+            )
+        return launch_all_to_all_exact(buffers, output_splits, input_splits, step.group_name)  # type: ignore[arg-type]
+    return _issue(buffers, step)
 
 
 class Redistribute:

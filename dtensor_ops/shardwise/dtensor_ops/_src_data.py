@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 import torch
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import (
     DTensorSpec,
     Partial,
@@ -34,6 +35,7 @@ from shardwise.placement import (
     TensorMeta,
     chunk_sizes,
     compute_local_shape,
+    select_local_shard,
     even_global_shape,
     strides_in_local_dim_order,
 )
@@ -41,7 +43,13 @@ from shardwise.placement import (
 from ._collectives import all_gather_rows_over_mesh, broadcast_along_mesh_dim, scatter_along_mesh_dim
 from ._redistribute import redistribute_local_tensor
 
-__all__ = ["agree_on_source_meta", "distribute_local_data", "check_and_sync_from_local", "agree_on_int"]
+__all__ = [
+    "agree_on_source_meta",
+    "distribute_local_data",
+    "distribute_simulated",
+    "check_and_sync_from_local",
+    "agree_on_int",
+]
 
 # dtypes travel between ranks as their index in this table (the same in every process).
 _DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -176,6 +184,70 @@ def _replicated_to_partial(
     )
 
 
+# -- every rank simulated in this process (torch's LocalTensorMode) --------------------------
+
+
+def _simulated_coordinates(mesh: DeviceMesh, ranks: frozenset[int]) -> dict[int, tuple[int, ...] | None]:
+    coordinates: dict[int, tuple[int, ...] | None] = {}
+    for rank in sorted(ranks):
+        with simulation.as_simulated_rank(rank):
+            coordinates[rank] = mesh.get_coordinate()
+    return coordinates
+
+
+def _select_own_shard(tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    # Runs once per simulated rank: the mesh reports that rank's coordinate.
+    coordinate = mesh.get_coordinate()
+    return select_local_shard(tensor, mesh.shape, coordinate, placements).clone(memory_format=torch.contiguous_format)
+
+
+def distribute_simulated(
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    src_data_rank: int | None,
+    ranks: frozenset[int],
+) -> tuple[torch.Tensor, TensorMeta]:
+    """``distribute_tensor``'s local tensor (a ``LocalTensor``) and global meta with every rank simulated here.
+
+    Every simulated rank's tensor is in this process, so no collective is needed: the source's
+    piece (the rank at index ``src_data_rank`` along every mesh dim; with ``None`` each rank's
+    own piece) is cut by each rank's coordinate, then Partial mesh dims are made by the
+    (local) Replicate -> Partial redistribution.
+    """
+    with simulation.mode_disabled():
+        pieces = simulation.local_tensor_pieces(tensor, ranks)
+        if src_data_rank is None:
+            source_piece = simulation.first_simulated_piece(tensor)
+            data = tensor
+        else:
+            coordinates = _simulated_coordinates(mesh, ranks)
+            at_source = tuple(src_data_rank for _ in mesh.shape)
+            source_rank = next((rank for rank, coord in coordinates.items() if coord == at_source), None)
+            if source_rank is None:
+                raise ValueError(
+                    f"distribute_tensor under LocalTensorMode: no simulated rank (of {sorted(ranks)}) sits at the "
+                    f"source coordinate {at_source} of {mesh!r}; simulate the ranks of the mesh"
+                )
+            source_piece = pieces[source_rank]
+            data = source_piece
+            for rank, piece in pieces.items():
+                if (piece.shape, piece.dtype) != (source_piece.shape, source_piece.dtype):
+                    warnings.warn(
+                        f"distribute_tensor: simulated rank {rank} holds a {piece.dtype} tensor of shape "
+                        f"{tuple(piece.shape)}, but the source (rank {source_rank}) holds {source_piece.dtype} of shape "
+                        f"{tuple(source_piece.shape)}; the result is the source's tensor, as src_data_rank says",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+        meta = TensorMeta(source_piece.shape, tuple(_global_stride(source_piece)), source_piece.dtype)
+    as_replicated = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    local = simulation.run_for_each_simulated_rank(_select_own_shard, data, mesh, as_replicated)
+    if any(isinstance(p, Partial) for p in placements):
+        local = _replicated_to_partial(local, source_piece, mesh, placements)
+    return local, meta
+
+
 # -- from_local(run_check=True) ------------------------------------------------------------
 
 
@@ -205,8 +277,19 @@ def check_and_sync_from_local(
             global_shape = even_global_shape(tuple(local.shape), mesh.shape, placements)
         return local, global_shape
     where = "DTensor.from_local(run_check=True)"
-    header = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype]])
     coordinates = _coordinates(mesh.shape)
+    ranks = simulation.simulated_ranks() if simulation.pinned_rank() is None else None
+    if ranks is not None:
+        # Every rank simulated here: read each rank's piece instead of gathering its metadata.
+        with simulation.mode_disabled():
+            pieces = simulation.local_tensor_pieces(local, ranks)
+            by_coordinate = {coord: pieces[rank] for rank, coord in _simulated_coordinates(mesh, ranks).items() if coord}
+        if set(by_coordinate) != set(coordinates):
+            raise ValueError(f"{where} under LocalTensorMode: simulate every rank of {mesh!r}")
+        header = {coord: (piece.ndim, _DTYPE_CODE[piece.dtype]) for coord, piece in by_coordinate.items()}
+    else:
+        gathered = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype]])
+        header = {coord: (int(gathered[coord][0]), int(gathered[coord][1])) for coord in coordinates}
     ndims = {coord: int(header[coord][0]) for coord in coordinates}
     dtypes = {coord: _DTYPES[int(header[coord][1])] for coord in coordinates}
     if len(set(ndims.values())) > 1:
@@ -215,6 +298,8 @@ def check_and_sync_from_local(
         raise ValueError(f"{where}: ranks hold local tensors with different dtypes: {_describe(dtypes)}")
     if local.ndim == 0:
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {coord: () for coord in coordinates}
+    elif ranks is not None:
+        shapes = {coord: tuple(piece.shape) for coord, piece in by_coordinate.items()}
     else:
         table = all_gather_rows_over_mesh(mesh, list(local.shape))
         shapes = {coord: tuple(int(v) for v in table[coord].tolist()) for coord in coordinates}

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.mesh import _process_groups as process_groups
+from shardwise.mesh import _simulation as simulation
 from shardwise.mesh import _validation as validation
 from shardwise.mesh._errors import MeshDimError, MeshError
 from shardwise.mesh._layout import MeshLayout
@@ -162,30 +163,69 @@ class DeviceMesh:
     @property
     def mesh(self) -> torch.Tensor:
         """The grid of global ranks of the (sub-)mesh that holds this rank."""
-        grid = self._layout.submesh_grid(self._rank)
+        pinned = simulation.pinned_rank()
+        rank = self._rank if pinned is None else pinned
+        grid = self._layout.submesh_grid(rank)
         if grid is None:
             raise MeshError(
-                f"rank {self._rank} is not part of {self!r}, which is one of several sub-meshes of its root mesh; "
+                f"rank {rank} is not part of {self!r}, which is one of several sub-meshes of its root mesh; "
                 "there is no single grid of ranks to return on this rank"
             )
         return grid.to(torch.int)
 
     # ------------------------------------------------------------------------------ this rank
 
+    # Under torch's LocalTensorMode (every rank simulated in this process, see ``_simulation``) the
+    # rank-dependent answers below are each simulated rank's: as plain ints for the rank pinned by
+    # ``run_for_each_simulated_rank``, as ``LocalIntNode`` SymInts otherwise (PyTorch's patched
+    # DeviceMesh answers the same). Real runs pay one check of a thread-local and ``sys.modules``.
+
     def get_rank(self) -> int:
         """This process's global rank."""
-        return self._rank
+        view = simulation.simulated_view()
+        if view is None:
+            return self._rank
+        if isinstance(view, int):
+            return view
+        return simulation.per_rank_int({rank: rank for rank in view})  # type: ignore[return-value]
 
     def get_coordinate(self) -> tuple[int, ...] | None:
         """This rank's index along every mesh dim; None if this rank is not in the mesh."""
-        return self._coordinate
+        view = simulation.simulated_view()
+        if view is None:
+            return self._coordinate
+        return self._simulated_coordinate(view)
+
+    def _simulated_coordinate(self, view: int | frozenset[int]) -> tuple[int, ...] | None:
+        if isinstance(view, int):
+            return self._layout.coordinate(view)
+        coordinates = {rank: self._layout.coordinate(rank) for rank in sorted(view)}
+        outside = [rank for rank, coordinate in coordinates.items() if coordinate is None]
+        if outside:
+            if len(outside) == len(coordinates):
+                return None
+            raise MeshError(
+                f"get_coordinate() under LocalTensorMode: simulated ranks {outside} are not part of {self!r} but "
+                f"ranks {sorted(set(coordinates) - set(outside))} are; one coordinate per simulated rank needs every "
+                "simulated rank in the mesh (or none of them)"
+            )
+        members = cast(dict[int, tuple[int, ...]], coordinates)
+        return tuple(
+            simulation.per_rank_int({rank: coordinate[dim] for rank, coordinate in members.items()})  # type: ignore[misc]
+            for dim in range(self.ndim)
+        )
 
     def _is_current_rank_part_of_mesh(self) -> bool:
-        return self._coordinate is not None
+        return self.get_coordinate() is not None
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         """This rank's index along ``mesh_dim`` (= its rank in that dim's process group)."""
         owner, dim = self._resolve_dim(self._default_dim(mesh_dim, "get_local_rank"))
+        if simulation.simulated_view() is not None:
+            simulated = owner.get_coordinate()
+            if simulated is None:
+                raise MeshError(f"get_local_rank({mesh_dim!r}): the simulated ranks are not part of {owner!r}")
+            return simulated[dim]
         coordinate = owner._require_member(f"get_local_rank({mesh_dim!r})")
         return coordinate[dim]
 

@@ -1,17 +1,22 @@
-"""The "local tensor" variants of ``common_dtensor``: every rank of a test in one process.
+"""The "local tensor" variants of ``common_dtensor``: every rank of a test simulated in one process.
 
-PyTorch runs these variants under ``torch.distributed._local_tensor.LocalTensorMode``, where
-each tensor holds one value per simulated rank and ranks are ``SymInt``s. shardwise's DTensor
-does not run under that mode (see testing/README.md, "Local-tensor variants": the mode patches
-the rank and coordinate lookups of *torch's* ``DeviceMesh`` only, so shardwise's mesh reports
-rank 0's coordinate for every simulated rank and each rank would cut rank 0's shard). The
-variants here keep the promise that matters to a test suite, every rank in one process with no
-process start-up, by running the ranks as threads (``run_on_threads``): the tests see plain
-``int`` ranks, real per-rank values and real collectives.
+As PyTorch's: ``LocalDTensorTestBase`` / ``LocalDTensorOpTestBase`` / ``LocalDTensorContinuousTestBase``
+run each test method in the test process over a "fake" process group of ``world_size`` ranks,
+``self.rank`` is a ``LocalIntNode`` SymInt holding every rank, and ``create_local_tensor_test_class``
+copies a test class with every ``test_*`` method run under ``torch.distributed._local_tensor.LocalTensorMode``:
+tensors are ``LocalTensor``s (one tensor per simulated rank), shardwise's meshes report each
+simulated rank's coordinate (``shardwise.mesh._simulation``) and collectives are performed by the
+mode on the ``LocalTensor``s. One process, no start-up, no threads.
 
-``map_local_for_rank`` / ``map_local_tensor_for_rank`` / ``reduce_local_int`` are PyTorch's
-helpers for tests that must work both ways: under ``LocalTensorMode`` (torch's own DTensor)
-they map over the simulated ranks, on real ranks they call the function once.
+Where the mode cannot simulate something (testing/README.md, "Local-tensor variants"), the threaded
+variants remain: ``ThreadedLocalDTensorTestBase`` / ``ThreadedLocalDTensorOpTestBase`` /
+``ThreadedLocalDTensorContinuousTestBase`` run every rank as a thread of the test process with real
+per-rank values and ``int`` ranks; ``create_local_tensor_test_class(cls, base_class=ThreadedLocal...)``
+uses them (no mode then).
+
+``map_local_for_rank`` / ``map_local_tensor_for_rank`` / ``reduce_local_int`` are PyTorch's helpers
+for tests that must work both ways: under ``LocalTensorMode`` they map over the simulated ranks, on
+real ranks they call the function once.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from typing import Any, Callable, ContextManager, Iterable, Sequence, TypeVar, U
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode, maybe_run_for_local_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardwise.dtensor_ops import DTensor
+from shardwise.mesh import DeviceMesh
+from shardwise.mesh._simulation import mode_disabled
 from shardwise.testing._dtensor_test_base import (
     DTensorContinuousTestBase,
     DTensorOpTestBase,
@@ -38,6 +46,9 @@ __all__ = [
     "LocalDTensorContinuousTestBase",
     "LocalDTensorOpTestBase",
     "LocalDTensorTestBase",
+    "ThreadedLocalDTensorContinuousTestBase",
+    "ThreadedLocalDTensorOpTestBase",
+    "ThreadedLocalDTensorTestBase",
     "create_local_tensor_test_class",
     "make_full_tensor",
     "make_wrapped",
@@ -50,7 +61,119 @@ _R = TypeVar("_R")
 _Case = TypeVar("_Case", bound=type)
 ContextFactory = Union[ContextManager[Any], Callable[[Any], ContextManager[Any]]]
 
+_SIMULATED_RANKS = "simulated"
 _THREAD_RANKS = "thread"
+_FAKE_BACKEND = "fake"
+
+
+def _init_fake_world(world_size: int) -> None:
+    dist.init_process_group(_FAKE_BACKEND, rank=0, world_size=world_size, store=FakeStore())
+
+
+def _is_fake_world(world_size: int) -> bool:
+    return (
+        dist.is_initialized()
+        and str(dist.get_backend()) == _FAKE_BACKEND
+        and dist.get_world_size() == world_size
+    )
+
+
+class _RanksSimulated(_RankRunner):
+    """Runs every test method in the test process over a fake process group of ``world_size`` ranks.
+
+    The ranks are simulated by ``LocalTensorMode`` (entered around each ``test_*`` method by
+    :func:`create_local_tensor_test_class`, or by the test itself via ``_get_local_tensor_mode()``).
+    """
+
+    @property
+    def is_local_tensor_enabled(self) -> bool:
+        return True
+
+    @property
+    def rank(self) -> Any:
+        """Every simulated rank at once: a ``LocalIntNode`` SymInt ``{r: r}`` (PyTorch's spelling)."""
+        if self._rank_mode != _SIMULATED_RANKS:
+            return super().rank
+        return torch.SymInt(LocalIntNode({rank: rank for rank in range(self._world_size_to_run())}))
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        # PyTorch's local bases ignore assignments to rank.
+        pass
+
+    @property
+    def device_type(self) -> str:
+        return self._device_type if self._device_type is not None else "cpu"
+
+    @device_type.setter
+    def device_type(self, value: str) -> None:
+        self._device_type = value
+
+    @property
+    def backend(self) -> str:
+        return _FAKE_BACKEND
+
+    def _handle_test_skip(self, msg: str) -> None:
+        self.skipTest(msg)
+
+    def _get_local_tensor_mode(self) -> LocalTensorMode:
+        return LocalTensorMode(frozenset(range(self._world_size_to_run())))
+
+    def build_device_mesh(self) -> DeviceMesh:
+        with mode_disabled():
+            return super().build_device_mesh()
+
+    def init_pg(self, eager_init: bool = False, backend: str | None = None) -> None:
+        """A fake process group of ``world_size`` ranks (any ``backend`` asked for is simulated by it)."""
+        world_size = self._world_size_to_run()
+        self._owns_process_group = False
+        if _is_fake_world(world_size):
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _init_fake_world(world_size)
+        self._owns_process_group = True
+
+    def destroy_pg(self, device_id: int | None = None) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def init_manual_seed_for_rank(self) -> None:
+        # One generator for all simulated ranks; per-rank streams come from LocalTensorMode.
+        torch.manual_seed(0)
+
+    def _run_on_ranks(self, method_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True
+        world_size = self._world_size_to_run()
+        if dist.is_initialized() and not _is_fake_world(world_size):
+            raise RuntimeError(
+                f"{type(self).__name__}.{method_name}: a process group ({dist.get_backend()}, world size "
+                f"{dist.get_world_size()}) is already initialised in the test process; the local-tensor variants "
+                f"simulate {world_size} ranks over a fake group of their own. Destroy it first"
+            )
+        if not dist.is_initialized():
+            _init_fake_world(world_size)
+        torch.autograd._enable_record_function(False)
+        self._rank_mode = _SIMULATED_RANKS
+        try:
+            return getattr(self, method_name)(*args, **kwargs)
+        finally:
+            self._rank_mode = None
+            torch.autograd._enable_record_function(True)
+            if dist.is_initialized() and str(dist.get_backend()) == _FAKE_BACKEND:
+                dist.destroy_process_group()
+
+
+class LocalDTensorTestBase(_RanksSimulated, DTensorTestBase):
+    """``DTensorTestBase`` with every rank simulated in the test process (see the module docstring)."""
+
+
+class LocalDTensorOpTestBase(_RanksSimulated, DTensorOpTestBase):
+    """``DTensorOpTestBase`` with every rank simulated in the test process."""
+
+
+class LocalDTensorContinuousTestBase(_RanksSimulated, DTensorContinuousTestBase):
+    """``DTensorContinuousTestBase`` with every rank simulated in the test process."""
 
 
 class _RanksAsThreads(_RankRunner):
@@ -95,15 +218,15 @@ class _RanksAsThreads(_RankRunner):
         run_on_threads(run_on_this_thread, world_size=self._world_size_to_run(), timeout=self._timeout_seconds())
 
 
-class LocalDTensorTestBase(_RanksAsThreads, DTensorTestBase):
-    """``DTensorTestBase`` with every rank a thread of the test process (see the module docstring)."""
+class ThreadedLocalDTensorTestBase(_RanksAsThreads, DTensorTestBase):
+    """``DTensorTestBase`` with every rank a thread of the test process (no ``LocalTensorMode``)."""
 
 
-class LocalDTensorOpTestBase(_RanksAsThreads, DTensorOpTestBase):
+class ThreadedLocalDTensorOpTestBase(_RanksAsThreads, DTensorOpTestBase):
     """``DTensorOpTestBase`` whose ``@with_comms`` methods also go through ``init_pg``/``destroy_pg``."""
 
 
-class LocalDTensorContinuousTestBase(_RanksAsThreads, DTensorContinuousTestBase):
+class ThreadedLocalDTensorContinuousTestBase(_RanksAsThreads, DTensorContinuousTestBase):
     """``DTensorContinuousTestBase`` with every rank a thread of the test process."""
 
 
@@ -123,27 +246,40 @@ def make_wrapped(fn: Callable[[Any], _R], ctxs: Sequence[ContextFactory]) -> Cal
     return wrapped
 
 
+def _local_tensor_mode_of(test: Any) -> ContextManager[Any]:
+    mode: ContextManager[Any] = test._get_local_tensor_mode()
+    return mode
+
+
 def create_local_tensor_test_class(
     orig_cls: _Case, skipped_tests: Iterable[str] | None = None, base_class: type = LocalDTensorTestBase
 ) -> _Case:
-    """A copy of ``orig_cls`` named ``<name>WithLocalTensor`` whose tests run with every rank in this process.
+    """A copy of ``orig_cls`` named ``<name>WithLocalTensor`` whose tests simulate every rank in this process.
 
+    With a ``LocalDTensor*`` base (the default) every ``test_*`` method runs under
+    ``LocalTensorMode``; with a ``ThreadedLocalDTensor*`` base the ranks are threads instead.
     ``skipped_tests`` names test methods the copy skips. Assign the result to a module-level name
     as in PyTorch (``FooWithLocalTensor = create_local_tensor_test_class(Foo)``) so test runners
     collect it.
     """
     skipped = set(skipped_tests or ())
+    under_mode = issubclass(base_class, _RanksSimulated)
     namespace = dict(vars(orig_cls))
     namespace.pop("__dict__", None)
     namespace.pop("__weakref__", None)
     for name in list(namespace):
-        if name in skipped and callable(namespace[name]):
+        value = namespace[name]
+        if not callable(value):
+            continue
+        if name in skipped:
 
             def skip_this(self: Any, _name: str = name) -> None:
                 self.skipTest(f"{_name} is skipped in the local-tensor variant")
 
             skip_this.__name__ = name
             namespace[name] = skip_this
+        elif under_mode and name.startswith("test_"):
+            namespace[name] = make_wrapped(value, [_local_tensor_mode_of])
     local_class = type(f"{orig_cls.__name__}WithLocalTensor", (base_class, *orig_cls.__bases__), namespace)
     local_class.__qualname__ = local_class.__name__
     return local_class  # type: ignore[return-value]

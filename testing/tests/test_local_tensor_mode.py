@@ -1,0 +1,287 @@
+"""shardwise's DTensor under torch's LocalTensorMode: every rank simulated in the test process.
+
+Each test compares every simulated rank's piece with plain torch on the full tensor (computed
+with the mode disabled), and checks that the ranks really were simulated: local tensors are
+``LocalTensor``s holding one piece per rank, each rank's piece being that rank's shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import unittest
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+import shardwise.dtensor_ops as dtensor_ops
+from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.mesh._simulation import mode_disabled
+from shardwise.testing import (
+    DTensorTestBase,
+    LocalDTensorOpTestBase,
+    LocalDTensorTestBase,
+    MLPModule,
+    ThreadedLocalDTensorTestBase,
+    create_local_tensor_test_class,
+    map_local_for_rank,
+    with_comms,
+)
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
+
+funcol = torch.ops.c10d_functional  # CommDebugMode counts under these keys, as PyTorch's
+
+
+def pieces(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each simulated rank's tensor (a LocalTensor's pieces)."""
+    assert isinstance(tensor, LocalTensor), f"expected a LocalTensor (one piece per simulated rank), got {type(tensor)}"
+    return dict(tensor._local_tensors)
+
+
+def plain(function: Any, *args: Any) -> Any:
+    """``function(*args)`` on plain tensors, outside the mode (the reference)."""
+    with mode_disabled():
+        return function(*args)
+
+
+class SimulatedRanksTest(LocalDTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def assert_every_rank_equals(self, tensor: torch.Tensor, expected: torch.Tensor) -> None:
+        by_rank = pieces(tensor)
+        self.assertEqual(sorted(by_rank), list(range(self.world_size)))
+        for rank, piece in by_rank.items():
+            torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+    def assert_shards(self, dtensor: DTensor, full: torch.Tensor, dim: int) -> None:
+        """Rank r holds torch.chunk piece r of ``full`` along ``dim`` (empty past the last chunk)."""
+        chunks = plain(lambda: full.chunk(self.world_size, dim))
+        for rank, piece in pieces(dtensor.to_local()).items():
+            expected = chunks[rank] if rank < len(chunks) else plain(lambda: full.narrow(dim, 0, 0))
+            torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+    @with_comms
+    def test_mesh_reports_each_simulated_rank(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with self._get_local_tensor_mode():
+            coordinate = mesh.get_coordinate()
+            self.assertEqual([c.node._local_ints for c in coordinate], [{0: 0, 1: 0, 2: 1, 3: 1}, {0: 0, 1: 1, 2: 0, 3: 1}])
+            self.assertEqual(mesh.get_rank().node._local_ints, {0: 0, 1: 1, 2: 2, 3: 3})
+            self.assertEqual(mesh["tp"].get_local_rank().node._local_ints, {0: 0, 1: 1, 2: 0, 3: 1})
+        # Outside the mode the process is rank 0 of the fake world.
+        self.assertEqual(mesh.get_coordinate(), (0, 0))
+
+    @with_comms
+    def test_sharded_linear_matches_torch_without_communication(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            x_full = torch.arange(30.0).reshape(10, 3) / 7
+            weight_full = torch.arange(15.0).reshape(5, 3) / 5
+            x = distribute_tensor(x_full, mesh, [Shard(0)])
+            weight = distribute_tensor(weight_full, mesh, [Replicate()])
+            with CommDebugMode() as comm_mode:
+                out = F.linear(x, weight)
+            self.assertEqual(comm_mode.get_total_counts(), 0)
+            self.assertEqual(out.placements, (Shard(0),))
+            expected = plain(F.linear, x_full.reconcile(), weight_full.reconcile())
+            self.assert_shards(out, expected, 0)
+            self.assert_every_rank_equals(out.full_tensor(), expected)
+
+    @with_comms
+    def test_shard_to_replicate_uneven(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            for rows in (8, 6, 3):
+                full = torch.arange(rows * 2.0).reshape(rows, 2)
+                sharded = distribute_tensor(full, mesh, [Shard(0)])
+                self.assert_shards(sharded, full.reconcile(), 0)
+                with CommDebugMode() as comm_mode:
+                    replicated = sharded.redistribute(mesh, [Replicate()])
+                self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_gather_into_tensor: 1})
+                self.assert_every_rank_equals(replicated.to_local(), full.reconcile())
+
+    @with_comms
+    def test_partial_to_shard_reduce_scatters(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode() as mode:
+            contributions = mode.rank_map(lambda rank: torch.arange(14.0).reshape(7, 2) * (rank + 1))
+            partial = DTensor.from_local(contributions, mesh, [Partial()])
+            with CommDebugMode() as comm_mode:
+                sharded = partial.redistribute(mesh, [Shard(0)])
+            self.assertEqual(comm_mode.get_comm_counts(), {funcol.reduce_scatter_tensor: 1})
+            self.assert_shards(sharded, plain(lambda: torch.arange(14.0).reshape(7, 2) * 10), 0)
+
+    @with_comms
+    def test_shard0_to_shard1_is_one_all_to_all(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            full = torch.arange(35.0).reshape(7, 5)
+            rows = distribute_tensor(full, mesh, [Shard(0)])
+            with CommDebugMode() as comm_mode:
+                columns = rows.redistribute(mesh, [Shard(1)])
+            self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_to_all_single: 1})
+            self.assert_shards(columns, full.reconcile(), 1)
+            self.assert_every_rank_equals(columns.full_tensor(), full.reconcile())
+
+    @with_comms
+    def test_two_dim_mesh_redistributions(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        with self._get_local_tensor_mode():
+            full = torch.arange(45.0).reshape(9, 5)
+            expected = full.reconcile()
+            for source, target in (
+                ([Shard(0), Shard(1)], [Shard(1), Shard(0)]),
+                ([Shard(0), Shard(0)], [Replicate(), Shard(1)]),
+                ([Partial(), Shard(1)], [Shard(0), Replicate()]),
+                ([Replicate(), Partial("max")], [Shard(1), Shard(0)]),
+            ):
+                moved = distribute_tensor(full, mesh, source).redistribute(mesh, target)
+                self.assertEqual(moved.placements, tuple(target))
+                self.assert_every_rank_equals(moved.full_tensor(), expected)
+
+    @with_comms
+    def test_from_local_run_check_infers_uneven_shape(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode() as mode:
+            local = mode.rank_map(lambda rank: torch.full((3 if rank < 3 else 1, 2), float(rank)))
+            dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+            self.assertEqual(tuple(dtensor.shape), (10, 2))
+            expected = plain(lambda: torch.cat([torch.full((3 if r < 3 else 1, 2), float(r)) for r in range(4)]))
+            self.assert_every_rank_equals(dtensor.full_tensor(), expected)
+            wrong = mode.rank_map(lambda rank: torch.zeros(2 if rank == 2 else 3, 2))
+            with self.assertRaisesRegex(ValueError, "mesh coordinate \\(2,\\)"):
+                DTensor.from_local(wrong, mesh, [Shard(0)], shape=(12, 2), stride=(2, 1))
+
+    @with_comms
+    def test_tensor_parallel_mlp_forward_and_backward(self) -> None:
+        from shardwise.tp_styles import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.build_device_mesh()
+        torch.manual_seed(3)
+        reference = MLPModule("cpu")
+        model = copy.deepcopy(reference)
+        inputs = torch.randn(5, 10)
+        reference(inputs).sum().backward()
+        with self._get_local_tensor_mode():
+            parallelize_module(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+            with CommDebugMode() as comm_mode:
+                output = model(inputs)
+            self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_reduce: 1})
+            self.assert_every_rank_equals(output, plain(reference, inputs))
+            output.sum().backward()
+            for name in ("net1.weight", "net1.bias", "net2.weight", "net2.bias"):
+                grad = model.get_parameter(name).grad
+                self.assert_every_rank_equals(grad.full_tensor(), reference.get_parameter(name).grad)
+
+    @with_comms
+    def test_random_ops_draw_per_shard(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            torch.manual_seed(5)
+            values = dtensor_ops.rand(8, 3, device_mesh=mesh, placements=[Shard(0)]).full_tensor()
+            by_rank = pieces(values)
+            for piece in by_rank.values():
+                torch.testing.assert_close(piece, by_rank[0])
+            shards = by_rank[0].chunk(4)
+            self.assertEqual(len({tuple(shard.flatten().tolist()) for shard in shards}), 4)
+            kept = F.dropout(distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)]), 0.5).full_tensor()
+            by_rank = pieces(kept)
+            for piece in by_rank.values():
+                torch.testing.assert_close(piece, by_rank[0])
+            self.assertTrue(set(by_rank[0].unique().tolist()) <= {0.0, 2.0})
+            replicated = F.dropout(distribute_tensor(torch.ones(6, 4), mesh, [Replicate()]), 0.5).to_local()
+            by_rank = pieces(replicated)
+            for piece in by_rank.values():
+                torch.testing.assert_close(piece, by_rank[0])
+
+    @with_comms
+    def test_factories_allocate_each_ranks_shard(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            ones = dtensor_ops.ones(9, 2, device_mesh=mesh, placements=[Shard(0)])
+            self.assertEqual({rank: tuple(p.shape) for rank, p in pieces(ones.to_local()).items()}, {0: (3, 2), 1: (3, 2), 2: (3, 2), 3: (0, 2)})
+            summed = dtensor_ops.full((2, 2), 3.0, device_mesh=mesh, placements=[Partial()])
+            self.assert_every_rank_equals(summed.full_tensor(), plain(lambda: torch.full((2, 2), 3.0)))
+
+
+class EightRanksTest(LocalDTensorOpTestBase):
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    def test_two_by_four_mesh_matches_torch(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with self._get_local_tensor_mode():
+            a_full = torch.arange(66.0).reshape(11, 6) / 10
+            b_full = torch.arange(30.0).reshape(6, 5) / 10
+            a = distribute_tensor(a_full, mesh, [Shard(0), Shard(1)])
+            b = distribute_tensor(b_full, mesh, [Replicate(), Shard(0)])
+            product = a @ b
+            self.assertEqual(product.placements, (Shard(0), Partial()))
+            expected = plain(torch.mm, a_full.reconcile(), b_full.reconcile())
+            for rank, piece in pieces(product.full_tensor()).items():
+                torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+            columns = product.redistribute(mesh, [Shard(1), Shard(1)])
+            for rank, piece in pieces(columns.full_tensor()).items():
+                torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+
+# PyTorch-style: a class written for processes, copied to run under LocalTensorMode.
+class PortedToLocalTensor(DTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    @parametrize("placement", [Shard(0), Shard(1), Replicate()])
+    @with_comms
+    def test_rows_of_each_rank(self, placement: Any) -> None:
+        mesh = self.build_device_mesh()
+        full = torch.arange(32.0).reshape(8, 4)
+        dtensor = distribute_tensor(full, mesh, [placement])
+        expected = map_local_for_rank(
+            self.rank,
+            lambda rank: full.chunk(4, placement.dim)[rank] if isinstance(placement, Shard) else full,
+        )
+        self.assertEqual(dtensor.to_local(), expected)
+        self.assertEqual((dtensor * 2).full_tensor(), full * 2)
+
+    @with_comms
+    def test_really_simulated(self) -> None:
+        self.assertTrue(self.is_local_tensor_enabled)
+        self.assertIsInstance(self.rank, torch.SymInt)
+        mesh = self.build_device_mesh()
+        self.assertIsInstance(distribute_tensor(torch.ones(4), mesh, [Shard(0)]).to_local(), LocalTensor)
+
+
+instantiate_parametrized_tests(PortedToLocalTensor)
+PortedToLocalTensorWithLocalTensor = create_local_tensor_test_class(PortedToLocalTensor)
+PortedToThreadsWithLocalTensor = create_local_tensor_test_class(
+    PortedToLocalTensor, skipped_tests=["test_really_simulated"], base_class=ThreadedLocalDTensorTestBase
+)
+# The process-based original is only the template here: its ranks would need a pool of processes.
+del PortedToLocalTensor
+
+
+def test_strided_shard_redistribution_says_it_is_not_simulated() -> None:
+    from shardwise.placement import _StridedShard
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=_fake_store())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        with LocalTensorMode(4):
+            strided = distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [_StridedShard(0, split_factor=2), Shard(0)])
+            with unittest.TestCase().assertRaisesRegex(NotImplementedError, "_StridedShard are not simulated"):
+                strided.redistribute(mesh, [Replicate(), Replicate()])
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_store() -> Any:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
