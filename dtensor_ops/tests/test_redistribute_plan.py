@@ -575,3 +575,133 @@ def test_an_equal_mesh_with_other_process_groups_gets_its_own_program(monkeypatc
         src, dst = DTensorSpec(mesh, (S0,), meta), DTensorSpec(mesh, (R,), meta)
         redistribute_local_tensor(torch.ones(2, 6), src, dst)
     assert recorder.groups == ["first", "second", "first"]
+
+
+# -- 2x2 mixed Partial/Shard transitions: no single collective reaches the bound --------------------------------
+#
+# The README's table ("Redistribution": mixed Partial/Shard on 2x2) says which collectives could do these
+# transitions in one go and what each would move.  Computed here from the layouts alone, as a necessary condition
+# on ANY one collective: it must reduce (a source Partial dim is not kept), so it is a reduce-scatter, an
+# all-reduce, or an all-to-all whose receivers reduce what arrives; its group G must hold every contribution of
+# every element of each member's target piece; a one-round all-to-all can only move raw contributions, so a rank
+# receives every contribution of its piece that it does not hold itself.
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _cells(shape: Sequence[int], boxes: Sequence[_Box]) -> list[tuple[tuple[int, int], ...]]:
+    cuts = []
+    for tensor_dim, extent in enumerate(shape):
+        points = {0, extent}
+        for size, offset in boxes:
+            points.update((offset[tensor_dim], offset[tensor_dim] + size[tensor_dim]))
+        ordered = sorted(points)
+        cuts.append([(a, b) for a, b in zip(ordered, ordered[1:]) if b > a])
+    return list(itertools.product(*cuts))
+
+
+def _holds(box: _Box, cell: Sequence[tuple[int, int]]) -> bool:
+    size, offset = box
+    return all(offset[d] <= a and b <= offset[d] + size[d] for d, (a, b) in enumerate(cell))
+
+
+def cast_partial(placement: Placement) -> Partial:
+    assert isinstance(placement, Partial)
+    return placement
+
+
+def _cheapest_single_collective_bytes(
+    shape: Sequence[int], mesh: Sequence[int], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> dict[str, int]:
+    """What each conceivable single collective (kind over group) would move per rank, for the valid ones."""
+    from shardwise.placement import compute_local_shape_and_global_offset
+
+    coordinates = all_coordinates(tuple(mesh))
+    src_boxes = {c: compute_local_shape_and_global_offset(shape, mesh, c, src) for c in coordinates}
+    dst_boxes = {c: compute_local_shape_and_global_offset(shape, mesh, c, dst) for c in coordinates}
+    reduced = [d for d, p in enumerate(src) if isinstance(p, Partial)]
+    assert reduced and not any(isinstance(p, Partial) for p in dst)
+    reduce_ops = {cast_partial(src[d]).reduce_op for d in reduced}
+    cells = _cells(shape, list(src_boxes.values()) + list(dst_boxes.values()))
+    piece = max(int(torch.Size(dst_boxes[c][0]).numel()) for c in coordinates)
+    found: dict[str, int] = {}
+    for group_size in range(1, len(mesh) + 1):
+        for group in itertools.combinations(range(len(mesh)), group_size):
+            members = 1
+            for d in group:
+                members *= mesh[d]
+
+            def same_group(a: Coordinate, b: Coordinate, group: tuple[int, ...] = group) -> bool:
+                return all(a[d] == b[d] for d in range(len(mesh)) if d not in group)
+
+            valid, all_to_all = True, 0
+            for rank in coordinates:
+                received = 0
+                for cell in cells:
+                    if not _holds(dst_boxes[rank], cell):
+                        continue
+                    elements = 1
+                    for a, b in cell:
+                        elements *= b - a
+                    holders: dict[tuple[int, ...], list[Coordinate]] = {}
+                    for sender in coordinates:
+                        if _holds(src_boxes[sender], cell):
+                            holders.setdefault(tuple(sender[d] for d in reduced), []).append(sender)
+                    for contribution in holders.values():
+                        if rank in contribution:
+                            continue
+                        valid = valid and any(same_group(rank, sender) for sender in contribution)
+                        received += elements
+                all_to_all = max(all_to_all, received)
+            if not valid:
+                continue
+            name = "x".join(str(d) for d in group)
+            found[f"all_to_all+reduce/{name}"] = all_to_all * FLOAT
+            if len(reduce_ops) == 1:
+                found[f"reduce_scatter/{name}"] = (members - 1) * piece * FLOAT
+    return found
+
+
+# (source, target) with Partial("sum") and the S(0) side; Partial("max") and the S(1) mirror move the same:
+# (ours, lower bound, the cheapest single collective).  256 x 256 float32: a quarter is 65536 B.
+MIXED_PARTIAL_SHARD_2X2 = {
+    ((S0, P_SUM), (S1, S0)): (131072, 65536, 131072),
+    ((S0, P_SUM), (S1, S1)): (114688, 65536, 98304),
+    ((S0, P_SUM), (S1, R)): (163840, 131072, 196608),
+    ((S0, P_SUM), (R, S0)): (196608, 131072, 262144),
+    ((P_SUM, S0), (S0, S0)): (131072, 65536, 131072),
+    ((P_SUM, S0), (S0, S1)): (131072, 65536, 131072),
+    ((P_SUM, S0), (S0, R)): (196608, 131072, 262144),
+    ((P_SUM, S0), (S1, S1)): (98304, 65536, 98304),
+    ((P_SUM, S0), (R, S1)): (196608, 131072, 196608),
+}
+
+
+def test_no_single_collective_reaches_the_bound_on_the_mixed_partial_shard_2x2_transitions() -> None:
+    shape, mesh = (256, 256), (2, 2)
+    mirror = {S0: S1, S1: S0, R: R, P_SUM: P_SUM}
+    above: list[tuple[tuple[Placement, ...], tuple[Placement, ...]]] = []
+    for partial in (P_SUM, P_MAX):
+        for shard in (S0, S1):
+            for src in ((shard, partial), (partial, shard)):
+                for dst in itertools.product((S0, S1, R), repeat=2):
+                    ours = plan_bytes_per_rank(find_cheapest_plan(shape, mesh, src, dst, FLOAT, allow_joint_steps=True))
+                    bound = lower_bound_bytes_per_rank(shape, mesh, src, dst, FLOAT)
+                    if ours > bound:
+                        above.append((src, dst))
+    covered = set()
+    for (src, dst), (ours, bound, single) in MIXED_PARTIAL_SHARD_2X2.items():
+        variants = [(src, dst), (tuple(mirror[p] for p in src), tuple(mirror[p] for p in dst))]
+        variants += [(tuple(P_MAX if p == P_SUM else p for p in s), d) for s, d in variants]
+        for variant_src, variant_dst in variants:
+            covered.add((variant_src, variant_dst))
+            plan = find_cheapest_plan(shape, mesh, variant_src, variant_dst, FLOAT, allow_joint_steps=True)
+            assert plan_bytes_per_rank(plan) == ours
+            assert lower_bound_bytes_per_rank(shape, mesh, variant_src, variant_dst, FLOAT) == bound
+            costs = _cheapest_single_collective_bytes(shape, mesh, variant_src, variant_dst)
+            # Only the joint group of both mesh dims can do it at all (one mesh dim's collective leaves the other
+            # mesh dim's Shard where it is, and every target moves it), and none of them reaches the bound.
+            assert costs and all(name.endswith("/0x1") for name in costs), costs
+            assert min(costs.values()) == single > bound, costs
+    # The 36 transitions above the bound are exactly the table's rows and their mirrors.
+    assert len(above) == 36 and set(above) == covered
