@@ -76,6 +76,9 @@ class _FSDPState:
         self.is_last_backward = True
         # The unit's modules whose forward has not finished yet in the current unit forward (ids).
         self.modules_to_run: set[int] = set()
+        # While dynamo traces: how many of the unit's modules are inside their forward (a count,
+        # not ids; a list unit's modules run one after the other, so each gathers for itself).
+        self.traced_modules_running = 0
 
     # -- lazy initialisation at the first forward ---------------------------------
 
@@ -114,6 +117,8 @@ class _FSDPState:
 
     def module_pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Forward pre-hook of each of the unit's modules: the first one to run starts the unit's forward."""
+        if torch.compiler.is_compiling():
+            return self.traced_module_pre_forward(module, args, kwargs)
         if self.modules_to_run:
             param_dtype = self.mp_policy.param_dtype
             if self.mp_policy.cast_forward_inputs and param_dtype is not None:
@@ -124,6 +129,8 @@ class _FSDPState:
 
     def module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Forward hook of each of the unit's modules: the last one to finish ends the unit's forward."""
+        if torch.compiler.is_compiling():
+            return self.traced_module_post_forward(module, output)
         self.modules_to_run.discard(id(module))
         if not self.modules_to_run:
             return self.post_forward(module, args, output)
@@ -181,6 +188,35 @@ class _FSDPState:
         if output_dtype is not None:
             output = _cast_floating(output, output_dtype)
         return output
+
+    # -- forward inside a compiled graph ----------------------------------------------
+
+    def traced_module_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        """The pre-hook while dynamo traces: unsharded parameters from traceable DTensor ops, no bookkeeping.
+
+        The all-gather and, through autograd, the reduce-scatter become graph ops (see
+        ``FSDPParamGroup.use_traced_unsharded_params``); prefetching, resharding and backward hooks
+        are the graph's business (its scheduler and partitioner), so none of them runs here.
+        """
+        param_dtype = self.mp_policy.param_dtype
+        if self.mp_policy.cast_forward_inputs and param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), param_dtype)
+        if self.traced_modules_running == 0:
+            self.check_params_unchanged()
+            if self.group is not None:
+                self.group.use_traced_unsharded_params()
+        self.traced_modules_running += 1
+        return args, kwargs
+
+    def traced_module_post_forward(self, module: nn.Module, output: Any) -> Any:
+        """The forward hook while dynamo traces: the sharded parameters back once the unit's last module ran."""
+        self.traced_modules_running -= 1
+        if self.traced_modules_running == 0 and self.group is not None:
+            self.group.use_sharded_params()
+        output_dtype = self.mp_policy.output_dtype
+        return _cast_floating(output, output_dtype) if output_dtype is not None else output
 
     def _forward_prefetch_targets(self) -> list[_FSDPState]:
         if self.forward_prefetch is not None:

@@ -225,6 +225,47 @@ class FSDPParam:
             stride=tp_spec.tensor_meta.stride,
         )
 
+    def traced_unsharded_for_module(self, group: FSDPParamGroup) -> torch.Tensor:
+        """The unsharded parameter built from the sharded one by differentiable DTensor ops (the compiled path).
+
+        This rank's piece is read as a ``Shard(shard dim)`` of the tensor-parallel piece over the dp
+        mesh (exactly the torch.chunk piece the flat buffers hold) and redistributed to Replicate,
+        cast to ``param_dtype`` before the all-gather; its local tensor is declared to receive a
+        Partial gradient (avg over dp, or sum with ``set_force_sum_reduction_for_comms``), so
+        autograd's backward of the redistribution is the reduce-scatter, in ``reduce_dtype``, cast
+        back to the parameter's dtype. The tensor-parallel DTensor is then rebuilt around it.
+        """
+        sharded = self.sharded_param
+        assert isinstance(sharded, DTensor)
+        dp_mesh = group.dp_mesh
+        replicate_dims = (Replicate(),) * (dp_mesh.ndim - 1)
+        piece = DTensor.from_local(
+            sharded.to_local(),
+            dp_mesh,
+            (*replicate_dims, Shard(self.shard_dim)),
+            shape=self.unsharded_shape,
+            stride=contiguous_strides(self.unsharded_shape),
+        )
+        gathered = piece.redistribute(
+            dp_mesh,
+            (Replicate(),) * dp_mesh.ndim,
+            forward_dtype=group.param_dtype if group.param_dtype != self.orig_dtype else None,
+            backward_dtype=group.reduce_dtype if group.reduce_dtype != self.orig_dtype else None,
+        )
+        reduce_op = "sum" if group.force_sum_reduction else "avg"
+        unsharded = gathered.to_local(grad_placements=(Partial(reduce_op),) * dp_mesh.ndim)
+        tp_spec = self.tp_spec
+        if tp_spec is None:
+            return unsharded
+        assert tp_spec.tensor_meta is not None
+        return DTensor.from_local(
+            unsharded,
+            tp_spec.mesh,
+            tp_spec.placements,
+            shape=tp_spec.tensor_meta.shape,
+            stride=tp_spec.tensor_meta.stride,
+        )
+
     def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
         tp_spec = self.tp_spec
         assert tp_spec is not None and tp_spec.tensor_meta is not None
@@ -560,6 +601,44 @@ class FSDPParamGroup:
             value = fsdp_param.unsharded_for_module(tensor, self)
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
+
+    def use_traced_unsharded_params(self) -> None:
+        """Point the modules at unsharded parameters built by traceable DTensor ops (inside a compiled graph).
+
+        No flat buffers, no bookkeeping: the graph's forward holds one all-gather per parameter, its
+        backward one reduce-scatter per parameter (see ``FSDPParam.traced_unsharded_for_module``).
+        Options whose eager behaviour is bookkeeping between hooks are refused here, before tracing
+        goes further.
+        """
+        self.check_traceable()
+        for fsdp_param in self.fsdp_params:
+            value = fsdp_param.traced_unsharded_for_module(self)
+            for owner in fsdp_param.owners:
+                owner.module._parameters[owner.name] = value  # type: ignore[assignment]
+
+    def check_traceable(self) -> None:
+        """Refuse, at trace time, the options a compiled forward cannot honour."""
+        unit = ", ".join(p.fqn for p in self.fsdp_params[:3]) + (", ..." if len(self.fsdp_params) > 3 else "")
+        refused: list[str] = []
+        if not self.requires_gradient_sync:
+            refused.append("set_requires_gradient_sync(False) (local gradient accumulation is kept between backwards)")
+        if not self.requires_all_reduce:
+            refused.append("set_requires_all_reduce(False) (HSDP partial sums are kept between backwards)")
+        if self.gradient_divide_factor is not None:
+            refused.append(f"set_gradient_divide_factor({self.gradient_divide_factor})")
+        if self.all_reduce_hook is not None:
+            refused.append("set_all_reduce_hook(...)")
+        if self.post_forward_group is not None:
+            refused.append(
+                f"reshard_after_forward={self.post_forward_group[1]} (a share kept for a smaller group after forward)"
+            )
+        if refused:
+            raise RuntimeError(
+                f"fully_shard under torch.compile: the unit of {unit} uses {'; '.join(refused)}, which a compiled "
+                "graph cannot honour (it keeps no state between forward and backward outside the graph); expected "
+                "these options at their defaults while compiling, or a compiled region that excludes the fully_shard "
+                "modules (compile each block's forward instead)"
+            )
 
     # -- backward -----------------------------------------------------------------
 
