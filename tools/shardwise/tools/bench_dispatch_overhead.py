@@ -13,9 +13,16 @@ the CPU) and rank 0's figures are reported.
 
 Timing: CPU time of the timing thread (``time.thread_time``), so that other load
 on a shared machine does not count as ours (``--clock wall`` for wall time).  The
-three implementations are timed in turn within each repeat, each repeat is
+implementations are timed in turn within each repeat, each repeat is
 ``--iters`` calls, and the table shows the best repeat in µs per call (medians in
 ``--json`` output).  Overhead = DTensor time - plain time.
+
+``floor``: the least any Python ``__torch_dispatch__`` wrapper subclass costs, the lower
+limit of a third-party DTensor (PyTorch's own DTensor is dispatched by a C++ fast path inside
+torch's dispatcher, which other subclasses cannot use): a bare wrapper that unwraps its
+arguments, runs the op and wraps each tensor result (``_BareWrapper``), with no key, no
+cache and no layout, on the local shapes.  ``floor/torch`` is its overhead over PyTorch's:
+no subclass written in Python gets below that ratio.
 
 PyTorch's DTensor is imported here only to compare speed.
 """
@@ -40,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 CASES = ("add", "mm", "linear", "Linear fwd+bwd")
-IMPLEMENTATIONS = ("plain", "torch", "shardwise")
+IMPLEMENTATIONS = ("plain", "torch", "shardwise", "floor")
 
 
 @dataclass
@@ -52,6 +59,113 @@ class CaseResult:
 
     def overhead(self, implementation: str) -> float:
         return self.best_us[implementation] - self.best_us["plain"]
+
+
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+class _BareWrapper(torch.Tensor):
+    """A wrapper subclass whose ``__torch_dispatch__`` only unwraps, runs the op and wraps the results."""
+
+    _inner: torch.Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # as DTensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, requires_grad: bool = False) -> "_BareWrapper":
+        wrapper = _make_wrapper_subclass(
+            cls, inner.shape, inner.stride(), None, None, inner.dtype, inner.layout, inner.device, False,
+            requires_grad,
+        )
+        wrapper._inner = inner
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        inner_args = [arg._inner if type(arg) is cls else arg for arg in args]
+        if kwargs:
+            result = func(*inner_args, **{name: _unwrap(value) for name, value in kwargs.items()})
+        else:
+            result = func(*inner_args)
+        if type(result) is torch.Tensor:
+            wrapper = _make_wrapper_subclass(
+                cls, result.shape, result.stride(), None, None, result.dtype, result.layout, result.device
+            )
+            wrapper._inner = result
+            return wrapper
+        return _wrap(result)
+
+
+class _EntryOnly(torch.Tensor):
+    """Enters ``__torch_dispatch__`` and returns its first argument: the dispatcher's round trip into Python alone."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "_EntryOnly":
+        wrapper = _make_wrapper_subclass(cls, inner.shape, inner.stride(), None, None, inner.dtype, inner.layout, inner.device)
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return args[0]
+
+
+def _unwrap(value: Any) -> Any:
+    if type(value) is _BareWrapper:
+        return value._inner
+    if type(value) is list:
+        return [_unwrap(item) for item in value]
+    return value
+
+
+def _wrap(result: Any) -> Any:
+    if isinstance(result, torch.Tensor):
+        return _BareWrapper(result)
+    if isinstance(result, (tuple, list)):
+        return type(result)(_wrap(item) for item in result)
+    return result
+
+
+def dispatch_entry_us(iters: int = 20000, repeats: int = 7) -> float:
+    """µs per ``x + y`` on ``_EntryOnly`` tensors (thread CPU time, best repeat): the floor before any work."""
+    x, y = _EntryOnly(torch.randn(8, 8)), _EntryOnly(torch.randn(8, 8))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(iters):
+            x + y
+        best = min(best, (time.thread_time() - start) / iters * 1e6)
+    return best
+
+
+def _floor_cases() -> dict[str, Callable[[], object]]:
+    """The calls of ``_build_cases`` on bare wrappers of the local (per-rank) tensors."""
+    rows = 8
+    generator = torch.Generator().manual_seed(0)
+    x = _BareWrapper(torch.randn(rows, 8, generator=generator))
+    y = _BareWrapper(torch.randn(rows, 8, generator=generator))
+    w = _BareWrapper(torch.randn(8, 8, generator=generator))
+    b = _BareWrapper(torch.randn(8, generator=generator))
+    grad_out = _BareWrapper(torch.ones(rows, 8))
+    model = nn.Linear(8, 8)
+    for name, parameter in list(model.named_parameters()):
+        setattr(model, name, nn.Parameter(_BareWrapper(parameter.detach().clone())))
+
+    def linear_step() -> None:
+        model(x).backward(grad_out)
+        model.weight.grad = None
+        model.bias.grad = None
+
+    return {
+        "add": lambda: x + y,
+        "mm": lambda: torch.mm(x, w),
+        "linear": lambda: F.linear(x, w, b),
+        "Linear fwd+bwd": linear_step,
+    }
 
 
 class _Api:
@@ -117,6 +231,7 @@ def _time_cases(
         "plain": _build_cases(None, world_size),
         "torch": _build_cases(_Api("torch"), world_size),
         "shardwise": _build_cases(_Api("shardwise"), world_size),
+        "floor": _floor_cases(),
     }
     results = []
     for case in cases:
@@ -199,18 +314,20 @@ def run(
 
 def format_table(results: list[CaseResult]) -> str:
     header = (
-        f"{'case':<16} {'ws':>2} {'plain':>8} {'torch':>8} {'shardwise':>10} "
-        f"{'ovh torch':>10} {'ovh ours':>9} {'ours/torch':>10}"
+        f"{'case':<16} {'ws':>2} {'plain':>8} {'torch':>8} {'shardwise':>10} {'floor':>8} "
+        f"{'ovh torch':>10} {'ovh ours':>9} {'ovh floor':>10} {'ours/torch':>10} {'floor/torch':>11}"
     )
     lines = [header, "-" * len(header)]
     for result in results:
         torch_overhead = result.overhead("torch")
         our_overhead = result.overhead("shardwise")
+        floor_overhead = result.overhead("floor")
         ratio = our_overhead / torch_overhead if torch_overhead > 0 else float("nan")
+        floor_ratio = floor_overhead / torch_overhead if torch_overhead > 0 else float("nan")
         lines.append(
             f"{result.case:<16} {result.world_size:>2} {result.best_us['plain']:>8.2f} "
-            f"{result.best_us['torch']:>8.2f} {result.best_us['shardwise']:>10.2f} "
-            f"{torch_overhead:>10.2f} {our_overhead:>9.2f} {ratio:>10.2f}"
+            f"{result.best_us['torch']:>8.2f} {result.best_us['shardwise']:>10.2f} {result.best_us['floor']:>8.2f} "
+            f"{torch_overhead:>10.2f} {our_overhead:>9.2f} {floor_overhead:>10.2f} {ratio:>10.2f} {floor_ratio:>11.2f}"
         )
     return "\n".join(lines)
 
@@ -229,8 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     for world_size in options.world_sizes:
         results.extend(run(world_size, options.iters, options.repeats, tuple(options.cases), options.clock))
     print(f"µs per call ({options.clock} clock), best of {options.repeats} repeats x {options.iters} calls (rank 0);")
-    print("plain = torch on the local shapes; ovh = DTensor - plain; ours/torch = overhead ratio\n")
+    print("plain = torch on the local shapes; ovh = DTensor - plain; ours/torch = overhead ratio;")
+    print("floor = a bare Python __torch_dispatch__ wrapper (unwrap, op, wrap): the least any Python subclass costs\n")
     print(format_table(results))
+    torch_overheads = [result.overhead("torch") for result in results]
+    if all(overhead > 0 for overhead in torch_overheads):
+        ours = statistics.median(result.overhead("shardwise") / result.overhead("torch") for result in results)
+        floor = statistics.median(result.overhead("floor") / result.overhead("torch") for result in results)
+        print(f"\nmedian over the rows: ours/torch {ours:.2f}, floor/torch {floor:.2f}")
+    print(f"entering a Python __torch_dispatch__ and returning (x + y, no op, no wrapper): {dispatch_entry_us():.2f} µs")
     if options.json_path:
         with open(options.json_path, "w") as handle:
             json.dump([asdict(result) for result in results], handle, indent=2)
