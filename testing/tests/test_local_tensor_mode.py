@@ -8,13 +8,11 @@ with the mode disabled), and checks that the ranks really were simulated: local 
 from __future__ import annotations
 
 import copy
-import unittest
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed._local_tensor import LocalTensor
 
 import shardwise.dtensor_ops as dtensor_ops
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
@@ -209,6 +207,40 @@ class SimulatedRanksTest(LocalDTensorTestBase):
             self.assert_every_rank_equals(summed.full_tensor(), plain(lambda: torch.full((2, 2), 3.0)))
 
 
+class StridedLayoutsTest(LocalDTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    @with_comms
+    def test_fsdp_over_tp_layout_gathers_exactly(self) -> None:
+        from shardwise.placement import _StridedShard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with self._get_local_tensor_mode():
+            full = torch.arange(20.0).reshape(10, 2)
+            expected = full.reconcile()
+            strided = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2), Shard(0)])
+            for target in ([Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(1), Shard(0)]):
+                moved = strided.redistribute(mesh, target)
+                self.assertEqual(moved.placements, tuple(target))
+                for rank, piece in pieces(moved.full_tensor()).items():
+                    torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+    @with_comms
+    def test_flattening_view_of_column_shards(self) -> None:
+        from shardwise.placement import _StridedShard
+
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            full = torch.arange(32.0).reshape(8, 4)
+            flat = distribute_tensor(full, mesh, [Shard(1)]).reshape(32)
+            self.assertIsInstance(flat.placements[0], _StridedShard)
+            expected = plain(lambda: torch.arange(32.0))
+            for rank, piece in pieces(flat.full_tensor()).items():
+                torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+
 class EightRanksTest(LocalDTensorOpTestBase):
     @property
     def world_size(self) -> int:
@@ -265,23 +297,3 @@ PortedToThreadsWithLocalTensor = create_local_tensor_test_class(
 )
 # The process-based original is only the template here: its ranks would need a pool of processes.
 del PortedToLocalTensor
-
-
-def test_strided_shard_redistribution_says_it_is_not_simulated() -> None:
-    from shardwise.placement import _StridedShard
-
-    dist.init_process_group("fake", rank=0, world_size=4, store=_fake_store())
-    try:
-        mesh = init_device_mesh("cpu", (2, 2))
-        with LocalTensorMode(4):
-            strided = distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [_StridedShard(0, split_factor=2), Shard(0)])
-            with unittest.TestCase().assertRaisesRegex(NotImplementedError, "_StridedShard are not simulated"):
-                strided.redistribute(mesh, [Replicate(), Replicate()])
-    finally:
-        dist.destroy_process_group()
-
-
-def _fake_store() -> Any:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()

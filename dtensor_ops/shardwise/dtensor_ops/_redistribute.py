@@ -721,10 +721,10 @@ def _redistribute_simulated(
     it for every group of the mesh dim. Runs synchronously (``async_op`` has nothing to overlap).
     """
     if involves_strided_shard(src, dst):
-        raise NotImplementedError(
-            f"redistribute {src} -> {dst} under LocalTensorMode: layouts with _StridedShard are not simulated; "
-            "run this test on rank threads or processes"
-        )
+        # Through the whole tensor, the same program for every rank (see _strided_redistribute).
+        with simulation.mode_disabled():
+            every_rank = simulation.join_rank_values(simulation.local_tensor_pieces(wait_local_tensor(local), ranks))
+        return redistribute_with_strided_shards(every_rank, src, dst, redistribute_local_tensor)
     rank_list = sorted(ranks)
     programs = {rank: _simulated_program(src, dst, rank) for rank in rank_list}
     taking_part = [rank for rank in rank_list if programs[rank].participating]

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import (
     DTensorSpec,
     Partial,
@@ -84,8 +85,12 @@ def redistribute_with_strided_shards(
         if any(type(p) is _StridedShard for p in dst.placements):
             raise NotImplementedError(f"redistribute {src} -> {dst}: a target with _StridedShard and Partial")
         return redistribute(full, replicated, dst)
-    coordinate = mesh.get_coordinate()
-    return select_local_shard(full, mesh.shape, coordinate, dst.placements).contiguous()
+    # Per simulated rank under torch's LocalTensorMode (each selects its own piece); a plain call otherwise.
+    return simulation.run_for_each_simulated_rank(_select_own_piece, full, mesh, dst.placements)
+
+
+def _select_own_piece(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    return select_local_shard(full, mesh.shape, mesh.get_coordinate(), placements).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +137,10 @@ def _gather_one_strided_mesh_dim(
 ) -> torch.Tensor | None:
     """``dst``'s piece by one all-gather over the strided mesh dim, or None where that is not exact."""
     if src.mesh is not dst.mesh and src.mesh != dst.mesh:
+        return None
+    if simulation.simulated_view() is not None:
+        # Every rank simulated here (LocalTensorMode): the pieces and sizes differ by rank, so the
+        # whole-tensor path (the same program for every rank) is taken instead.
         return None
     coordinate = src.mesh.get_coordinate()
     if coordinate is None:

@@ -19,6 +19,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from shardwise.dtensor_ops import distribute_tensor
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh._simulation import is_local_tensor
 from shardwise.placement import Placement, Replicate, Shard
 
 __all__ = ["DTensorConverter"]
@@ -83,7 +84,7 @@ class DTensorConverter:
         A tensor that cannot become a DTensor gets the single all-Replicate choice: it is passed
         through unchanged (and counted as a miss) whatever the choice.
         """
-        if type(arg) not in (torch.Tensor, nn.Parameter) or not self.is_supported_tensor(arg):
+        if not _convertible(arg) or not self.is_supported_tensor(arg):
             return [(Replicate(),) * self.mesh.ndim]
         per_mesh_dim = [self.gen_sharding_choices_for_arg(arg, mesh_dim) for mesh_dim in range(self.mesh.ndim)]
         return [
@@ -148,7 +149,7 @@ class DTensorConverter:
         A 0-dim tensor is replicated whatever ``placements`` says; an ``nn.Parameter`` stays a
         Parameter (wrapping the DTensor) with the same ``requires_grad``.
         """
-        if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        if _convertible(t):
             if not self.is_supported_tensor(t):
                 self.miss += 1
                 return t
@@ -163,3 +164,8 @@ class DTensorConverter:
             self.miss += 1
             return t
         raise TypeError(f"DTensorConverter can only convert tensors, got {type(t).__name__}")
+
+
+def _convertible(t: torch.Tensor) -> bool:
+    # A LocalTensor (every simulated rank's tensor, under LocalTensorMode) is plain data too.
+    return type(t) is torch.Tensor or type(t) is nn.Parameter or is_local_tensor(t)
