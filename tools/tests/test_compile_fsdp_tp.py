@@ -76,6 +76,8 @@ def _train(model: nn.Module, step: Step, tokens: torch.Tensor, targets: torch.Te
 
 
 def _recording_aot_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torch.fx.GraphModule]]:
+    """aot_eager that keeps the forward and backward graphs, with inductor's partitioner (the min-cut one,
+    which honours activation-checkpointing tags; aot_eager's default one saves every activation)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -89,7 +91,12 @@ def _recording_aot_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torc
 
         return compiler
 
-    return aot_autograd(fw_compiler=record(forward_graphs), bw_compiler=record(backward_graphs)), forward_graphs, backward_graphs
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backend = aot_autograd(
+        fw_compiler=record(forward_graphs), bw_compiler=record(backward_graphs), partition_fn=min_cut_rematerialization_partition
+    )
+    return backend, forward_graphs, backward_graphs
 
 
 def _collective_groups(graph: torch.fx.GraphModule, op_name: str) -> list[str]:
@@ -149,10 +156,14 @@ def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_pro
         assert forward_gathers.count(dp_group) == parameters
         assert backward_scatters.count(dp_group) == parameters
         assert dp_group not in _collective_groups(forward_graphs[0], "reduce_scatter_tensor")
+        # reshard_after_forward (default True) for the blocks: the partitioner recomputes their gathers in
+        # backward (only those backward needs: a bias's gradient does not need the bias); the root keeps its own.
+        backward_gathers = _collective_groups(backward_graphs[0], "all_gather_into_tensor").count(dp_group)
+        assert 0 < backward_gathers <= len(list(model.layers.parameters()))
 
 
 @multi_rank(world_size=4)
-def test_mixed_precision_compiled_matches_eager_fully_shard() -> None:
+def test_mixed_precision_without_reshard_compiled_matches_eager_fully_shard() -> None:
     mesh = _mesh()
     torch.manual_seed(0)
     base = Transformer(ARGS)
@@ -161,13 +172,19 @@ def test_mixed_precision_compiled_matches_eager_fully_shard() -> None:
     tokens, targets = tokens[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-    eager_losses, eager_grads = _train(_fsdp_tp(base, mesh, False, mp_policy=policy), _loss, tokens, targets, 2)
+    options: dict[str, Any] = {"mp_policy": policy, "reshard_after_forward": False}
+    eager_losses, eager_grads = _train(_fsdp_tp(base, mesh, False, **options), _loss, tokens, targets, 2)
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
+    recording, forward_graphs, backward_graphs = _recording_aot_backend()
+    counter = CompileCounterWithBackend(recording)
     compiled_losses, compiled_grads = _train(
-        _fsdp_tp(base, mesh, False, mp_policy=policy), torch.compile(_loss, backend=counter, fullgraph=True), tokens, targets, 2
+        _fsdp_tp(base, mesh, False, **options), torch.compile(_loss, backend=counter, fullgraph=True), tokens, targets, 2
     )
     assert counter.frame_count == 1
+    # Not resharded after forward: backward gathers nothing again over dp.
+    dp_group = mesh.get_group("dp").group_name
+    assert dp_group in _collective_groups(forward_graphs[0], "all_gather_into_tensor")
+    assert dp_group not in _collective_groups(backward_graphs[0], "all_gather_into_tensor")
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-3)
     assert all(grad.dtype == torch.float32 for _, grad in compiled_grads)
     for (compiled_placements, compiled_local), (eager_placements, eager_local) in zip(compiled_grads, eager_grads):

@@ -205,16 +205,21 @@ class _FSDPState:
             args, kwargs = _cast_floating((args, kwargs), param_dtype)
         if self.traced_modules_running == 0:
             self.check_params_unchanged()
+            # The outermost unit running is the root, which keeps its parameters for backward (as in eager).
+            is_root = _TRACED_UNITS.running == 0
+            _TRACED_UNITS.running += 1
             if self.group is not None:
-                self.group.use_traced_unsharded_params()
+                self.group.use_traced_unsharded_params(regather_in_backward=self.reshard_after_forward and not is_root)
         self.traced_modules_running += 1
         return args, kwargs
 
     def traced_module_post_forward(self, module: nn.Module, output: Any) -> Any:
         """The forward hook while dynamo traces: the sharded parameters back once the unit's last module ran."""
         self.traced_modules_running -= 1
-        if self.traced_modules_running == 0 and self.group is not None:
-            self.group.use_sharded_params()
+        if self.traced_modules_running == 0:
+            _TRACED_UNITS.running -= 1
+            if self.group is not None:
+                self.group.use_sharded_params()
         output_dtype = self.mp_policy.output_dtype
         return _cast_floating(output, output_dtype) if output_dtype is not None else output
 
@@ -264,6 +269,17 @@ class _FSDPState:
             unit.pre_backward_done = False
             if unit.group is not None and unit.group.reshard_after_backward:
                 unit.group.reshard()
+
+
+class _TracedUnits:
+    """How many units' forwards enclose the one being traced now (dynamo records the changes and replays
+    their net effect, zero, after a successful trace; a failed trace leaves the real count untouched)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+
+
+_TRACED_UNITS = _TracedUnits()
 
 
 def _state_of(module: nn.Module) -> _FSDPState | None:

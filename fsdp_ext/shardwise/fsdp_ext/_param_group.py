@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._collectives import (
@@ -225,15 +226,40 @@ class FSDPParam:
             stride=tp_spec.tensor_meta.stride,
         )
 
-    def traced_unsharded_for_module(self, group: FSDPParamGroup) -> torch.Tensor:
+    def traced_unsharded_for_module(self, group: FSDPParamGroup, regather_in_backward: bool) -> torch.Tensor:
         """The unsharded parameter built from the sharded one by differentiable DTensor ops (the compiled path).
+
+        ``regather_in_backward`` (``reshard_after_forward``): the gather runs under selective activation
+        checkpointing that recomputes all of it, so the graph keeps no unsharded parameter between
+        forward and backward and gathers again in backward, as eager FSDP does.
+        """
+        if regather_in_backward:
+            unsharded = checkpoint(
+                self._traced_gather, group, use_reentrant=False, context_fn=_recompute_everything_contexts
+            )
+        else:
+            unsharded = self._traced_gather(group)
+        tp_spec = self.tp_spec
+        if tp_spec is None:
+            return unsharded
+        assert tp_spec.tensor_meta is not None
+        return DTensor.from_local(
+            unsharded,
+            tp_spec.mesh,
+            tp_spec.placements,
+            shape=tp_spec.tensor_meta.shape,
+            stride=tp_spec.tensor_meta.stride,
+        )
+
+    def _traced_gather(self, group: FSDPParamGroup) -> torch.Tensor:
+        """This rank's tensor-parallel piece (or whole parameter), gathered over dp by DTensor ops.
 
         This rank's piece is read as a ``Shard(shard dim)`` of the tensor-parallel piece over the dp
         mesh (exactly the torch.chunk piece the flat buffers hold) and redistributed to Replicate,
         cast to ``param_dtype`` before the all-gather; its local tensor is declared to receive a
         Partial gradient (avg over dp, or sum with ``set_force_sum_reduction_for_comms``), so
         autograd's backward of the redistribution is the reduce-scatter, in ``reduce_dtype``, cast
-        back to the parameter's dtype. The tensor-parallel DTensor is then rebuilt around it.
+        back to the parameter's dtype.
         """
         sharded = self.sharded_param
         assert isinstance(sharded, DTensor)
@@ -253,18 +279,7 @@ class FSDPParam:
             backward_dtype=group.reduce_dtype if group.reduce_dtype != self.orig_dtype else None,
         )
         reduce_op = "sum" if group.force_sum_reduction else "avg"
-        unsharded = gathered.to_local(grad_placements=(Partial(reduce_op),) * dp_mesh.ndim)
-        tp_spec = self.tp_spec
-        if tp_spec is None:
-            return unsharded
-        assert tp_spec.tensor_meta is not None
-        return DTensor.from_local(
-            unsharded,
-            tp_spec.mesh,
-            tp_spec.placements,
-            shape=tp_spec.tensor_meta.shape,
-            stride=tp_spec.tensor_meta.stride,
-        )
+        return gathered.to_local(grad_placements=(Partial(reduce_op),) * dp_mesh.ndim)
 
     def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
         tp_spec = self.tp_spec
@@ -319,6 +334,15 @@ class _TensorParallelParam(torch.autograd.Function):
         if partial_dims:
             ctx.group.partial_grad_dims[id(ctx.fsdp_param)] = partial_dims
         return grad._local_tensor, None, None
+
+
+def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_everything_contexts() -> Any:
+    """Selective activation checkpointing that saves nothing of the region: backward recomputes all of it."""
+    return create_selective_checkpoint_contexts(_recompute_everything)
 
 
 def _copy_rows(rows_view: torch.Tensor, pieces: torch.Tensor, padded_rows: int, rows: int, *, into_pieces: bool) -> None:
@@ -602,7 +626,7 @@ class FSDPParamGroup:
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
 
-    def use_traced_unsharded_params(self) -> None:
+    def use_traced_unsharded_params(self, regather_in_backward: bool) -> None:
         """Point the modules at unsharded parameters built by traceable DTensor ops (inside a compiled graph).
 
         No flat buffers, no bookkeeping: the graph's forward holds one all-gather per parameter, its
@@ -612,7 +636,7 @@ class FSDPParamGroup:
         """
         self.check_traceable()
         for fsdp_param in self.fsdp_params:
-            value = fsdp_param.traced_unsharded_for_module(self)
+            value = fsdp_param.traced_unsharded_for_module(self, regather_in_backward)
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
 
