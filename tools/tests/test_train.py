@@ -42,11 +42,14 @@ def _png_size(path: pathlib.Path) -> tuple[int, int]:
     return width, height
 
 
-def _check_outputs(result: subprocess.CompletedProcess[str], output_dir: pathlib.Path, steps: int) -> dict[str, object]:
+def _check_outputs(
+    result: subprocess.CompletedProcess[str], output_dir: pathlib.Path, steps: int, counted: bool = True
+) -> dict[str, object]:
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     assert re.search(r"parity\s+PASS", result.stdout), result.stdout[-3000:]
-    assert re.search(r"collectives/step\s+\d+\s+\(forward: ", result.stdout), result.stdout[-3000:]
+    collectives_line = r"collectives/step\s+\d+\s+\(forward: " if counted else r"collectives/step\s+not counted \(--compile\)"
+    assert re.search(collectives_line, result.stdout), result.stdout[-3000:]
     assert f"step {steps}/{steps}" in result.stdout
 
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -118,6 +121,14 @@ def test_fsdp_times_tensor_parallel_on_a_2x2_mesh(tmp_path: pathlib.Path) -> Non
         "all_gather_into_tensor": 3 + 1, "all_reduce": 2, "all_to_all_single": 1, "reduce_scatter_tensor": 3 + 2,
     }
     assert per_phase["optimizer"] == {"all_reduce": 3}
+
+
+def test_fsdp_times_tensor_parallel_compiled_whole(tmp_path: pathlib.Path) -> None:
+    """--compile with --dp: forward and loss, fully_shard's gathers included, as one graph; parity as in eager."""
+    result = _run_trainer([*TINY_MODEL, "--dp", "2", "--tp", "2", "--compile", "--compile-backend", "aot_eager"], tmp_path)
+    summary = _check_outputs(result, tmp_path, steps=3, counted=False)
+    assert summary["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    assert "torch.compile(fullgraph=True, backend='aot_eager')" in result.stdout
 
 
 def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.Path) -> None:

@@ -245,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,
-        help="run each step's forward and loss as one torch.compile(fullgraph=True) graph (the tensor-parallel "
-        "run; the single-process reference stays eager); backward runs the compiled backward graph",
+        help="run each step's forward and loss as one torch.compile(fullgraph=True) graph (the parallel run, "
+        "also with --dp: fully_shard's all-gathers and reduce-scatters are then graph ops; the single-process "
+        "reference stays eager); backward runs the compiled backward graph",
     )
     training.add_argument(
         "--compile-backend", choices=COMPILE_BACKENDS, default=defaults.compile_backend,
