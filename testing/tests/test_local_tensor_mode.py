@@ -39,17 +39,18 @@ def pieces(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
     return dict(tensor._local_tensors)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor every simulated rank holds alike, as one plain tensor (``torch.tensor`` data stays plain)."""
+    return tensor.reconcile() if isinstance(tensor, LocalTensor) else tensor
+
+
 def plain(function: Any, *args: Any) -> Any:
     """``function(*args)`` on plain tensors, outside the mode (the reference)."""
     with mode_disabled():
         return function(*args)
 
 
-class SimulatedRanksTest(LocalDTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
+class _Checks(LocalDTensorTestBase):
     def assert_every_rank_equals(self, tensor: torch.Tensor, expected: torch.Tensor) -> None:
         by_rank = pieces(tensor)
         self.assertEqual(sorted(by_rank), list(range(self.world_size)))
@@ -62,6 +63,12 @@ class SimulatedRanksTest(LocalDTensorTestBase):
         for rank, piece in pieces(dtensor.to_local()).items():
             expected = chunks[rank] if rank < len(chunks) else plain(lambda: full.narrow(dim, 0, 0))
             torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+
+class SimulatedRanksTest(_Checks):
+    @property
+    def world_size(self) -> int:
+        return 4
 
     @with_comms
     def test_mesh_reports_each_simulated_rank(self) -> None:
@@ -156,6 +163,33 @@ class SimulatedRanksTest(LocalDTensorTestBase):
                 DTensor.from_local(wrong, mesh, [Shard(0)], shape=(12, 2), stride=(2, 1))
 
     @with_comms
+    def test_from_local_run_check_broadcasts_replicas_from_the_first_rank(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        with self._get_local_tensor_mode() as mode:
+            local = mode.rank_map(lambda rank: torch.full((2,), float(rank)))
+            with CommDebugMode() as comm_mode:
+                dtensor = DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=True)
+            self.assertEqual(comm_mode.get_comm_counts(), {funcol.broadcast: 1})
+            # Along mesh dim 1 every rank takes the value of index 0 there: ranks 0 and 2.
+            by_rank = pieces(dtensor.to_local())
+            self.assertEqual({rank: piece.tolist() for rank, piece in by_rank.items()}, {0: [0.0, 0.0], 1: [0.0, 0.0], 2: [2.0, 2.0], 3: [2.0, 2.0]})
+
+    @with_comms
+    def test_joint_all_to_all_and_sub_meshes(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with self._get_local_tensor_mode():
+            full = torch.arange(64.0).reshape(8, 8)
+            expected = whole(full)
+            nested = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
+            with CommDebugMode() as comm_mode:
+                moved = nested.redistribute(mesh, [Shard(1), Shard(1)])
+            self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_to_all_single: 1})
+            self.assert_every_rank_equals(moved.full_tensor(), expected)
+            for name in ("dp", "tp"):
+                rows = distribute_tensor(full, mesh[name], [Shard(0)])
+                self.assert_every_rank_equals(rows.redistribute(mesh[name], [Shard(1)]).full_tensor(), expected)
+
+    @with_comms
     def test_tensor_parallel_mlp_forward_and_backward(self) -> None:
         from shardwise.tp_styles import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -205,6 +239,68 @@ class SimulatedRanksTest(LocalDTensorTestBase):
             self.assertEqual({rank: tuple(p.shape) for rank, p in pieces(ones.to_local()).items()}, {0: (3, 2), 1: (3, 2), 2: (3, 2), 3: (0, 2)})
             summed = dtensor_ops.full((2, 2), 3.0, device_mesh=mesh, placements=[Partial()])
             self.assert_every_rank_equals(summed.full_tensor(), plain(lambda: torch.full((2, 2), 3.0)))
+
+
+class CoordinateDependentKernelsTest(_Checks):
+    """Decisions whose local kernel depends on the coordinate get one kernel per simulated rank."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    @with_comms
+    def test_row_sharded_embedding_lookup(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            table = torch.arange(40.0).reshape(10, 4)
+            ids = torch.tensor([[0, 9, 3], [7, 4, 4]])
+            rows = distribute_tensor(table, mesh, [Shard(0)])
+            looked_up = F.embedding(distribute_tensor(ids, mesh, [Replicate()]), rows)
+            self.assertEqual(looked_up.placements, (Partial(),))
+            self.assert_every_rank_equals(looked_up.full_tensor(), plain(F.embedding, whole(ids), whole(table)))
+
+    @with_comms
+    def test_masked_fill_of_partial_values_fills_once(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode() as mode:
+            partial = DTensor.from_local(mode.rank_map(lambda rank: torch.full((2, 3), float(rank))), mesh, [Partial()])
+            mask = torch.tensor([[True, False, True], [False, False, True]])
+            filled = partial.masked_fill(distribute_tensor(mask, mesh, [Replicate()]), 5.0)
+            self.assertEqual(filled.placements, (Partial(),))
+            expected = plain(lambda: torch.full((2, 3), 6.0).masked_fill(whole(mask), 5.0))
+            self.assert_every_rank_equals(filled.full_tensor(), expected)
+
+    @with_comms
+    def test_sequence_parallel_transformer_forward_and_backward(self) -> None:
+        from shardwise.testing import ModelArgs, Transformer
+
+        mesh = self.build_device_mesh()
+        torch.manual_seed(0)
+        args = ModelArgs(n_layers=1, vocab_size=16, max_seq_len=8, dim=8, n_heads=4, dropout_p=0.0)
+        reference = Transformer(args)
+        model = copy.deepcopy(reference)
+        tokens = torch.randint(0, 16, (2, 8))
+        expected = reference(tokens)
+        expected.sum().backward()
+        with self._get_local_tensor_mode():
+            model = Transformer.parallelize(model, mesh, use_seq_parallel=True)
+            output = model(tokens)
+            self.assert_every_rank_equals(output, expected.detach())
+            output.sum().backward()
+            for name, parameter in reference.named_parameters():
+                grad = model.get_parameter(name).grad
+                got = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                self.assert_every_rank_equals(got, parameter.grad)
+
+    @with_comms
+    def test_semi_private_local_shape_is_per_rank(self) -> None:
+        from shardwise.dtensor_ops._utils import compute_local_shape_and_global_offset
+
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            shape, offset = compute_local_shape_and_global_offset((10, 3), mesh, [Shard(0)])
+            self.assertEqual((shape[0].node._local_ints, shape[1]), ({0: 3, 1: 3, 2: 3, 3: 1}, 3))
+            self.assertEqual((offset[0].node._local_ints, offset[1]), ({0: 0, 1: 3, 2: 6, 3: 9}, 0))
 
 
 class StridedLayoutsTest(LocalDTensorTestBase):

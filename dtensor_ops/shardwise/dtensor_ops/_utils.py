@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh import _simulation as simulation
 from shardwise.placement import Partial, Placement, Replicate, Shard, _StridedShard
 from shardwise.placement import compute_local_shape_and_global_offset as _local_shape_and_offset
 
@@ -20,9 +21,16 @@ def compute_local_shape_and_global_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of this rank's shard and its offset in the global tensor (uneven and nested shards included).
 
-    A rank outside ``mesh`` holds nothing: shape 0 on every dim, offset the global shape.
+    A rank outside ``mesh`` holds nothing: shape 0 on every dim, offset the global shape. Under
+    torch's LocalTensorMode, every simulated rank's (sizes that differ are ``LocalIntNode`` SymInts, as PyTorch's).
     """
-    return _local_shape_and_offset(tuple(global_shape), tuple(mesh.shape), mesh.get_coordinate(), tuple(placements))
+    return simulation.run_for_each_simulated_rank(_own_local_shape_and_offset, tuple(global_shape), mesh, tuple(placements))
+
+
+def _own_local_shape_and_offset(
+    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Placement, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return _local_shape_and_offset(global_shape, tuple(mesh.shape), mesh.get_coordinate(), placements)
 
 
 def compute_global_tensor_info(

@@ -41,6 +41,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_caches",
             "_schema",
             "_decision",
+            "_simulated_kernels",
             "_rules",
             "_decision_cache",
             "_random",

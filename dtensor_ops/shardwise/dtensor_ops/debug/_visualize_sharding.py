@@ -113,7 +113,9 @@ def visualize_sharding(dtensor: torch.Tensor, header: str = "") -> None:
     if mesh.get_coordinate() is None:
         return
     first_rank = int(mesh_ranks.flatten()[0].item())
-    if int(mesh.get_rank()) != first_rank:
+    rank = mesh.get_rank()
+    # Under torch's LocalTensorMode the rank is every simulated rank (a SymInt): print once.
+    if isinstance(rank, int) and rank != first_rank:
         return
     if header:
         print(header)
