@@ -24,7 +24,6 @@ live in the one decision cache (``_decision_cache``), which dispatch reads direc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence, cast, overload
 
@@ -60,7 +59,6 @@ from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
-from ._simulated_kernels import local_kernel_for_each_simulated_rank
 from ._strided_specs import decide_with_strided_shards, has_strided_shard, rule_reads_strided_shards
 
 __all__ = [
@@ -229,6 +227,19 @@ class ShardingPropagator:
         if args is None:
             raise TypeError(f"propagate_op_sharding_non_cached({op!r}): expected an OpSchema, or an op with its arguments")
         return decide_op_sharding(op, args, kwargs or {})
+
+    def _propagate_tensor_meta_non_cached(
+        self, op_schema: OpSchema
+    ) -> TensorMeta | tuple[TensorMeta | None, ...] | None:
+        """Global metadata of the call's output(s): the op run once on meta tensors of the inputs' global
+        shapes (a tuple for several outputs, None for a non-tensor result).  Not cached; the engine itself
+        takes an op family's shape rule first where it has one."""
+        structure, metas = _run_on_meta(op_schema.op, op_schema.args_schema, op_schema.kwargs_schema)
+        if structure == _SINGLE:
+            return metas[0]
+        if structure == _SEQUENCE:
+            return metas
+        return None
 
     def propagate(self, op_info: OpInfo) -> None:
         """Set ``op_info.output_sharding`` from ``op_info.schema`` (PyTorch's dispatcher entry)."""
@@ -689,10 +700,7 @@ def decide_op_sharding(
         overrides = rule.local_arg_overrides(call, tuple(flat_outputs))
     local_kernel = None
     if rule.local_kernel is not None:
-        # Made per simulated rank under torch's LocalTensorMode: a kernel may depend on the coordinate.
-        local_kernel = local_kernel_for_each_simulated_rank(
-            functools.partial(rule.local_kernel, call, best_inputs, tuple(flat_outputs)), getattr(op, "_op", op)
-        )
+        local_kernel = rule.local_kernel(call, best_inputs, tuple(flat_outputs))
     return OpDecision(
         output_specs=output_specs,
         input_specs=input_targets,

@@ -32,6 +32,7 @@ values, which no rank knows alone: it is refused with an error suggesting
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -497,7 +498,47 @@ def _gather_strategies(call: OpCall) -> list[OneDimStrategy]:
         strategies.append(OneDimStrategy((Shard(dim),), (Replicate(), Shard(dim))))
     strategies.append(_replicated(2))
     strategies.extend(OneDimStrategy((Partial(k),), (Partial(k), Replicate())) for k in call.every_reduce_op())
+    if call.op is aten.gather.default and len(index_shape) == len(self_shape) and index_shape[dim] == 1:
+        # One position per row along dim (PyTorch's masked case): self keeps its shards of dim, each rank
+        # picks the positions it holds and zeros elsewhere, and the sum over ranks is the gather.
+        strategies.append(OneDimStrategy((Partial("sum"),), (Shard(dim), Replicate())))
     return strategies
+
+
+@dataclass(frozen=True)
+class ShardedDimGather:
+    """``aten.gather`` on this rank's range ``[start, start + local extent)`` of a ``dim`` sharded self.
+
+    Positions outside the range give zeros, so summing the ranks' results (``Partial(sum)``) is the
+    plain gather: exactly one rank holds each position.  ``extent`` (the whole dim) lets every rank
+    reject bad positions as the plain op does, instead of silently returning zeros for them.
+    """
+
+    dim: int
+    start: int
+    extent: int
+
+    def __call__(self, input: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False) -> torch.Tensor:
+        if index.numel() and index.device.type == "cpu" and type(index) is torch.Tensor:
+            if not bool(((index >= 0) & (index < self.extent)).all()):
+                raise RuntimeError(f"gather: index out of bounds for dimension {self.dim} with size {self.extent}")
+        local_extent = input.shape[self.dim]
+        if local_extent == 0:  # an empty shard (more ranks than positions) holds none of them
+            return input.new_zeros(index.shape)
+        local = index - self.start
+        outside = (local < 0) | (local >= local_extent)
+        picked = aten.gather.default(input, self.dim, local.masked_fill(outside, 0), sparse_grad=sparse_grad)
+        return picked.masked_fill_(outside, 0)
+
+
+def _gather_kernel(
+    call: OpCall, inputs: tuple[tuple[Placement, ...], ...], outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> ShardedDimGather | None:
+    dim = _dim_of(call, 1, "dim", len(call.input_shape(0)))
+    if not any(placement == Shard(dim) for placement in inputs[0]):
+        return None  # self whole along dim: the plain op (only the masked strategy shards self's dim)
+    _, offset = call.input_specs[0].with_placements(inputs[0]).local_shape_and_offset()
+    return ShardedDimGather(dim=dim, start=offset[dim], extent=call.input_shape(0)[dim])
 
 
 def _gather_output_meta(
@@ -516,7 +557,12 @@ def _gather_output_meta(
     return contiguous_meta(index.shape, meta.dtype)
 
 
-GATHER_RULE = ShardingRule(family="gather", one_dim_strategies=_gather_strategies, output_meta=_gather_output_meta)
+GATHER_RULE = ShardingRule(
+    family="gather",
+    one_dim_strategies=_gather_strategies,
+    output_meta=_gather_output_meta,
+    local_kernel=_gather_kernel,
+)
 
 # Scatter overloads by how a Partial destination may pass through them (index replicated).
 _SCATTER_OVERWRITES_WITH_SOURCE = ("aten::scatter.src", "aten::scatter_.src", "aten::scatter.src_out")

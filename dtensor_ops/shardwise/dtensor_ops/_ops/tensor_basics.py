@@ -7,8 +7,12 @@
   ``src`` is brought to them (broadcast dims of ``src`` replicated).
 * ``*_like`` factories never read the input's values: the output takes the
   input's shards, and is Replicate where the input is Partial (the input itself
-  is left as it is).  ``new_*`` factories build a tensor of the given global size,
-  replicated.
+  is left as it is), except ``empty_like``, whose unwritten values may as well be
+  parts of a sum (PyTorch keeps them Partial too).  ``new_*`` factories build a tensor
+  of the given global size: laid out like the input where that size is the input's
+  own (shards followed; Partial too for the unwritten ``new_empty*``; each rank then
+  builds its local piece's size), replicated otherwise, as PyTorch.
+* ``is_same_size`` compares global shapes: answered from the specs, no data moved.
 * ``fill_`` keeps every placement except ``Partial(sum)``, whose parts would add
   up to ``world * value``; ``zero_`` keeps every placement.
 * ``equal`` compares replicated tensors and ``item`` (``_local_scalar_dense``)
@@ -17,11 +21,14 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+
+from ._aligned import argument_location
 
 from ._shapes import (
     broadcast_shapes,
@@ -33,6 +40,7 @@ from ._shapes import (
 )
 
 from .._rules import (
+    ArgPosition,
     OneDimStrategy,
     OpCall,
     ShardingRule,
@@ -48,6 +56,7 @@ __all__ = [
     "FILL_RULE",
     "INPLACE_COPY_RULE",
     "ITEM_RULE",
+    "SAME_SIZE_RULE",
     "LIKE_FACTORY_RULE",
     "NEW_FACTORY_RULE",
 ]
@@ -137,8 +146,9 @@ INPLACE_COPY_RULE = ShardingRule(
 
 def _like_factory_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies = []
+    unwritten = call.op._schema.name == "aten::empty_like"
     for placement in call.placements_keeping_values_unread(len(call.input_shape(0))):
-        output: Placement = Replicate() if isinstance(placement, Partial) else placement
+        output: Placement = Replicate() if isinstance(placement, Partial) and not unwritten else placement
         strategies.append(OneDimStrategy((output,), (placement,)))
     return strategies
 
@@ -173,11 +183,54 @@ LIKE_FACTORY_RULE = ShardingRule(
 )
 
 
+_UNWRITTEN_NEW_FACTORIES = ("aten::new_empty", "aten::new_empty_strided")
+
+
+def _new_factory_size(call: OpCall) -> object:
+    return call.arg(1, "size")
+
+
 def _new_factory_strategies(call: OpCall) -> list[OneDimStrategy]:
-    return [
-        OneDimStrategy((Replicate(),), (placement,))
-        for placement in call.placements_keeping_values_unread(len(call.input_shape(0)))
-    ]
+    """Follow the input where the new tensor has the input's global shape (listed first: equal in cost, so
+    the engine keeps the input's layout), else replicated."""
+    input_shape = tuple(call.input_shape(0))
+    size = _new_factory_size(call)
+    same_shape = isinstance(size, (list, tuple)) and tuple(size) == input_shape
+    unwritten = call.op._schema.name in _UNWRITTEN_NEW_FACTORIES
+    strategies = []
+    for placement in call.placements_keeping_values_unread(len(input_shape)):
+        if same_shape and (isinstance(placement, Shard) or (unwritten and isinstance(placement, Partial))):
+            strategies.append(OneDimStrategy((placement,), (placement,)))
+        strategies.append(OneDimStrategy((Replicate(),), (placement,)))
+    return strategies
+
+
+def _strides_for(shape: Sequence[int], like_strides: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with the dims in the memory order ``like_strides`` gives (innermost =
+    smallest stride; ties: the later dim innermost, as in a row-major tensor)."""
+    order = sorted(range(len(shape)), key=lambda dim: (like_strides[dim], -dim))
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
+
+
+def _new_factory_overrides(
+    call: OpCall, outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> tuple[tuple[ArgPosition, object], ...]:
+    """A new tensor laid out like its input is made at this rank's local size (and strides)."""
+    output = outputs[0]
+    if output is None or all(isinstance(placement, (Replicate, Partial)) for placement in output.placements):
+        return ()
+    local_shape = list(output.local_shape())
+    overrides: list[tuple[ArgPosition, object]] = [(argument_location(call, 1, "size"), local_shape)]
+    if call.op._schema.name == "aten::new_empty_strided":
+        stride = call.arg(2, "stride")
+        assert isinstance(stride, (list, tuple))
+        overrides.append((argument_location(call, 2, "stride"), list(_strides_for(local_shape, stride))))
+    return tuple(overrides)
 
 
 def _new_factory_output_meta(
@@ -199,7 +252,10 @@ def _new_factory_output_meta(
 
 
 NEW_FACTORY_RULE = ShardingRule(
-    family="new-factory", one_dim_strategies=_new_factory_strategies, output_meta=_new_factory_output_meta
+    family="new-factory",
+    one_dim_strategies=_new_factory_strategies,
+    output_meta=_new_factory_output_meta,
+    local_arg_overrides=_new_factory_overrides,
 )
 
 
@@ -238,6 +294,43 @@ EQUAL_RULE = ShardingRule(family="equal", one_dim_strategies=_equal_strategies, 
 # .item(): the global value on every rank (PyTorch gives a Partial or Shard input's local value instead).
 ITEM_RULE = ShardingRule(family="item", one_dim_strategies=_equal_strategies, tensor_outputs=False)
 
+def _keep_placements(call: OpCall) -> list[OneDimStrategy]:
+    """Inputs stay as they are (their values are not read)."""
+    ndims = [len(call.input_shape(index)) for index in range(len(call.input_specs))]
+    choices = [call.placements_keeping_values_unread(ndim) for ndim in ndims]
+    return [OneDimStrategy((), tuple(combination)) for combination in _product(choices)]
+
+
+def _product(choices: Sequence[Sequence[Placement]]) -> list[tuple[Placement, ...]]:
+    combinations: list[tuple[Placement, ...]] = [()]
+    for options in choices:
+        combinations = [(*done, option) for done in combinations for option in options]
+    return combinations
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A local kernel returning a value known from the specs alone (the same on every rank)."""
+
+    value: bool
+
+    def __call__(self, *args: object, **kwargs: object) -> bool:
+        return self.value
+
+
+def _same_size_kernel(
+    call: OpCall, inputs: tuple[tuple[Placement, ...], ...], outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> _Answer:
+    return _Answer(tuple(call.input_shape(0)) == tuple(call.input_shape(1)))
+
+
+SAME_SIZE_RULE = ShardingRule(
+    family="is_same_size",
+    one_dim_strategies=_keep_placements,
+    tensor_outputs=False,
+    local_kernel=_same_size_kernel,
+)
+
 register_rule(
     aten_overloads(("detach", "alias", "clone", "_to_copy"), overloads=("default", "out"), with_inplace=False),
     COPY_RULE,
@@ -264,3 +357,4 @@ register_rule(
 register_rule((aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default), FILL_RULE)
 register_rule((aten.equal.default,), EQUAL_RULE)
 register_rule((aten._local_scalar_dense.default,), ITEM_RULE)
+register_rule((aten.is_same_size.default,), SAME_SIZE_RULE)
