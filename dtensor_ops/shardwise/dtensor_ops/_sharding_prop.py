@@ -24,6 +24,7 @@ live in the one decision cache (``_decision_cache``), which dispatch reads direc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence, cast, overload
 
@@ -59,6 +60,7 @@ from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
+from ._simulated_kernels import local_kernel_for_each_simulated_rank
 from ._strided_specs import decide_with_strided_shards, has_strided_shard, rule_reads_strided_shards
 
 __all__ = [
@@ -700,7 +702,10 @@ def decide_op_sharding(
         overrides = rule.local_arg_overrides(call, tuple(flat_outputs))
     local_kernel = None
     if rule.local_kernel is not None:
-        local_kernel = rule.local_kernel(call, best_inputs, tuple(flat_outputs))
+        # Made per simulated rank under torch's LocalTensorMode: a kernel may depend on the coordinate.
+        local_kernel = local_kernel_for_each_simulated_rank(
+            functools.partial(rule.local_kernel, call, best_inputs, tuple(flat_outputs)), getattr(op, "_op", op)
+        )
     return OpDecision(
         output_specs=output_specs,
         input_specs=input_targets,
