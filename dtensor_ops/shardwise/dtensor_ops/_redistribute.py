@@ -59,6 +59,10 @@ from ._collectives import (
     launch_all_reduce,
     launch_all_to_all,
     launch_all_to_all_exact,
+    launch_all_gather_one_round,
+    launch_reduce_scatter_one_round,
+    one_round_collectives,
+    reduce_received_blocks,
     launch_reduce_scatter,
     mesh_group_names,
     wait,
@@ -194,6 +198,8 @@ class _ExecStep:
     shape_before: tuple[int, ...]
     shape_after: tuple[int, ...]
     joint: _JointLayout | None = None
+    # A reduce-scatter or all-gather run as one all-to-all (_collectives.one_round_collectives).
+    one_round: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +307,8 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
                 sends_nothing=sends_nothing,
                 shape_before=shape_before,
                 shape_after=shape_after,
+                one_round=step.kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER)
+                and one_round_collectives(mesh, mesh_dim),
             )
         )
     last_collective = -1
@@ -422,6 +430,7 @@ def _compile_joint_step(
         sends_nothing=not moves_anything,
         shape_before=mine_before[0],
         shape_after=mine_after[0],
+        one_round=step.kind is StepKind.JOINT_REDUCE_SCATTER and one_round_collectives(mesh, group_dims[0]),
         joint=_JointLayout(
             send_regions=tuple(send),
             receive_regions=tuple(receive),
@@ -466,6 +475,8 @@ def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) ->
     buffer = _joint_send_buffer(local, step, layout)
     if step.kind is StepKind.JOINT_ALL_TO_ALL:
         return launch_all_to_all_exact(buffer, layout.output_splits, layout.input_splits, step.group_name)
+    if step.one_round:
+        return launch_reduce_scatter_one_round(buffer, step.group_size, step.group_name)
     return launch_reduce_scatter(buffer, step.reduce_op, step.group_size, step.group_name)
 
 
@@ -483,6 +494,8 @@ def _joint_send_buffer(local: torch.Tensor, step: _ExecStep, layout: _JointLayou
 
 def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
     if step.kind is StepKind.JOINT_REDUCE_SCATTER:
+        if step.one_round:
+            received = reduce_received_blocks(received, step.reduce_op, step.group_size)
         if step.reduce_op == "avg":
             received = _divide(received, step.group_size)
         return _cut(received, ((0,) * len(step.shape_after), step.shape_after)).contiguous()
@@ -528,8 +541,12 @@ def _issue(buffer: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if kind is StepKind.ALL_REDUCE:
         return launch_all_reduce(buffer, step.reduce_op, step.group_name)
     if kind is StepKind.ALL_GATHER:
+        if step.one_round:
+            return launch_all_gather_one_round(buffer, group_size, step.group_name)
         return launch_all_gather(buffer, group_size, step.group_name)
     if kind is StepKind.REDUCE_SCATTER:
+        if step.one_round:
+            return launch_reduce_scatter_one_round(buffer, group_size, step.group_name)
         return launch_reduce_scatter(buffer, step.reduce_op, group_size, step.group_name)
     return launch_all_to_all(buffer, group_size, step.group_name)
 
@@ -542,6 +559,8 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if kind is StepKind.ALL_REDUCE:
         return _divide(received, group_size) if step.reduce_op == "avg" else received
     if kind is StepKind.REDUCE_SCATTER:
+        if step.one_round:
+            received = reduce_received_blocks(received, step.reduce_op, group_size)
         if step.reduce_op == "avg":
             received = _divide(received, group_size)
         # The pieces were laid out with the group outermost, so the received piece is

@@ -7,6 +7,7 @@ Run (from the repository root)::
     ... --model mlp                     # an MLP stack instead of the Transformer
     ... --no-seq-parallel --no-loss-parallel
     ... --json out.json                 # everything, per step
+    ... --gloo-all-to-all               # shardwise with SHARDWISE_GLOO_ALL_TO_ALL=1 (see below)
 
 It starts ``--world-size`` (default 4) gloo ranks on this machine.  Every rank builds the
 model of the demo trainer (``shardwise.testing.Transformer`` with the trainer's initialisation;
@@ -49,6 +50,12 @@ for both stacks).  Process RSS is not used: it only grows, and is dominated by t
 
 The losses of the implementations are compared step by step: they train the same model on the
 same data, so they must agree to float32 round-off, or the timings would not compare the same work.
+
+``--gloo-all-to-all`` runs the shardwise implementations with ``SHARDWISE_GLOO_ALL_TO_ALL=1``:
+their redistributions' reduce-scatters and all-gathers go as one ``all_to_all_single`` each (the same
+bytes per rank, one round of direct sends instead of gloo's all-reduce-based reduce-scatter and ring
+all-gather), so the collective counts show all-to-alls in their place.  Off by default: PyTorch's
+collective kinds are part of the drop-in contract (``CommDebugMode`` counts).
 
 PyTorch's DTensor stack is imported here only to compare against (benchmarks may; product code may not).
 """
@@ -105,6 +112,7 @@ class BenchConfig:
     clip_grad_norm: float = 1.0
     seed: int = 0
     implementations: tuple[str, ...] = IMPLEMENTATIONS
+    gloo_all_to_all: bool = False
 
 
 @dataclass
@@ -458,6 +466,9 @@ def _time_rounds(
 
 def _rank_main(rank: int, world_size: int, port: int, config: BenchConfig, out_path: str) -> None:
     torch.set_num_threads(1)  # the ranks share this machine's cores
+    if config.gloo_all_to_all:
+        # Read by shardwise when it compiles a redistribution; PyTorch's DTensor ignores it.
+        os.environ["SHARDWISE_GLOO_ALL_TO_ALL"] = "1"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
@@ -551,7 +562,8 @@ def format_report(config: BenchConfig, results: list[ImplementationResult]) -> s
         features.append(f"loss parallel {'on' if config.loss_parallel else 'off'}")
     lines = [
         f"TP training step on {config.world_size} CPU ranks (gloo): {model}, batch {config.batch_size}x{config.seq_len}, "
-        f"AdamW ({'foreach' if config.foreach else 'for-loop'}){'; ' + ', '.join(features) if features else ''}",
+        f"AdamW ({'foreach' if config.foreach else 'for-loop'}){'; ' + ', '.join(features) if features else ''}"
+        f"{'; shardwise with SHARDWISE_GLOO_ALL_TO_ALL=1' if config.gloo_all_to_all else ''}",
         f"medians of {config.steps} rounds after {config.warmup} warm-up steps each; wall: slowest rank, "
         "CPU: all ranks together; memory: largest rank, tensor storage",
         "",
@@ -606,6 +618,10 @@ def _parse(argv: list[str] | None) -> tuple[BenchConfig, str | None]:
     parser.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel)
     parser.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=defaults.loss_parallel)
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=defaults.foreach)
+    parser.add_argument(
+        "--gloo-all-to-all", action="store_true", default=defaults.gloo_all_to_all,
+        help="shardwise's reduce-scatters and all-gathers as one all-to-all each (SHARDWISE_GLOO_ALL_TO_ALL=1)",
+    )
     parser.add_argument(
         "--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(defaults.implementations),
         help="which to run (torch is the reference of the ratios)",
