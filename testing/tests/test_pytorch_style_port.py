@@ -164,7 +164,7 @@ class PointwiseOpsTest(DTensorOpTestBase):
         self.assertEqual(t, torch.tensor([6.0]))
 
 
-# Every rank in this process (PyTorch: under LocalTensorMode; shardwise: rank threads).
+# Every rank simulated in this process under LocalTensorMode (as PyTorch's).
 RedistributeAndOpsTestWithLocalTensor = create_local_tensor_test_class(
     RedistributeAndOpsTest, skipped_tests=["test_needs_gpus"]
 )
