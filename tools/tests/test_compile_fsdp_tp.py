@@ -4,8 +4,8 @@ The whole model compiles as one frame (fullgraph=True): while dynamo traces, ful
 unsharded parameter from the sharded one with traceable DTensor ops (all-gather over dp in the forward graph;
 its backward, the reduce-scatter, in the backward graph; see fsdp_ext's README). Checked against eager
 fully_shard (losses, gradients and their placements) and against one process training the plain model.  Also:
-mixed precision compiled, an option a graph cannot honour refused at trace time, and each block compiled alone
-with fully_shard's eager hooks around it.  (In tools/tests: compile_support's own tests may not import fsdp_ext,
+mixed precision compiled, HSDP / Shard(1) / sum reduction / list units on a small MLP, an option a graph cannot
+honour refused at trace time, and each block compiled alone with fully_shard's eager hooks around it.  (In tools/tests: compile_support's own tests may not import fsdp_ext,
 a sibling package.)
 """
 
@@ -25,6 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from shardwise.dtensor_ops import DTensor
 from shardwise.fsdp_ext import MixedPrecisionPolicy, fully_shard
 from shardwise.mesh import DeviceMesh, init_device_mesh
+from shardwise.placement import Shard
 from shardwise.testing import ModelArgs, Transformer, multi_rank
 
 VOCAB = 8
@@ -191,6 +192,48 @@ def test_mixed_precision_without_reshard_compiled_matches_eager_fully_shard() ->
         assert compiled_placements == eager_placements
         # bf16 compute: the graph may order bf16 ops differently from eager.
         torch.testing.assert_close(compiled_local, eager_local, rtol=2e-2, atol=2e-3)
+
+
+def _mlp_units(layout: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (4,))
+    options: dict[str, Any] = {"mesh": mesh}
+    if layout == "dim1":
+        options["shard_placement_fn"] = lambda param: Shard(param.dim() - 1)
+    if layout == "list":
+        fully_shard([model[0], model[2]], **options)
+    else:
+        fully_shard(model[0], **options)
+        fully_shard(model[2], **options)
+    fully_shard(model, **options)
+    if layout == "sum":
+        model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    return model
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "dim1", "sum", "list"])
+@multi_rank(world_size=4)
+def test_fsdp_layouts_and_options_compiled_match_eager(layout: str) -> None:
+    """HSDP on (2, 2), Shard(1) by shard_placement_fn, sum reduction, a list of modules as one unit; uneven
+    rows over 4 ranks (3, 5 and 6 rows: empty pieces too)."""
+    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step(model: nn.Module, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return (model(x) ** 2).sum()
+
+    eager_losses, eager_grads = _train(_mlp_units(layout), step, inputs, inputs, 2)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_losses, compiled_grads = _train(
+        _mlp_units(layout), torch.compile(step, backend=counter, fullgraph=True), inputs, inputs, 2
+    )
+    assert counter.frame_count == 1
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-6, abs=1e-7)
+    _assert_same_gradients(compiled_grads, eager_grads)
 
 
 @multi_rank(world_size=4)
