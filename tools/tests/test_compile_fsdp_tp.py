@@ -114,7 +114,7 @@ def _assert_same_gradients(compiled: list[tuple[Any, torch.Tensor]], eager: list
 
 
 @pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
-@multi_rank(world_size=4)
+@multi_rank(world_size=4, timeout=300)
 def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_process(compile_backend: str) -> None:
     mesh = _mesh()
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_pro
         assert 0 < backward_gathers <= len(list(model.layers.parameters()))
 
 
-@multi_rank(world_size=4)
+@multi_rank(world_size=4, timeout=300)
 def test_mixed_precision_without_reshard_compiled_matches_eager_fully_shard() -> None:
     mesh = _mesh()
     torch.manual_seed(0)
@@ -216,7 +216,7 @@ def _mlp_units(layout: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "dim1", "sum", "list"])
-@multi_rank(world_size=4)
+@multi_rank(world_size=4, timeout=300)
 def test_fsdp_layouts_and_options_compiled_match_eager(layout: str) -> None:
     """HSDP on (2, 2), Shard(1) by shard_placement_fn, sum reduction, a list of modules as one unit; uneven
     rows over 4 ranks (3, 5 and 6 rows: empty pieces too)."""
@@ -236,7 +236,7 @@ def test_fsdp_layouts_and_options_compiled_match_eager(layout: str) -> None:
     _assert_same_gradients(compiled_grads, eager_grads)
 
 
-@multi_rank(world_size=4)
+@multi_rank(world_size=4, timeout=300)
 def test_option_a_graph_cannot_honour_is_refused_at_trace_time() -> None:
     mesh = _mesh()
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_option_a_graph_cannot_honour_is_refused_at_trace_time() -> None:
         torch.compile(_loss, backend="aot_eager", fullgraph=True)(model, tokens[:1], targets[:1])
 
 
-@multi_rank(world_size=4)
+@multi_rank(world_size=4, timeout=300)
 def test_fsdp_x_tp_with_compiled_blocks_trains_with_eager_losses() -> None:
     """Each block's forward compiled alone (fullgraph): fully_shard's eager hooks run around it."""
     mesh = _mesh()
