@@ -293,6 +293,23 @@ class CoordinateDependentKernelsTest(_Checks):
                 self.assert_every_rank_equals(got, parameter.grad)
 
     @with_comms
+    def test_spatially_sharded_convolution_exchanges_halos(self) -> None:
+        mesh = self.build_device_mesh()
+        torch.manual_seed(0)
+        image, weight, bias = torch.randn(1, 2, 10, 7), torch.randn(3, 2, 3, 3), torch.randn(3)
+        with self._get_local_tensor_mode():
+            for options in ({"padding": 1}, {"stride": 2, "padding": 2, "dilation": 2}):
+                rows = distribute_tensor(image, mesh, [Shard(2)])
+                with CommDebugMode() as comm_mode:
+                    out = F.conv2d(
+                        rows, distribute_tensor(weight, mesh, [Replicate()]), distribute_tensor(bias, mesh, [Replicate()]), **options
+                    )
+                self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_to_all_single: 1})
+                self.assertEqual(out.placements, (Shard(2),))
+                expected = plain(lambda: F.conv2d(image, weight, bias, **options))
+                self.assert_shards(out, expected, 2)
+
+    @with_comms
     def test_semi_private_local_shape_is_per_rank(self) -> None:
         from shardwise.dtensor_ops._utils import compute_local_shape_and_global_offset
 

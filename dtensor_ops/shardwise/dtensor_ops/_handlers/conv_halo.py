@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from shardwise.mesh import DeviceMesh
+from shardwise.mesh._simulation import run_for_each_simulated_rank
 from shardwise.placement import DTensorSpec, Replicate, Shard, TensorMeta, contiguous_strides
 
 from .._collectives import launch_all_to_all_exact, mesh_dim_group_name, wait
@@ -85,9 +86,6 @@ def _halo_convolution(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
     out_length = global_out.shape[dim]
 
     parts = mesh.size(mesh_dim)
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "a rank outside the mesh holds no shard to convolve"
-    me = coordinate[mesh_dim]
     held = _chunk_bounds(length, parts)
     produced = _chunk_bounds(out_length, parts)
     reach = spread * (kernel - 1)
@@ -103,31 +101,44 @@ def _halo_convolution(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
         low, high = window(rank)
         return (max(low, 0), min(high, length)) if high > low else (0, 0)
 
-    local = x._local_tensor.movedim(dim, 0)
-    inner = int(torch.Size(local.shape[1:]).numel())
-    send_pieces: list[torch.Tensor] = []
-    input_splits: list[int] = []
-    output_splits: list[int] = []
-    my_start, my_end = held[me]
-    my_low, my_high = needed(me)
-    for rank in range(parts):
-        low, high = needed(rank)
-        first, last = max(my_start, low), min(my_end, high)
-        rows = max(last - first, 0)
-        send_pieces.append(local[first - my_start : first - my_start + rows].reshape(-1))
-        input_splits.append(rows * inner)
-        their_start, their_end = held[rank]
-        output_splits.append(max(min(their_end, my_high) - max(their_start, my_low), 0) * inner)
-    flat = torch.cat(send_pieces) if send_pieces else local.reshape(-1)[:0]
-    received = wait(launch_all_to_all_exact(flat, output_splits, input_splits, mesh_dim_group_name(mesh, mesh_dim)))
+    def my_index() -> int:
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "a rank outside the mesh holds no shard to convolve"
+        return coordinate[mesh_dim]
 
-    weight_local, bias_local = weight._local_tensor, None if bias is None else bias._local_tensor
-    out_shape = list(global_out.shape)
-    first_out, last_out = produced[me]
-    out_shape[dim] = last_out - first_out
-    if first_out == last_out:
-        result = torch.zeros(out_shape, dtype=global_out.dtype, device=x._local_tensor.device)
-    else:
+    def send_buffer(x_local: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The rows this rank sends each member, and the all-to-all's element counts."""
+        me = my_index()
+        local = x_local.movedim(dim, 0)
+        inner = int(torch.Size(local.shape[1:]).numel())
+        send_pieces: list[torch.Tensor] = []
+        input_splits: list[int] = []
+        output_splits: list[int] = []
+        my_start, my_end = held[me]
+        my_low, my_high = needed(me)
+        for rank in range(parts):
+            low, high = needed(rank)
+            first, last = max(my_start, low), min(my_end, high)
+            rows = max(last - first, 0)
+            send_pieces.append(local[first - my_start : first - my_start + rows].reshape(-1))
+            input_splits.append(rows * inner)
+            their_start, their_end = held[rank]
+            output_splits.append(max(min(their_end, my_high) - max(their_start, my_low), 0) * inner)
+        flat = torch.cat(send_pieces) if send_pieces else local.reshape(-1)[:0]
+        return flat, input_splits, output_splits
+
+    def convolve(
+        received: torch.Tensor, x_local: torch.Tensor, weight_local: torch.Tensor, bias_local: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's output rows from the window rows it received."""
+        me = my_index()
+        local = x_local.movedim(dim, 0)
+        my_low, my_high = needed(me)
+        out_shape = list(global_out.shape)
+        first_out, last_out = produced[me]
+        out_shape[dim] = last_out - first_out
+        if first_out == last_out:
+            return torch.zeros(out_shape, dtype=global_out.dtype, device=x_local.device)
         window_rows = received.reshape(my_high - my_low, *local.shape[1:])
         low, high = window(me)
         before, after = my_low - low, high - my_high
@@ -138,15 +149,23 @@ def _halo_convolution(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
         piece = window_rows.movedim(0, dim)
         local_padding = list(padding)
         local_padding[spatial] = 0
-        result = aten.convolution.default(
+        convolved: torch.Tensor = aten.convolution.default(
             piece, weight_local, bias_local, stride, local_padding, dilation, False, output_padding, groups
         )
+        return convolved.contiguous()
+
+    # Per simulated rank under torch's LocalTensorMode (each rank's rows, one all-to-all for all); plain calls otherwise.
+    flat, input_splits, output_splits = run_for_each_simulated_rank(send_buffer, x._local_tensor)
+    received = wait(launch_all_to_all_exact(flat, output_splits, input_splits, mesh_dim_group_name(mesh, mesh_dim)))
+    result = run_for_each_simulated_rank(
+        convolve, received, x._local_tensor, weight._local_tensor, None if bias is None else bias._local_tensor
+    )
     spec = DTensorSpec(
         mesh,
         tuple(Shard(dim) if index == mesh_dim else Replicate() for index in range(mesh.ndim)),
         TensorMeta(global_out.shape, contiguous_strides(global_out.shape), global_out.dtype),
     )
-    return new_dtensor(result.contiguous(), spec)
+    return new_dtensor(result, spec)
 
 
 CONV_HALO_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {aten.convolution.default: _halo_convolution}
