@@ -232,6 +232,16 @@ class SimulatedRanksTest(_Checks):
                 torch.testing.assert_close(piece, by_rank[0])
 
     @with_comms
+    def test_random_decision_made_with_the_mode_off_is_refused_under_it(self) -> None:
+        mesh = self.build_device_mesh()
+        # With the mode off the process is rank 0 of the fake world: its decision holds rank 0's stream.
+        F.dropout(DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)]), 0.5)
+        with self._get_local_tensor_mode():
+            rows = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])
+            with self.assertRaisesRegex(RuntimeError, "decision made with the mode off"):
+                F.dropout(rows, 0.5)
+
+    @with_comms
     def test_factories_allocate_each_ranks_shard(self) -> None:
         mesh = self.build_device_mesh()
         with self._get_local_tensor_mode():

@@ -363,6 +363,11 @@ def run_random_op(plan: RandomPlan, call: Callable[..., Any], local_args: list[A
     elif _traced_random_runner is not None and _is_traced(local_args):
         result = _traced_random_runner(plan, call, local_args, local_kwargs)
     else:
+        if isinstance(simulation.simulated_view(), frozenset):
+            raise RuntimeError(
+                "a sharded random op under LocalTensorMode got a decision made with the mode off (one rank's shard "
+                "stream for every simulated rank); run every DTensor op of a simulated world under the mode"
+            )
         generator = _explicit_generator(plan, local_args, local_kwargs)
         if generator is None:
             device = _first_tensor_device(local_args) or _first_tensor_device(list(local_kwargs.values()))
@@ -385,6 +390,11 @@ def _run_random_op_per_simulated_rank(
     Real ranks keep their generators in step, so every simulated rank starts from the same
     generator state: replicas draw equal values and shards their own streams, as on real ranks.
     """
+    if not isinstance(simulation.simulated_view(), frozenset):
+        raise RuntimeError(
+            "a random op got a decision made under LocalTensorMode (one shard stream per simulated rank) with the "
+            "mode off; run every DTensor op of a simulated world under the mode"
+        )
     plans = dict(plan.per_rank)
     with simulation.mode_disabled():
         generator = _explicit_generator(plan, local_args, local_kwargs)
