@@ -386,6 +386,27 @@ class EightRanksTest(LocalDTensorOpTestBase):
                 torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
 
 
+    def test_three_dim_mesh_slices_and_flattened_dims(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        flat = mesh["dp", "tp"]._flatten("dp_tp")
+        with self._get_local_tensor_mode():
+            self.assertEqual(flat.get_local_rank().node._local_ints, {r: r % 4 for r in range(8)})
+            full = torch.arange(96.0).reshape(12, 8)
+            expected = whole(full)
+            for submesh, source, target, collectives in (
+                (mesh["dp", "tp"], [Shard(0), Shard(1)], [Shard(1), Replicate()], {funcol.all_gather_into_tensor: 1, funcol.all_to_all_single: 1}),
+                (flat, [Shard(0)], [Shard(1)], {funcol.all_to_all_single: 1}),
+                (mesh["pp", "tp"], [Partial(), Shard(0)], [Shard(1), Replicate()], {funcol.reduce_scatter_tensor: 1, funcol.all_gather_into_tensor: 1}),
+                (mesh, [Shard(0), Shard(1), Shard(0)], [Replicate(), Shard(0), Shard(1)], {funcol.all_to_all_single: 1}),
+            ):
+                laid_out = distribute_tensor(full, submesh, source)
+                with CommDebugMode() as comm_mode:
+                    moved = laid_out.redistribute(submesh, target)
+                self.assertEqual(comm_mode.get_comm_counts(), collectives)
+                for rank, piece in pieces(moved.full_tensor()).items():
+                    torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"simulated rank {rank}: {m}")
+
+
 # PyTorch-style: a class written for processes, copied to run under LocalTensorMode.
 class PortedToLocalTensor(DTensorTestBase):
     @property
