@@ -163,9 +163,11 @@ _COLLECTIVE_NAMES = {
 
 def collective_name(kind: StepKind) -> str:
     """The collective a plan step issues, as CollectiveLog names it (a joint step's runs over its joint group)."""
-    return {StepKind.JOINT_ALL_TO_ALL: "all_to_all", StepKind.JOINT_REDUCE_SCATTER: "reduce_scatter"}.get(
-        kind, kind.value
-    )
+    return {
+        StepKind.JOINT_ALL_TO_ALL: "all_to_all",
+        StepKind.JOINT_ALL_TO_ALL_REDUCE: "all_to_all",
+        StepKind.JOINT_REDUCE_SCATTER: "reduce_scatter",
+    }.get(kind, kind.value)
 
 
 class CollectiveLog(TorchDispatchMode):

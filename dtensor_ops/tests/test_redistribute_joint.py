@@ -79,9 +79,25 @@ def test_pieces_that_do_not_fit_rule_a_joint_step_out() -> None:
     assert joint_step_bytes_per_rank((8, 4), mesh, (P_SUM, P_SUM, S0), (0, 1), (S0, S0), FLOAT) is None
     assert joint_step_bytes_per_rank((8, 4), mesh, (R, R, S0), (0, 1), (S0, S0), FLOAT) is None
     assert joint_step_bytes_per_rank((8, 4), mesh, (P_SUM, P_SUM, S0), (0, 1), (S1, S1), FLOAT) == 3 * 4 * 1 * FLOAT
-    # Mixed reduce ops, or a Partial target, are not joint steps.
-    assert joint_step_bytes_per_rank((8, 4), (2, 2), (P_SUM, P_MAX), (0, 1), (S0, S1), FLOAT) is None
+    # Mixed reduce ops: one all-to-all of the raw contributions, reduced on arrival (a rank's 4x2 piece has
+    # 4 contributions, 3 of them elsewhere).  A Partial target is no joint step.
+    assert joint_step_bytes_per_rank((8, 4), (2, 2), (P_SUM, P_MAX), (0, 1), (S0, S1), FLOAT) == 3 * 8 * FLOAT
     assert joint_step_bytes_per_rank((8, 4), (2, 2), (S0, S1), (0, 1), (P_SUM, R), FLOAT) is None
+    # A Partial mesh dim outside the step would have to be reduced after it: no joint reduction then.
+    assert joint_step_bytes_per_rank((8, 4), mesh, (P_SUM, S0, P_MAX), (0, 1), (S0, S1), FLOAT) is None
+
+
+def test_one_all_to_all_reducing_on_arrival_where_it_moves_fewer_bytes() -> None:
+    shape, mesh = (256, 256), (2, 2)
+    # Mixed Partial ops: one collective at the lower bound (three one-dim steps moved 229376 B).
+    for src, dst in [((P_SUM, P_MAX), (S0, S0)), ((P_MAX, P_SUM), (S1, S1))]:
+        plan = find_cheapest_plan(shape, mesh, src, dst, FLOAT, allow_joint_steps=True)
+        assert [step.kind for step in plan] == [StepKind.JOINT_ALL_TO_ALL_REDUCE], plan
+        assert plan_bytes_per_rank(plan) == 196608 == lower_bound_bytes_per_rank(shape, mesh, src, dst, FLOAT)
+    # A Shard and a Partial dim: each rank gets its column quarter's three missing half-contributions.
+    plan = find_cheapest_plan(shape, mesh, (S0, P_SUM), (S1, S1), FLOAT, allow_joint_steps=True)
+    assert [step.kind for step in plan] == [StepKind.JOINT_ALL_TO_ALL_REDUCE]
+    assert plan_bytes_per_rank(plan) == 98304
 
 
 def test_uneven_and_nested_joint_steps_cost_exactly_what_they_move() -> None:
@@ -132,6 +148,7 @@ def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence
 _EXPECTED_KEY = {
     StepKind.JOINT_ALL_TO_ALL: _c10d.all_to_all_single,
     StepKind.JOINT_REDUCE_SCATTER: _c10d.reduce_scatter_tensor,
+    StepKind.JOINT_ALL_TO_ALL_REDUCE: _c10d.all_to_all_single,
     StepKind.ALL_TO_ALL: _c10d.all_to_all_single,
     StepKind.REDUCE_SCATTER: _c10d.reduce_scatter_tensor,
     StepKind.ALL_GATHER: _c10d.all_gather_into_tensor,
@@ -150,6 +167,11 @@ _JOINT_CASES: list[tuple[tuple[Placement, ...], tuple[Placement, ...]]] = [
     ((S0, P_SUM), (S1, R)),
     ((P_SUM, S0), (S0, S0)),
     ((Partial("avg"), R), (S0, S0)),
+    ((S0, P_SUM), (S1, S1)),
+    ((S1, P_MAX), (S0, S0)),
+    ((P_SUM, P_MAX), (S0, S0)),
+    ((P_MAX, Partial("avg")), (S1, S1)),
+    ((Partial("min"), P_SUM), (S0, S1)),
 ]
 
 

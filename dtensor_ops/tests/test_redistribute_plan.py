@@ -666,7 +666,7 @@ def _cheapest_single_collective_bytes(
 # (ours, lower bound, the cheapest single collective).  256 x 256 float32: a quarter is 65536 B.
 MIXED_PARTIAL_SHARD_2X2 = {
     ((S0, P_SUM), (S1, S0)): (131072, 65536, 131072),
-    ((S0, P_SUM), (S1, S1)): (114688, 65536, 98304),
+    ((S0, P_SUM), (S1, S1)): (98304, 65536, 98304),
     ((S0, P_SUM), (S1, R)): (163840, 131072, 196608),
     ((S0, P_SUM), (R, S0)): (196608, 131072, 262144),
     ((P_SUM, S0), (S0, S0)): (131072, 65536, 131072),

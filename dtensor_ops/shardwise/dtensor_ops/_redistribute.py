@@ -33,7 +33,7 @@ import dataclasses
 import math
 from itertools import product as _product
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
@@ -167,6 +167,11 @@ class _JointLayout:
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
     padded_shape: tuple[int, ...]
+    # All-to-all with reduction: member i's part is of contribution ``receive_slots[i]`` (row-major over
+    # the Partial dims of the group, whose sizes are ``slot_shape`` and reduce ops ``slot_ops``).
+    receive_slots: tuple[int, ...] = ()
+    slot_shape: tuple[int, ...] = ()
+    slot_ops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,9 +391,19 @@ def _compile_joint_step(
     output_splits: list[int] = []
     padded = [0] * len(global_shape)
     moves_anything = False
-    if step.kind is StepKind.JOINT_ALL_TO_ALL:
-        # A Replicate source dim has many holders: the one at the receiver's coordinate there sends.
-        replicated = [d for d in group_dims if not isinstance(before_state[d], Shard)]
+    receive_slots: list[int] = []
+    partial_dims = [d for d in group_dims if isinstance(before_state[d], Partial)]
+    if step.kind is StepKind.JOINT_ALL_TO_ALL_REDUCE:
+        # Contribution index of each member: row-major over its coordinates on the Partial dims.
+        for member in group:
+            slot = 0
+            for d in partial_dims:
+                slot = slot * mesh_shape[d] + member[d]
+            receive_slots.append(slot)
+    if step.kind in (StepKind.JOINT_ALL_TO_ALL, StepKind.JOINT_ALL_TO_ALL_REDUCE):
+        # A Replicate source dim has many holders: the one at the receiver's coordinate there sends.  (With
+        # a reduction there is none: every member's part of a contribution is its own.)
+        replicated = [d for d in group_dims if isinstance(before_state[d], Replicate)]
         for member in group:
             same_replica = all(member[d] == coordinate[d] for d in replicated)
             outgoing = _intersection(box(after_state, member), mine_before) if same_replica else None
@@ -437,6 +452,9 @@ def _compile_joint_step(
             input_splits=tuple(input_splits),
             output_splits=tuple(output_splits),
             padded_shape=tuple(padded),
+            receive_slots=tuple(receive_slots),
+            slot_shape=tuple(mesh_shape[d] for d in partial_dims) if receive_slots else (),
+            slot_ops=tuple(cast(Partial, before_state[d]).reduce_op for d in partial_dims) if receive_slots else (),
         ),
     )
 
@@ -473,7 +491,7 @@ def _cut(tensor: torch.Tensor, region: _Region) -> torch.Tensor:
 
 def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
     buffer = _joint_send_buffer(local, step, layout)
-    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+    if step.kind is not StepKind.JOINT_REDUCE_SCATTER:
         return launch_all_to_all_exact(buffer, layout.output_splits, layout.input_splits, step.group_name)
     if step.one_round:
         return launch_reduce_scatter_one_round(buffer, step.group_size, step.group_name)
@@ -481,7 +499,7 @@ def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) ->
 
 
 def _joint_send_buffer(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
-    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+    if step.kind is not StepKind.JOINT_REDUCE_SCATTER:
         parts = [_cut(local, region).reshape(-1) for region in layout.send_regions if region is not None]
         return torch.cat(parts) if parts else local.new_empty((0,))
     # reduce-scatter: member i's piece, padded, is dim-0 block i (padding is reduced and dropped)
@@ -499,6 +517,8 @@ def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout)
         if step.reduce_op == "avg":
             received = _divide(received, step.group_size)
         return _cut(received, ((0,) * len(step.shape_after), step.shape_after)).contiguous()
+    if step.kind is StepKind.JOINT_ALL_TO_ALL_REDUCE:
+        return _reduce_contributions(received, step, layout)
     result = received.new_empty(step.shape_after)
     start = 0
     for region, count in zip(layout.receive_regions, layout.output_splits):
@@ -506,6 +526,28 @@ def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout)
             _cut(result, region).copy_(received.narrow(0, start, count).view(region[1]))
         start += count
     return result
+
+
+def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
+    """Every contribution of the new piece, placed from the members' parts, then reduced (last mesh dim first)."""
+    contributions = received.new_empty((math.prod(layout.slot_shape), *step.shape_after))
+    start = 0
+    for region, count, slot in zip(layout.receive_regions, layout.output_splits, layout.receive_slots):
+        if region is not None:
+            _cut(contributions[slot], region).copy_(received.narrow(0, start, count).view(region[1]))
+        start += count
+    value = contributions.view(*layout.slot_shape, *step.shape_after)
+    for axis in reversed(range(len(layout.slot_shape))):
+        reduce_op = layout.slot_ops[axis]
+        if reduce_op in ("sum", "avg"):
+            value = value.sum(axis)
+            if reduce_op == "avg":
+                value = _divide(value, layout.slot_shape[axis])
+        elif reduce_op == "max":
+            value = value.amax(axis)
+        else:
+            value = value.amin(axis)
+    return value.contiguous()
 
 
 def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
@@ -816,7 +858,7 @@ def _issue_simulated(buffers: torch.Tensor, steps: dict[int, _ExecStep]) -> torc
     step = next(iter(steps.values()))
     if step.kind is StepKind.JOINT_REDUCE_SCATTER:
         return launch_reduce_scatter(buffers, step.reduce_op, step.group_size, step.group_name)
-    if step.kind is StepKind.JOINT_ALL_TO_ALL:
+    if step.kind in (StepKind.JOINT_ALL_TO_ALL, StepKind.JOINT_ALL_TO_ALL_REDUCE):
         input_splits, output_splits = [], []
         for member in range(step.group_size):
             input_splits.append(
