@@ -17,6 +17,11 @@ import torch
 
 from shardwise.testing import run_on_threads
 
+# The oracle, imported whole here: imported first inside the rank threads, its modules would be seen
+# half-initialized by the other threads.
+import torch.distributed.tensor  # noqa: E402,F401
+import torch.distributed.tensor.debug  # noqa: E402,F401
+
 WORLD = 4
 MESH_SHAPES = [(4,), (2, 2)]
 

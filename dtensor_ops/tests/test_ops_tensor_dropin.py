@@ -17,6 +17,11 @@ import torch
 
 from shardwise.testing import run_on_threads
 
+# The oracle, imported whole here: imported first inside the rank threads, its modules would be seen
+# half-initialized by the other threads.
+import torch.distributed.tensor  # noqa: E402,F401
+import torch.distributed.tensor.debug  # noqa: E402,F401
+
 WORLD = 4
 
 
@@ -196,3 +201,61 @@ def test_masked_gather_has_the_plain_gradient_and_rejects_bad_positions_on_every
     for same_gradient, message in run_on_threads(_gather_backward_and_bad_index, world_size=WORLD):
         assert same_gradient
         assert "index out of bounds for dimension 1 with size 12" in message
+
+
+def _histc_on(name: str) -> list[tuple[Any, ...]]:
+    api, init_device_mesh = _api(name)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    full = torch.randn(12, 8, 6, generator=torch.Generator().manual_seed(1))
+    low, high = full.min().item(), full.max().item()
+    seen = []
+    for placements in ([api.Shard(0)], [api.Shard(1)], [api.Shard(2)], [api.Replicate()]):
+        x = api.distribute_tensor(full, mesh, placements)
+        for ranged in (True, False):
+            with api.debug.CommDebugMode() as comm:
+                counts = x.histc(bins=10, min=low, max=high) if ranged else x.histc(bins=10)
+            expected = full.histc(bins=10, min=low, max=high) if ranged else full.histc(bins=10)
+            correct = torch.equal(counts.full_tensor(), expected)
+            seen.append((_describe(placements), ranged, _describe(counts.placements), comm.get_total_counts(), correct))
+    return seen
+
+
+def test_histc_with_a_range_counts_each_piece_as_pytorch() -> None:
+    ours = run_on_threads(_histc_on, "shardwise", world_size=WORLD)
+    assert ours == run_on_threads(_histc_on, "torch", world_size=WORLD)
+    rows = {(layout, ranged): (out, count, correct) for layout, ranged, out, count, correct in ours[0]}
+    assert rows[("S1", True)] == ("P(sum)", 0, True)  # counted locally, summed later
+    assert rows[("S1", False)] == ("R", 1, True)  # the data's own range needs the whole tensor
+
+
+def _fill_partial_on(name: str, mesh_shape: tuple[int, ...]) -> list[tuple[str, str, float]]:
+    api, init_device_mesh = _api(name)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    layouts = (
+        [[api.Partial()], [api.Partial("max")], [api.Partial("avg")]]
+        if mesh_shape == (WORLD,)
+        else [[api.Partial(), api.Shard(0)], [api.Shard(1), api.Partial()], [api.Partial(), api.Partial()]]
+    )
+    seen = []
+    for placements in layouts:
+        pieces = api.distribute_tensor(
+            torch.zeros(4, 8), mesh, [api.Replicate() if p.is_partial() else p for p in placements]
+        ).to_local()
+        x = api.DTensor.from_local(torch.randn(pieces.shape), mesh, placements, shape=(4, 8), stride=(8, 1))
+        x.fill_(8.0)
+        values = x.full_tensor()
+        assert bool((values == values[0, 0]).all())
+        seen.append((_describe(placements), _describe(x.placements), values[0, 0].item()))
+    return seen
+
+
+@pytest.mark.parametrize("mesh_shape", [(WORLD,), (2, 2)])
+def test_fill_of_a_partial_sum_holds_the_value_once(mesh_shape: tuple[int, ...]) -> None:
+    ours = run_on_threads(_fill_partial_on, "shardwise", mesh_shape, world_size=WORLD)
+    theirs = run_on_threads(_fill_partial_on, "torch", mesh_shape, world_size=WORLD)
+    # Placements kept as PyTorch keeps them; the value filled is 8 (PyTorch: 8 on every part of a sum,
+    # so 8 times the number of parts).
+    assert [row[:2] for row in ours[0]] == [row[:2] for row in theirs[0]]
+    assert all(value == 8.0 for rank in ours for *_, value in rank)
+    if mesh_shape == (WORLD,):
+        assert theirs[0][0][2] == 8.0 * WORLD

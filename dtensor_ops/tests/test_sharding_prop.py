@@ -346,12 +346,13 @@ def test_in_place_ops_keep_self_and_return_its_spec() -> None:
 
 def test_in_place_partial_sum_that_cannot_stay_partial_is_an_error_naming_op_and_placements() -> None:
     x = spec(MESH_4, [P], 8, 6)
-    with pytest.raises(ShardingPropagationError, match=r"aten\.fill_\.Scalar .*self: Partial\(reduce_op='sum'\)"):
-        propagate_op_sharding(aten.fill_.Scalar, (x, 1.0), {})
-    with pytest.raises(ShardingPropagationError, match=r"aten\.relu_\.default"):
+    with pytest.raises(ShardingPropagationError, match=r"aten\.relu_\.default .*self: Partial\(reduce_op='sum'\)"):
         propagate_op_sharding(aten.relu_.default, (x,), {})
-    # zero_ and fill_ with an averaging / max partial are fine.
+    with pytest.raises(ShardingPropagationError, match=r"aten\.exp_\.default"):
+        propagate_op_sharding(aten.exp_.default, (x,), {})
+    # zero_ and fill_ keep any partial (fill_ of a sum: one rank per mesh dim holds the value).
     assert propagate_op_sharding(aten.zero_.default, (x,), {}).output_specs is x
+    assert propagate_op_sharding(aten.fill_.Scalar, (x, 1.0), {}).output_specs is x
     averaged = spec(MESH_4, [P_AVG], 8, 6)
     assert propagate_op_sharding(aten.fill_.Scalar, (averaged, 1.0), {}).output_specs is averaged
 

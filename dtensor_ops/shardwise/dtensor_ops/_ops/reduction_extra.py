@@ -12,20 +12,23 @@ On one mesh dim:
 * ``renorm(self, p, dim, maxnorm)`` rescales each slice along ``dim`` by the norm of that slice:
   only ``dim`` may stay sharded;
 * ``_fft_r2c``/``_fft_c2c``/``_fft_c2r`` keep shards of the dims they do not transform (MKL rejects
-  an empty piece, so a rank holding one makes its empty output itself).
+  an empty piece, so a rank holding one makes its empty output itself);
+* ``histc`` with a given range (``min != max``) counts each piece's elements into the same bins:
+  any sharded dim gives ``Partial(sum)`` counts (as PyTorch).  Without a range the bins come from the
+  data's own minimum and maximum, which no rank knows alone: the input is made whole first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardwise.placement import Partial, normalize_dim
+from shardwise.placement import Partial, Replicate, Shard, normalize_dim
 
 from .._rules import OneDimStrategy, OpCall, ShardingRule, register_rule
 from ._aligned import empty_piece_kernel, free_dim_strategies
 from .reduction import kept_dim_strategies, reduced_dims, reduction_output_meta
 
-__all__ = ["ALONG_DIM_RULE", "FFT_RULE", "RENORM_RULE", "SUM_LIKE_RULE", "VALUES_AT_DIM_RULE"]
+__all__ = ["ALONG_DIM_RULE", "FFT_RULE", "HISTC_RULE", "RENORM_RULE", "SUM_LIKE_RULE", "VALUES_AT_DIM_RULE"]
 
 aten = torch.ops.aten
 
@@ -90,6 +93,19 @@ def _fft_strategies(call: OpCall) -> list[OneDimStrategy]:
 
 FFT_RULE = ShardingRule(family="fft", one_dim_strategies=_fft_strategies, local_kernel=empty_piece_kernel)
 
+def _histc_strategies(call: OpCall) -> list[OneDimStrategy]:
+    strategies = [OneDimStrategy((Replicate(),), (Replicate(),))]
+    low, high = call.arg(2, "min", 0), call.arg(3, "max", 0)
+    if low != high:  # torch takes the data's own range when they are equal
+        strategies.extend(
+            OneDimStrategy((Partial("sum"),), (Shard(dim),)) for dim in range(len(call.input_shape(0)))
+        )
+    return strategies
+
+
+HISTC_RULE = ShardingRule(family="histc", one_dim_strategies=_histc_strategies)
+
+register_rule((aten.histc.default, aten.histc.out), HISTC_RULE)
 register_rule(
     (aten.nansum.default, aten.nansum.out, aten.count_nonzero.default, aten.count_nonzero.out,
      aten.count_nonzero.dim_IntList, aten.count_nonzero.dim_IntList_out),

@@ -63,7 +63,7 @@ _NAMES = (
     "linalg_qr", "_linalg_slogdet", "_linalg_solve_ex", "linalg_solve_triangular", "linalg_matrix_exp", "geqrf",
     "ormqr", "triangular_solve", "lu_unpack", "_linalg_check_errors", "linalg_eigvals", "linalg_matrix_power",
     # whole-tensor ops
-    "block_diag", "_trilinear", "histc", "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_tensors",
+    "block_diag", "_trilinear", "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_tensors",
     "_histogramdd_from_bin_cts", "_pdist_forward", "_pdist_backward", "hash_tensor", "segment_reduce",
     "_chunk_cat", "_embedding_bag_forward_only", "_embedding_bag", "_ctc_loss", "_unsafe_masked_index",
     "_unsafe_masked_index_put_accumulate", "multi_margin_loss", "multilabel_margin_loss_forward", "nonzero_static",

@@ -13,8 +13,9 @@
   own (shards followed; Partial too for the unwritten ``new_empty*``; each rank then
   builds its local piece's size), replicated otherwise, as PyTorch.
 * ``is_same_size`` compares global shapes: answered from the specs, no data moved.
-* ``fill_`` keeps every placement except ``Partial(sum)``, whose parts would add
-  up to ``world * value``; ``zero_`` keeps every placement.
+* ``fill_`` and ``zero_`` keep every placement; on ``Partial(sum)`` mesh dims only the first
+  rank holds the value and the others zeros, so the parts add up to the value (PyTorch fills
+  every part: ``world * value``).
 * ``equal`` compares replicated tensors and ``item`` (``_local_scalar_dense``)
   reads a replicated one, so that every rank gets the same, global answer.
 """
@@ -260,14 +261,34 @@ NEW_FACTORY_RULE = ShardingRule(
 
 
 def _fill_strategies(call: OpCall) -> list[OneDimStrategy]:
-    keeps_sum = call.op._schema.name == "aten::zero_"
     extra_inputs: tuple[Placement, ...] = (Replicate(),) * (len(call.input_specs) - 1)  # fill_.Tensor's value
-    strategies = []
-    for placement in call.placements_keeping_values_unread(len(call.input_shape(0))):
-        if isinstance(placement, Partial) and placement.reduce_op == "sum" and not keeps_sum:
-            continue
-        strategies.append(OneDimStrategy((placement,), (placement,) + extra_inputs))
-    return strategies
+    return [
+        OneDimStrategy((placement,), (placement,) + extra_inputs)
+        for placement in call.placements_keeping_values_unread(len(call.input_shape(0)))
+    ]
+
+
+@dataclass(frozen=True)
+class _FillOneShareOfSum:
+    """``fill_`` of a ``Partial(sum)`` tensor on a rank whose parts must hold zeros: the parts of the
+    filled value add up to the value once (the first rank of each such mesh dim holds it)."""
+
+    def __call__(self, target: torch.Tensor, value: object) -> torch.Tensor:
+        return target.zero_()
+
+
+def _fill_kernel(
+    call: OpCall, inputs: tuple[tuple[Placement, ...], ...], outputs: tuple[DTensorSpec[Any] | None, ...]
+) -> _FillOneShareOfSum | None:
+    if call.op._schema.name == "aten::zero_":
+        return None  # zeros add up to zero: every rank zeroes its part
+    sum_dims = [dim for dim, placement in enumerate(inputs[0]) if placement == Partial("sum")]
+    if not sum_dims:
+        return None
+    coordinate = call.mesh.get_coordinate()
+    if coordinate is None or all(coordinate[dim] == 0 for dim in sum_dims):
+        return None  # this rank holds the value (or is not in the mesh: nothing to run)
+    return _FillOneShareOfSum()
 
 
 def _fill_output_meta(
@@ -281,7 +302,11 @@ def _fill_output_meta(
 
 
 FILL_RULE = ShardingRule(
-    family="fill", one_dim_strategies=_fill_strategies, scalar_values_matter=False, output_meta=_fill_output_meta
+    family="fill",
+    one_dim_strategies=_fill_strategies,
+    scalar_values_matter=False,
+    output_meta=_fill_output_meta,
+    local_kernel=_fill_kernel,
 )
 
 
