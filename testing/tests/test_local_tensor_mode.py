@@ -320,6 +320,17 @@ class CoordinateDependentKernelsTest(_Checks):
                 self.assert_shards(out, expected, 2)
 
     @with_comms
+    def test_view_of_uneven_shards_takes_each_ranks_local_size(self) -> None:
+        mesh = self.build_device_mesh()
+        with self._get_local_tensor_mode():
+            full = torch.arange(42.0).reshape(7, 6)
+            viewed = distribute_tensor(full, mesh, [Shard(0)]).view(7, 2, 3)
+            self.assertEqual(viewed.placements, (Shard(0),))
+            expected = plain(lambda: torch.arange(42.0).reshape(7, 2, 3))
+            self.assert_shards(viewed, expected, 0)
+            self.assert_every_rank_equals(viewed.full_tensor(), expected)
+
+    @with_comms
     def test_semi_private_local_shape_is_per_rank(self) -> None:
         from shardwise.dtensor_ops._utils import compute_local_shape_and_global_offset
 

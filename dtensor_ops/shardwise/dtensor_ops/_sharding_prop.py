@@ -60,7 +60,7 @@ from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
 from ._rules import ShardingPropagationError, override_rule
 from ._schema import schema_facts
-from ._simulated_kernels import local_kernel_for_each_simulated_rank
+from ._simulated_kernels import local_arg_overrides_for_each_simulated_rank, local_kernel_for_each_simulated_rank
 from ._strided_specs import decide_with_strided_shards, has_strided_shard, rule_reads_strided_shards
 
 __all__ = [
@@ -699,7 +699,10 @@ def decide_op_sharding(
 
     overrides: tuple[tuple[ArgPosition, object], ...] = ()
     if rule.local_arg_overrides is not None:
-        overrides = rule.local_arg_overrides(call, tuple(flat_outputs))
+        # Per simulated rank under torch's LocalTensorMode: a local size may depend on the coordinate.
+        overrides = local_arg_overrides_for_each_simulated_rank(
+            functools.partial(rule.local_arg_overrides, call, tuple(flat_outputs))
+        )
     local_kernel = None
     if rule.local_kernel is not None:
         # Made per simulated rank under torch's LocalTensorMode: a kernel may depend on the coordinate.
