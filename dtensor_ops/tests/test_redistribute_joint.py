@@ -276,3 +276,24 @@ def test_a_mesh_without_joint_groups_keeps_to_one_dim_steps() -> None:
         select_local_shard(full, (2, 2), coordinate, (S0, S0)).clone(), src_spec, dst_spec
     )
     assert torch.equal(result, select_local_shard(full, (2, 2), coordinate, (S1, S1)))
+
+
+@multi_rank(world_size=4)
+def test_the_gradient_of_a_joint_reduction_goes_back_replicated_over_the_partial_dim() -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    shape = (8, 12)
+    full = full_tensor(shape, 8)
+    weight = full_tensor(shape, 9)
+    coordinate = tuple(mesh.get_coordinate() or ())
+    local = source_locals(full, (2, 2), (S0, P_SUM), 10)[coordinate].clone().requires_grad_(True)
+    source = DTensor.from_local(local, mesh, [S0, P_SUM])
+    with CommDebugMode() as forward:
+        moved = source.redistribute(mesh, [S1, S1])
+    # Forward: one all-to-all whose receivers add the two contributions.
+    assert forward.get_total_counts() == 1 and forward.get_comm_counts()[_c10d.all_to_all_single] == 1
+    assert torch.equal(moved.to_local(), select_local_shard(full, (2, 2), coordinate, (S1, S1)))
+    loss = (moved.to_local() * select_local_shard(weight, (2, 2), coordinate, (S1, S1))).sum()
+    loss.backward()
+    # Each contribution's gradient is the whole gradient: rank (i, j) gets row block i of the weight.
+    assert local.grad is not None
+    assert torch.equal(local.grad, select_local_shard(weight, (2, 2), coordinate, (S0, R)))
