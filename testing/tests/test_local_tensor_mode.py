@@ -19,7 +19,11 @@ from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.mesh._simulation import mode_disabled
 from shardwise.testing import (
+    DTensorContinuousTestBase,
+    DTensorConverter,
+    DTensorOpTestBase,
     DTensorTestBase,
+    LocalDTensorContinuousTestBase,
     LocalDTensorOpTestBase,
     LocalDTensorTestBase,
     MLPModule,
@@ -445,7 +449,39 @@ class PortedToLocalTensor(DTensorTestBase):
         self.assertIsInstance(distribute_tensor(torch.ones(4), mesh, [Shard(0)]).to_local(), LocalTensor)
 
 
+class ContinuousPorted(DTensorContinuousTestBase):
+    world_size = 4
+
+    def test_partial_to_replicate_sums_every_rank(self) -> None:
+        mesh = init_device_mesh(self.device_type, (self.world_size,))
+        local = torch.ones(2, 2) * (self.rank + 1)
+        with CommDebugMode() as comm_mode:
+            full = DTensor.from_local(local, mesh, [Partial()]).full_tensor()
+        self.assertEqual(comm_mode.get_comm_counts()[funcol.all_reduce], 1)
+        self.assertEqual(full, torch.full((2, 2), 10.0))
+
+
+class ConverterPorted(DTensorOpTestBase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def test_mul_on_every_sharding(self) -> None:
+        mesh = self.build_device_mesh()
+        a, b = torch.arange(16.0).reshape(4, 4), torch.arange(4.0) + 1
+        converter = DTensorConverter(mesh, (a, b), {})
+        combinations = 0
+        for d_args, d_kwargs in converter:
+            self.assertTrue(converter.successful())
+            self.assertEqual(torch.mul(*d_args, **d_kwargs).full_tensor(), torch.mul(a, b))
+            combinations += 1
+        self.assertEqual(combinations, 6)
+
+
 instantiate_parametrized_tests(PortedToLocalTensor)
+ContinuousPortedWithLocalTensor = create_local_tensor_test_class(ContinuousPorted, base_class=LocalDTensorContinuousTestBase)
+ConverterPortedWithLocalTensor = create_local_tensor_test_class(ConverterPorted, base_class=LocalDTensorOpTestBase)
+del ContinuousPorted, ConverterPorted
 PortedToLocalTensorWithLocalTensor = create_local_tensor_test_class(PortedToLocalTensor)
 PortedToThreadsWithLocalTensor = create_local_tensor_test_class(
     PortedToLocalTensor, skipped_tests=["test_really_simulated"], base_class=ThreadedLocalDTensorTestBase
