@@ -290,6 +290,33 @@ def test_dropout_on_a_sharded_activation_matches_eager(compiler: str) -> None:
 
 
 @multi_rank(world_size=WORLD)
+def test_a_graph_with_sharded_dropout_runs_in_a_process_that_never_traced_it() -> None:
+    """The graph names its random op's recipe by the recipe's encoding, so it runs where nothing was recorded:
+    a process that loads it from inductor's or AOTAutograd's on-disk cache (simulated by forgetting every
+    recorded recipe)."""
+    from shardwise.compile_support import _random_in_graph
+
+    mesh = _mesh()
+    full = torch.arange(1.0, 25.0).reshape(4, 6)
+
+    def fn(a: DTensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(a * 2, p=0.5, training=True).to_local()
+
+    compiled, counter = _compile(fn, "aot_eager")
+    torch.manual_seed(11)
+    first = compiled(distribute_tensor(full, mesh, [Shard(0)]))
+    assert _random_in_graph.recipe_count() > 0
+    _random_in_graph._RECIPES.clear()
+    torch.manual_seed(11)
+    again = compiled(distribute_tensor(full, mesh, [Shard(0)]))
+    torch.manual_seed(11)
+    eager = fn(distribute_tensor(full, mesh, [Shard(0)]))
+    assert counter.frame_count == 1
+    torch.testing.assert_close(again, eager)
+    torch.testing.assert_close(first, eager)
+
+
+@multi_rank(world_size=WORLD)
 def test_inductor_compiles_a_sharded_layer_forward_and_backward() -> None:
     mesh = _mesh()
     torch.manual_seed(2)

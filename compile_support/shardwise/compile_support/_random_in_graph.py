@@ -8,11 +8,20 @@ opaque custom op, ``shardwise_compile::sharded_random(tensors, recipe)``, into t
 runs, that op runs the recipe exactly as eager dispatch would, on copies of its inputs (a custom op must not
 write into them); an in-place random op (``bernoulli_``, the CPU dropout) is completed in the graph by a
 ``copy_`` into the traced input.
+
+The recipe's name in the graph is the recipe itself, encoded (``recipe:<base64 pickle>`` of the op (an
+``OpOverload`` by name, a module-level function by reference), the plan and the non-tensor arguments), so a graph loaded from inductor's or AOTAutograd's on-disk caches
+by another process (which never traced it, so never recorded the recipe) runs it the same way, and
+graphs of different recipes never share a cache key.  A recipe that cannot be encoded (a local function, an
+explicit ``torch.Generator`` argument: a copy of it would not advance the caller's)
+keeps a process-local name (``random<n>``): such graphs cannot move between processes.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
+import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,13 +89,61 @@ def _as_list(result: Any) -> list[torch.Tensor]:
     )
 
 
-def _run(tensors: list[torch.Tensor], recipe: str, *, in_shard_stream: bool) -> list[torch.Tensor]:
-    found = _RECIPES.get(recipe)
+_ENCODED_PREFIX = "recipe:"
+
+
+def _contains_generator(value: Any) -> bool:
+    if isinstance(value, torch.Generator):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_contains_generator(item) for item in value)
+    if isinstance(value, dict):
+        return any(_contains_generator(item) for item in value.values())
+    return False
+
+
+def _encoded_name(recipe: _Recipe) -> str | None:
+    """``recipe:<base64 pickle>`` of everything the recipe needs, or None when it cannot be encoded."""
+    if _contains_generator((recipe.args, recipe.kwargs)):
+        return None
+    # An OpOverload by its name (it does not pickle); a module-level function by reference (pickle's way).
+    call: Any = ("op", recipe.call.name()) if isinstance(recipe.call, torch._ops.OpOverload) else ("function", recipe.call)
+    try:
+        payload = pickle.dumps((call, recipe.plan, recipe.args, recipe.kwargs))
+    except Exception:  # a local function, an argument pickle cannot write: the recipe stays process-local
+        return None
+    return _ENCODED_PREFIX + base64.b64encode(payload).decode("ascii")
+
+
+def _decoded(name: str) -> _Recipe | None:
+    """The recipe an encoded name holds (None for a process-local name)."""
+    if not name.startswith(_ENCODED_PREFIX):
+        return None
+    (kind, call), plan, args, kwargs = pickle.loads(base64.b64decode(name[len(_ENCODED_PREFIX) :]))
+    if kind == "op":
+        namespace, _, qualified = call.partition("::")
+        op_packet, _, overload = qualified.partition(".")
+        call = getattr(getattr(getattr(torch.ops, namespace), op_packet), overload or "default")
+    return _Recipe(plan, call, args, kwargs)
+
+
+def _recipe(name: str) -> _Recipe:
+    found = _RECIPES.get(name)
     if found is None:
-        raise RuntimeError(
-            f"shardwise_compile::sharded_random: unknown recipe {recipe!r}; expected one recorded while this "
-            "process traced the graph (compiled graphs holding sharded random ops cannot move between processes)"
-        )
+        found = _decoded(name)
+        if found is None:
+            raise RuntimeError(
+                f"shardwise_compile::sharded_random: unknown recipe {name!r}; expected one recorded while this "
+                "process traced the graph (a graph holding a random op with an explicit generator cannot move "
+                "between processes)"
+            )
+        with _lock:
+            _RECIPES[name] = found
+    return found
+
+
+def _run(tensors: list[torch.Tensor], recipe: str, *, in_shard_stream: bool) -> list[torch.Tensor]:
+    found = _recipe(recipe)
     copies = [tensor.clone() for tensor in tensors]
     args = _fill(found.args, copies)
     kwargs = {name: _fill(value, copies) for name, value in found.kwargs.items()}
@@ -115,9 +172,10 @@ def run_sharded_random_in_graph(
     tensors: list[torch.Tensor] = []
     args = _to_template(local_args, tensors)
     kwargs = {name: _to_template(value, tensors) for name, value in local_kwargs.items()}
+    recipe = _Recipe(plan, call, args, kwargs)
     with _lock:
-        key = f"random{next(_keys)}"
-        _RECIPES[key] = _Recipe(plan, call, args, kwargs)
+        key = _encoded_name(recipe) or f"random{next(_keys)}"
+        _RECIPES[key] = recipe
     # The result's structure, and whether the op wrote into one of its inputs, from the traced op itself.
     probe_inputs = [tensor.clone() for tensor in tensors]
     probe = call(*_fill(args, probe_inputs), **{name: _fill(value, probe_inputs) for name, value in kwargs.items()})
