@@ -343,6 +343,12 @@ class CoordinateDependentKernelsTest(_Checks):
             shape, offset = compute_local_shape_and_global_offset((10, 3), mesh, [Shard(0)])
             self.assertEqual((shape[0].node._local_ints, shape[1]), ({0: 3, 1: 3, 2: 3, 3: 1}, 3))
             self.assertEqual((offset[0].node._local_ints, offset[1]), ({0: 0, 1: 3, 2: 6, 3: 9}, 0))
+            # The placement's own layout math, given the mesh's per-rank coordinate or rank.
+            spec_shape, spec_offset = distribute_tensor(torch.ones(10, 3), mesh, [Shard(0)])._spec.local_shape_and_offset()
+            self.assertEqual(spec_shape[0].node._local_ints, {0: 3, 1: 3, 2: 3, 3: 1})
+            self.assertEqual(spec_offset[0].node._local_ints, {0: 0, 1: 3, 2: 6, 3: 9})
+            size, start = Shard.local_shard_size_and_offset(10, 4, mesh.get_local_rank())
+            self.assertEqual((size.node._local_ints, start.node._local_ints), ({0: 3, 1: 3, 2: 3, 3: 1}, {0: 0, 1: 3, 2: 6, 3: 9}))
 
 
 class StridedLayoutsTest(LocalDTensorTestBase):

@@ -14,12 +14,13 @@ redistribution uses them around its collectives.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 import torch.nn.functional as F
 
 from ._placements import Placement, Shard, _StridedShard
+from ._simulated import any_per_rank_int, for_each_simulated_rank
 
 __all__ = [
     "chunk_size_and_offset",
@@ -56,8 +57,16 @@ def chunk_size_and_offset(dim_size: int, num_chunks: int, index: int) -> tuple[i
     torch.chunk rule: every chunk has ``ceil(dim_size / num_chunks)`` elements
     except the trailing ones, which are smaller or empty.  Unlike torch.chunk
     there are always ``num_chunks`` chunks; an empty chunk starts at ``dim_size``
-    so ``[offset, offset + size)`` is always a valid slice.
+    so ``[offset, offset + size)`` is always a valid slice.  Per-rank ints (LocalTensorMode) give
+    per-rank answers (see ``_simulated``).
     """
+    if any_per_rank_int((dim_size, num_chunks, index)):
+        size, offset = for_each_simulated_rank(_chunk_size_and_offset, dim_size, num_chunks, index)
+        return size, offset  # type: ignore[return-value]
+    return _chunk_size_and_offset(dim_size, num_chunks, index)
+
+
+def _chunk_size_and_offset(dim_size: int, num_chunks: int, index: int) -> tuple[int, int]:
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     if not 0 <= index < num_chunks:
@@ -132,7 +141,31 @@ def compute_local_shape_and_global_offset(
     A ``coordinate`` of ``None`` means this rank is not part of the mesh: it holds
     nothing, so the local shape is 0 on every dim and the offset equals the global
     shape (for a 0-dim global shape both are ``()``).
+
+    A coordinate of per-rank ints (torch's LocalTensorMode) gives every simulated rank's shape and
+    offset, as ``LocalIntNode`` SymInts where they differ (see ``_simulated``).
     """
+    if coordinate is not None and any_per_rank_int(coordinate):
+        flat = for_each_simulated_rank(_flat_local_shape_and_global_offset, global_shape, mesh_shape, coordinate, placements)
+        # Per-rank SymInts stand where ints are expected: they carry one int per simulated rank.
+        per_rank = cast(tuple[int, ...], flat)
+        return per_rank[: len(global_shape)], per_rank[len(global_shape) :]
+    return _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+
+
+def _flat_local_shape_and_global_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+    return (*shape, *offset)
+
+
+def _compute_local_shape_and_global_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     _check_mesh_args(mesh_shape, coordinate, placements)
     ndim = len(global_shape)
     if coordinate is None:

@@ -12,6 +12,8 @@ from typing import Any, Final, NoReturn
 
 import torch
 
+from ._simulated import any_per_rank_int, for_each_simulated_rank
+
 __all__ = ["Placement", "Shard", "_StridedShard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
 
 SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min"})
@@ -105,10 +107,14 @@ class Shard(Placement):
 
     @staticmethod
     def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
-        """Size and offset of piece ``rank`` when ``curr_local_size`` is cut into ``num_chunks`` torch.chunk pieces."""
-        full_chunk = -(-curr_local_size // num_chunks)
-        offset = min(rank * full_chunk, curr_local_size)
-        return max(0, min(full_chunk, curr_local_size - offset)), offset
+        """Size and offset of piece ``rank`` when ``curr_local_size`` is cut into ``num_chunks`` torch.chunk pieces.
+
+        A per-rank ``rank`` (LocalTensorMode's ``LocalIntNode`` SymInt) gives every simulated rank's answer.
+        """
+        if any_per_rank_int((curr_local_size, num_chunks, rank)):
+            size, offset = for_each_simulated_rank(_piece_size_and_offset, curr_local_size, num_chunks, rank)
+            return size, offset  # type: ignore[return-value]
+        return _piece_size_and_offset(curr_local_size, num_chunks, rank)
 
     def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
         return Shard.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
@@ -282,3 +288,9 @@ class Partial(Placement):
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (Partial, (self.reduce_op,))
+
+
+def _piece_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+    full_chunk = -(-curr_local_size // num_chunks)
+    offset = min(rank * full_chunk, curr_local_size)
+    return max(0, min(full_chunk, curr_local_size - offset)), offset
