@@ -19,6 +19,7 @@ import torch
 from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard, init_device_mesh
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops import _rules
+from shardwise.dtensor_ops._handlers import norms_across_shards
 from shardwise.dtensor_ops._op_handlers import handlers_for
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError
@@ -429,12 +430,20 @@ def _check_norm_errors() -> None:
     # An empty global tensor is fine where the reduction has an identity.
     (norm,) = torch._foreach_norm([empty], 2.0)
     assert norm.full_tensor().item() == 0.0
+    # Tensors on different meshes (as PyTorch's): each norm is taken over its own mesh.
     other_mesh = init_device_mesh("cpu", (2, 2))
-    first = to_dtensor(full_tensors(1)[0], mesh, (S0,))
-    second = to_dtensor(full_tensors(1)[0], other_mesh, (S0, R))
+    whole = full_tensors(1)[0]
+    first = to_dtensor(whole, mesh, (S0,))
+    second = to_dtensor(whole, other_mesh, (S0, R))
+    with CommDebugMode() as mode:
+        norms = torch._foreach_norm([first, second], 2.0)
+    assert [norm.device_mesh for norm in norms] == [mesh, other_mesh]
+    assert all(torch.allclose(norm.full_tensor(), torch.linalg.vector_norm(whole)) for norm in norms)
+    assert total_collectives(mode) == 2  # one all-reduce over each mesh's sharded mesh dim
+    # The single-mesh helper still refuses them, before any collective.
     with CommDebugMode() as mode:
         with pytest.raises(ValueError, match="same device mesh"):
-            torch._foreach_norm([first, second], 2.0)
+            norms_across_shards([first, second], 2.0)
     assert total_collectives(mode) == 0
 
 

@@ -259,3 +259,35 @@ def test_fill_of_a_partial_sum_holds_the_value_once(mesh_shape: tuple[int, ...])
     assert all(value == 8.0 for rank in ours for *_, value in rank)
     if mesh_shape == (WORLD,):
         assert theirs[0][0][2] == 8.0 * WORLD
+
+
+def _foreach_norm_over_meshes(name: str) -> list[tuple[Any, ...]]:
+    api, init_device_mesh = _api(name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(12, 8, generator=generator), torch.randn(8, 8, generator=generator), torch.randn(6, generator=generator)]
+    tensors = [
+        api.distribute_tensor(fulls[0], mesh["x"], [api.Shard(0)]),
+        api.distribute_tensor(fulls[1], mesh["y"], [api.Replicate()]),
+        api.distribute_tensor(fulls[2], mesh["x"], [api.Shard(0)]),
+    ]
+    with api.debug.CommDebugMode() as comm:
+        norms = torch.ops.aten._foreach_norm(tensors, 2)
+    expected = torch.ops.aten._foreach_norm(fulls, 2)
+    return [
+        *((str(norm.device_mesh.mesh_dim_names), _describe(norm.placements), torch.allclose(norm.full_tensor(), want))
+          for norm, want in zip(norms, expected)),
+        comm.get_total_counts(),
+    ]  # fmt: skip
+
+
+def test_foreach_norm_of_tensors_on_different_meshes_as_pytorch() -> None:
+    ours = run_on_threads(_foreach_norm_over_meshes, "shardwise", world_size=WORLD)
+    theirs = run_on_threads(_foreach_norm_over_meshes, "torch", world_size=WORLD)
+    # Each norm on its tensor's mesh, as PyTorch's; shardwise reduces a sharded tensor's norm at once
+    # (Replicate) where PyTorch leaves it pending (its _NormPartial, which shardwise has no placement for).
+    assert [[(mesh, correct) for mesh, _, correct in rank[:-1]] for rank in ours] == [
+        [(mesh, correct) for mesh, _, correct in rank[:-1]] for rank in theirs
+    ]
+    assert ours[0][:-1] == [("('x',)", "R", True), ("('y',)", "R", True), ("('x',)", "R", True)]
+    assert ours[0][-1] == 1  # the two row-sharded tensors on mesh x: one all-reduce together

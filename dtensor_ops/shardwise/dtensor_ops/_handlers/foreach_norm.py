@@ -148,7 +148,22 @@ def _foreach_norm_handler(op: OpOverload, args: tuple[Any, ...], kwargs: dict[st
         raise TypeError(f"{op}: ord must be a real number, got {order!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r}")
-    return norms_across_shards(list(tensors), float(order), dtype)
+    # As PyTorch's: the tensors may live on different meshes (parameters of an FSDP x TP model that are
+    # not tensor-parallel live on the data-parallel mesh alone); each mesh's tensors are reduced together.
+    by_mesh: dict[Any, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if isinstance(tensor, DTensor):
+            by_mesh.setdefault(tensor._spec.mesh, []).append(index)
+    if len(by_mesh) <= 1:
+        return norms_across_shards(list(tensors), float(order), dtype)
+    first_group = next(iter(by_mesh.values()))
+    first_group.extend(index for index, tensor in enumerate(tensors) if not isinstance(tensor, DTensor))
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    for members in by_mesh.values():
+        members.sort()
+        for index, norm in zip(members, norms_across_shards([tensors[i] for i in members], float(order), dtype)):
+            results[index] = norm
+    return results
 
 
 FOREACH_NORM_HANDLERS = {aten._foreach_norm.Scalar: _foreach_norm_handler}
