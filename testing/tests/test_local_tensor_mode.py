@@ -86,6 +86,15 @@ class SimulatedRanksTest(_Checks):
         self.assertEqual(mesh.get_coordinate(), (0, 0))
 
     @with_comms
+    def test_assert_equal_on_rank_reads_that_ranks_values(self) -> None:
+        with self._get_local_tensor_mode() as mode:
+            per_rank = mode.rank_map(lambda rank: torch.full((2,), float(rank)))
+            self.assertEqualOnRank(per_rank, torch.full((2,), 2.0), rank=2)
+            self.assertNotEqualOnRank(per_rank, torch.full((2,), 2.0), rank=1)
+            with self.assertRaises(AssertionError):
+                self.assertEqualOnRank(per_rank, torch.full((2,), 2.0), rank=1)
+
+    @with_comms
     def test_sharded_linear_matches_torch_without_communication(self) -> None:
         mesh = self.build_device_mesh()
         with self._get_local_tensor_mode():

@@ -33,7 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh
-from shardwise.mesh._simulation import mode_disabled
+from shardwise.mesh._simulation import mode_disabled, rank_of_piece
 from shardwise.testing._dtensor_test_base import (
     DTensorContinuousTestBase,
     DTensorOpTestBase,
@@ -115,6 +115,15 @@ class _RanksSimulated(_RankRunner):
 
     def _handle_test_skip(self, msg: str) -> None:
         self.skipTest(msg)
+
+    def assertEqualOnRank(self, x: Any, y: Any, msg: str | None = None, *, rank: int = 0) -> None:
+        """``assertEqual`` on simulated rank ``rank``'s values (its piece of each ``LocalTensor``)."""
+        with mode_disabled():
+            self.assertEqual(rank_of_piece(x, rank), rank_of_piece(y, rank), msg)
+
+    def assertNotEqualOnRank(self, x: Any, y: Any, msg: str | None = None, *, rank: int = 0) -> None:
+        with mode_disabled():
+            self.assertNotEqual(rank_of_piece(x, rank), rank_of_piece(y, rank), msg)
 
     def _get_local_tensor_mode(self) -> LocalTensorMode:
         return LocalTensorMode(frozenset(range(self._world_size_to_run())))
