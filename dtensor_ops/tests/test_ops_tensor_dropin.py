@@ -291,3 +291,46 @@ def test_foreach_norm_of_tensors_on_different_meshes_as_pytorch() -> None:
     ]
     assert ours[0][:-1] == [("('x',)", "R", True), ("('y',)", "R", True), ("('x',)", "R", True)]
     assert ours[0][-1] == 1  # the two row-sharded tensors on mesh x: one all-reduce together
+
+
+def _max_min_of_partials_on(name: str) -> list[tuple[Any, ...]]:
+    api, init_device_mesh = _api(name)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rank = mesh.get_local_rank()
+    # every rank's parts, made the same way on every rank, so each can check the reduced values
+    parts = [torch.arange(16.0).reshape(4, 4).remainder(r + 3) - r for r in range(WORLD)]
+    others = [torch.arange(16.0).reshape(4, 4).flip(0).remainder(r + 2) for r in range(WORLD)]
+    reduced = {"max": (torch.stack(parts).amax(0), torch.stack(others).amax(0)),
+               "min": (torch.stack(parts).amin(0), torch.stack(others).amin(0))}  # fmt: skip
+    shift = torch.full((4, 4), 2.0)
+    seen = []
+    for op, kind, with_partial_other in [
+        (torch.maximum, "max", True), (torch.minimum, "min", True), (torch.maximum, "min", False),
+        (torch.minimum, "max", False), (torch.maximum, "min", True),
+    ]:  # fmt: skip
+        a = api.DTensor.from_local(parts[rank], mesh, [api.Partial(kind)])
+        b = (
+            api.DTensor.from_local(others[rank], mesh, [api.Partial(kind)])
+            if with_partial_other
+            else api.distribute_tensor(shift, mesh, [api.Replicate()])
+        )
+        with api.debug.CommDebugMode() as comm:
+            out = op(a, b)
+        whole_a, whole_b = reduced[kind]
+        expected = op(whole_a, whole_b if with_partial_other else shift)
+        correct = torch.equal(out.full_tensor(), expected)
+        seen.append((op.__name__, kind, with_partial_other, _describe(out.placements), comm.get_total_counts(), correct))
+    return seen
+
+
+def test_maximum_and_minimum_keep_partial_max_and_min_where_the_reduction_passes_through() -> None:
+    ours = run_on_threads(_max_min_of_partials_on, "shardwise", world_size=WORLD)
+    theirs = run_on_threads(_max_min_of_partials_on, "torch", world_size=WORLD)
+    assert all(correct for rank in ours for *_, correct in rank)
+    rows = {row[:3]: row[3:5] for row in ours[0]}
+    assert rows[("maximum", "max", True)] == ("P(max)", 0) == theirs[0][0][3:5]
+    assert rows[("minimum", "min", True)] == ("P(min)", 0) == theirs[0][1][3:5]
+    assert rows[("maximum", "min", False)] == ("P(min)", 0)  # one partial operand: any order kind passes
+    assert rows[("minimum", "max", False)] == ("P(max)", 0)
+    # Two min-partials under maximum: one of them is reduced first (one all-reduce), then the other passes.
+    assert rows[("maximum", "min", True)] == ("P(min)", 1)

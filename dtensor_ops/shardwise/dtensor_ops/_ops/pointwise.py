@@ -121,6 +121,16 @@ for _op in aten_overloads(_GRADIENT_SCALING_BACKWARDS, with_inplace=False):
     _LINEAR_IN_ONE[_op] = (0,)  # grad_output is argument 0; the mask/scale depends only on the others
 
 
+# Ops non-decreasing in every tensor operand: with one operand Partial(max) or Partial(min) and the others
+# replicated, the reduction over ranks passes through (max_i maximum(a_i, b) = maximum(max_i a_i, b)).
+# With every operand partial only the op's own kind does: max_i maximum(a_i, b_i) = maximum(max_i a_i,
+# max_i b_i), whereas min_i maximum(a_i, b_i) is not maximum(min_i a_i, min_i b_i).
+_MONOTONE: dict[torch._ops.OpOverload, str] = {
+    aten.maximum.default: "max", aten.maximum.out: "max", aten.minimum.default: "min", aten.minimum.out: "min",
+}  # fmt: skip
+_ORDER_KINDS = ("max", "min")
+
+
 def pointwise_strategies(call: OpCall) -> list[OneDimStrategy]:
     out_shape = call.output_shape(0)
     in_shapes = [call.input_shape(index) for index in range(len(call.input_specs))]
@@ -155,6 +165,17 @@ def pointwise_strategies(call: OpCall) -> list[OneDimStrategy]:
             strategy = OneDimStrategy((partial,), inputs)
             if strategy not in strategies:
                 strategies.append(strategy)
+    own_kind = _MONOTONE.get(call.op)
+    if own_kind is not None:
+        for reduce_op in (kind for kind in _ORDER_KINDS if kind in call.partial_reduce_ops):
+            partial = Partial(reduce_op)
+            choices: list[tuple[Placement, ...]] = [(partial,) * len(in_shapes)] if reduce_op == own_kind else []
+            choices.extend(
+                tuple(partial if index == kept else Replicate() for index in range(len(in_shapes)))
+                for kept in range(len(in_shapes))
+            )
+            for inputs in dict.fromkeys(choices):  # in order, without repeats
+                strategies.append(OneDimStrategy((partial,), inputs))
     return strategies
 
 
