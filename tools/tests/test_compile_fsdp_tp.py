@@ -147,20 +147,17 @@ def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_pro
         torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
     if compile_backend == "aot_eager":
-        # Every parameter is gathered over dp in the forward graph and its gradient reduce-scattered over dp
-        # in the backward graph, one collective each (the rest are tensor parallelism's, over tp).
+        # Eager fully_shard's collectives over dp, now graph ops: forward, one all-gather per unit (the blocks
+        # and the root); backward, one reduce-scatter per unit and the blocks' gathers again
+        # (reshard_after_forward, recomputed by the partitioner; the root keeps its parameters).
+        # The other collectives are tensor parallelism's, over tp.
         dp_group = mesh.get_group("dp").group_name
-        parameters = len(list(model.parameters()))
+        units = len(model.layers) + 1
         assert len(forward_graphs) == 1 and len(backward_graphs) == 1
-        forward_gathers = _collective_groups(forward_graphs[0], "all_gather_into_tensor")
-        backward_scatters = _collective_groups(backward_graphs[0], "reduce_scatter_tensor")
-        assert forward_gathers.count(dp_group) == parameters
-        assert backward_scatters.count(dp_group) == parameters
+        assert _collective_groups(forward_graphs[0], "all_gather_into_tensor").count(dp_group) == units
         assert dp_group not in _collective_groups(forward_graphs[0], "reduce_scatter_tensor")
-        # reshard_after_forward (default True) for the blocks: the partitioner recomputes their gathers in
-        # backward (only those backward needs: a bias's gradient does not need the bias); the root keeps its own.
-        backward_gathers = _collective_groups(backward_graphs[0], "all_gather_into_tensor").count(dp_group)
-        assert 0 < backward_gathers <= len(list(model.layers.parameters()))
+        assert _collective_groups(backward_graphs[0], "reduce_scatter_tensor").count(dp_group) == units
+        assert _collective_groups(backward_graphs[0], "all_gather_into_tensor").count(dp_group) == len(model.layers)
 
 
 @multi_rank(world_size=4, timeout=300)
@@ -184,8 +181,9 @@ def test_mixed_precision_without_reshard_compiled_matches_eager_fully_shard() ->
     assert counter.frame_count == 1
     # Not resharded after forward: backward gathers nothing again over dp.
     dp_group = mesh.get_group("dp").group_name
-    assert dp_group in _collective_groups(forward_graphs[0], "all_gather_into_tensor")
+    assert _collective_groups(forward_graphs[0], "all_gather_into_tensor").count(dp_group) == ARGS.n_layers + 1
     assert dp_group not in _collective_groups(backward_graphs[0], "all_gather_into_tensor")
+    assert _collective_groups(backward_graphs[0], "reduce_scatter_tensor").count(dp_group) == ARGS.n_layers + 1
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-3)
     assert all(grad.dtype == torch.float32 for _, grad in compiled_grads)
     for (compiled_placements, compiled_local), (eager_placements, eager_local) in zip(compiled_grads, eager_grads):

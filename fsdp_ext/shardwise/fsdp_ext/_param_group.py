@@ -226,19 +226,36 @@ class FSDPParam:
             stride=tp_spec.tensor_meta.stride,
         )
 
-    def traced_unsharded_for_module(self, group: FSDPParamGroup, regather_in_backward: bool) -> torch.Tensor:
-        """The unsharded parameter built from the sharded one by differentiable DTensor ops (the compiled path).
+    def traced_padded_piece(self) -> torch.Tensor:
+        """This rank's rows of the sharded parameter, flat and padded to ``padded_rows`` rows (traceable ops).
 
-        ``regather_in_backward`` (``reshard_after_forward``): the gather runs under selective activation
-        checkpointing that recomputes all of it, so the graph keeps no unsharded parameter between
-        forward and backward and gathers again in backward, as eager FSDP does.
+        Its slot of the unit's flat send buffer in the compiled path; the sharded parameter's gradient
+        comes back through these ops (the padding's is dropped).
         """
-        if regather_in_backward:
-            unsharded = checkpoint(
-                self._traced_gather, group, use_reentrant=False, context_fn=_recompute_everything_contexts
-            )
-        else:
-            unsharded = self._traced_gather(group)
+        sharded = self.sharded_param
+        assert isinstance(sharded, DTensor)
+        rows = sharded.to_local().movedim(self.shard_dim, 0).reshape(self.local_rows, self.row_numel)
+        padding = self.padded_rows - self.local_rows
+        if padding:
+            rows = torch.cat([rows, rows.new_zeros(padding, self.row_numel)])
+        return rows.reshape(-1)
+
+    def traced_unsharded_from_gathered(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This parameter's unsharded piece out of the gathered ``(dp, per-rank flat)`` buffer (traceable views).
+
+        torch.chunk pieces put the padding after the last real row, so the first ``rows`` rows of the
+        ``dp`` padded pieces in rank order are the parameter's rows in order.
+        """
+        pieces = gathered.narrow(1, self.sharded_offset, self.padded_numel)
+        rows = pieces.reshape(self.dp_size * self.padded_rows, self.row_numel).narrow(0, 0, self.rows)
+        return rows.reshape(self.moved_shape).movedim(0, self.shard_dim)
+
+    def traced_for_module(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """What the module computes with in the compiled path: the plain tensor or the TP DTensor around it.
+
+        ``from_local``'s backward all-reduces a gradient left Partial over tp (sequence parallelism's
+        norms) for this parameter alone (eager batches them per unit).
+        """
         tp_spec = self.tp_spec
         if tp_spec is None:
             return unsharded
@@ -250,36 +267,6 @@ class FSDPParam:
             shape=tp_spec.tensor_meta.shape,
             stride=tp_spec.tensor_meta.stride,
         )
-
-    def _traced_gather(self, group: FSDPParamGroup) -> torch.Tensor:
-        """This rank's tensor-parallel piece (or whole parameter), gathered over dp by DTensor ops.
-
-        This rank's piece is read as a ``Shard(shard dim)`` of the tensor-parallel piece over the dp
-        mesh (exactly the torch.chunk piece the flat buffers hold) and redistributed to Replicate,
-        cast to ``param_dtype`` before the all-gather; its local tensor is declared to receive a
-        Partial gradient (avg over dp, or sum with ``set_force_sum_reduction_for_comms``), so
-        autograd's backward of the redistribution is the reduce-scatter, in ``reduce_dtype``, cast
-        back to the parameter's dtype.
-        """
-        sharded = self.sharded_param
-        assert isinstance(sharded, DTensor)
-        dp_mesh = group.dp_mesh
-        replicate_dims = (Replicate(),) * (dp_mesh.ndim - 1)
-        piece = DTensor.from_local(
-            sharded.to_local(),
-            dp_mesh,
-            (*replicate_dims, Shard(self.shard_dim)),
-            shape=self.unsharded_shape,
-            stride=contiguous_strides(self.unsharded_shape),
-        )
-        gathered = piece.redistribute(
-            dp_mesh,
-            (Replicate(),) * dp_mesh.ndim,
-            forward_dtype=group.param_dtype if group.param_dtype != self.orig_dtype else None,
-            backward_dtype=group.reduce_dtype if group.reduce_dtype != self.orig_dtype else None,
-        )
-        reduce_op = "sum" if group.force_sum_reduction else "avg"
-        return gathered.to_local(grad_placements=(Partial(reduce_op),) * dp_mesh.ndim)
 
     def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
         tp_spec = self.tp_spec
@@ -627,18 +614,52 @@ class FSDPParamGroup:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
 
     def use_traced_unsharded_params(self, regather_in_backward: bool) -> None:
-        """Point the modules at unsharded parameters built by traceable DTensor ops (inside a compiled graph).
+        """Point the modules at unsharded parameters built by traceable ops (inside a compiled graph).
 
-        No flat buffers, no bookkeeping: the graph's forward holds one all-gather per parameter, its
-        backward one reduce-scatter per parameter (see ``FSDPParam.traced_unsharded_for_module``).
-        Options whose eager behaviour is bookkeeping between hooks are refused here, before tracing
-        goes further.
+        Options whose eager behaviour is bookkeeping between hooks are refused first. ``regather_in_backward``
+        (``reshard_after_forward``, not the root): the gather runs under selective activation checkpointing
+        that recomputes all of it, so the graph keeps no unsharded parameter for backward and gathers
+        again there, as eager FSDP does.
         """
         self.check_traceable()
-        for fsdp_param in self.fsdp_params:
-            value = fsdp_param.traced_unsharded_for_module(self, regather_in_backward)
+        if regather_in_backward:
+            unsharded = checkpoint(self._traced_gather, use_reentrant=False, context_fn=_recompute_everything_contexts)
+        else:
+            unsharded = self._traced_gather()
+        for fsdp_param, tensor in zip(self.fsdp_params, unsharded):
+            value = fsdp_param.traced_for_module(tensor)
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
+
+    def _traced_gather(self) -> tuple[torch.Tensor, ...]:
+        """The unit's unsharded pieces from its sharded parameters: one all-gather, and in backward one
+        reduce-scatter, as in eager, written as differentiable DTensor ops.
+
+        This rank's padded pieces, concatenated as in ``sharded_flat``, are read as the ``Shard(0)`` piece
+        of a flat DTensor over the dp mesh and redistributed to Replicate (cast to ``param_dtype`` before
+        the all-gather); the local result is declared to receive a Partial gradient (avg over dp, or sum
+        with ``set_force_sum_reduction_for_comms``), so autograd's backward of the redistribution is the
+        reduce-scatter of the packed gradients (in ``reduce_dtype``, divided by the dp size, cast back).
+        """
+        dp_mesh = self.dp_mesh
+        send = torch.cat([fsdp_param.traced_padded_piece() for fsdp_param in self.fsdp_params])
+        flat = DTensor.from_local(
+            send,
+            dp_mesh,
+            (*(Replicate(),) * (dp_mesh.ndim - 1), Shard(0)),
+            shape=(self.dp_size * self.sharded_numel,),
+            stride=(1,),
+        )
+        replicated = flat.redistribute(
+            dp_mesh,
+            (Replicate(),) * dp_mesh.ndim,
+            forward_dtype=self.param_dtype if self.param_dtype != self.orig_dtype else None,
+            backward_dtype=self.reduce_dtype if self.reduce_dtype != self.orig_dtype else None,
+        )
+        reduce_op = "sum" if self.force_sum_reduction else "avg"
+        gathered = replicated.to_local(grad_placements=(Partial(reduce_op),) * dp_mesh.ndim)
+        gathered = gathered.view(self.dp_size, self.sharded_numel)
+        return tuple(fsdp_param.traced_unsharded_from_gathered(gathered) for fsdp_param in self.fsdp_params)
 
     def check_traceable(self) -> None:
         """Refuse, at trace time, the options a compiled forward cannot honour."""
