@@ -157,6 +157,8 @@ class SimulatedRanksTest(_Checks):
                 ([Shard(0), Shard(0)], [Replicate(), Shard(1)]),
                 ([Partial(), Shard(1)], [Shard(0), Replicate()]),
                 ([Replicate(), Partial("max")], [Shard(1), Shard(0)]),
+                ([Partial(), Partial("max")], [Shard(0), Shard(0)]),
+                ([Shard(0), Partial()], [Shard(1), Shard(1)]),
             ):
                 moved = distribute_tensor(full, mesh, source).redistribute(mesh, target)
                 self.assertEqual(moved.placements, tuple(target))
