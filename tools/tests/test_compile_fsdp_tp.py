@@ -210,14 +210,17 @@ def _mlp_units(layout: str) -> nn.Module:
     fully_shard(model, **options)
     if layout == "sum":
         model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    if layout == "divide_without_fullgraph":
+        model.set_gradient_divide_factor(3.0)  # type: ignore[operator]
     return model
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "dim1", "sum", "list"])
+@pytest.mark.parametrize("layout", ["hsdp", "dim1", "sum", "list", "divide_without_fullgraph"])
 @multi_rank(world_size=4, timeout=300)
 def test_fsdp_layouts_and_options_compiled_match_eager(layout: str) -> None:
     """HSDP on (2, 2), Shard(1) by shard_placement_fn, sum reduction, a list of modules as one unit; uneven
-    rows over 4 ranks (3, 5 and 6 rows: empty pieces too)."""
+    rows over 4 ranks (3, 5 and 6 rows: empty pieces too).  A gradient divide factor, which a graph cannot
+    honour, without fullgraph: dynamo falls back to eager fully_shard for the hooks, consistently."""
     inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
 
     def step(model: nn.Module, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
@@ -226,10 +229,11 @@ def test_fsdp_layouts_and_options_compiled_match_eager(layout: str) -> None:
     eager_losses, eager_grads = _train(_mlp_units(layout), step, inputs, inputs, 2)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
+    fullgraph = layout != "divide_without_fullgraph"
     compiled_losses, compiled_grads = _train(
-        _mlp_units(layout), torch.compile(step, backend=counter, fullgraph=True), inputs, inputs, 2
+        _mlp_units(layout), torch.compile(step, backend=counter, fullgraph=fullgraph), inputs, inputs, 2
     )
-    assert counter.frame_count == 1
+    assert counter.frame_count == 1 if fullgraph else counter.frame_count >= 1
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-6, abs=1e-7)
     _assert_same_gradients(compiled_grads, eager_grads)
 

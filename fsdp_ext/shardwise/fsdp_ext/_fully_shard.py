@@ -116,9 +116,19 @@ class _FSDPState:
     # -- forward --------------------------------------------------------------------
 
     def module_pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """Forward pre-hook of each of the unit's modules: the first one to run starts the unit's forward."""
+        """Forward pre-hook of each of the unit's modules: the first one to run starts the unit's forward.
+
+        While dynamo traces, the traced path; otherwise the eager one, which dynamo never compiles on its
+        own (after a graph break it would compile pieces of it: storage resizing, hooks on outputs).
+        """
         if torch.compiler.is_compiling():
             return self.traced_module_pre_forward(module, args, kwargs)
+        return self._eager_module_pre_forward(module, args, kwargs)
+
+    @torch.compiler.disable
+    def _eager_module_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
         if self.modules_to_run:
             param_dtype = self.mp_policy.param_dtype
             if self.mp_policy.cast_forward_inputs and param_dtype is not None:
@@ -128,9 +138,16 @@ class _FSDPState:
         return self.pre_forward(module, args, kwargs)
 
     def module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        """Forward hook of each of the unit's modules: the last one to finish ends the unit's forward."""
-        if torch.compiler.is_compiling():
+        """Forward hook of each of the unit's modules: the last one to finish ends the unit's forward.
+
+        It follows the path the pre-hook took (the two may be compiled apart after a graph break).
+        """
+        if self.traced_modules_running:
             return self.traced_module_post_forward(module, output)
+        return self._eager_module_post_forward(module, args, output)
+
+    @torch.compiler.disable
+    def _eager_module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         self.modules_to_run.discard(id(module))
         if not self.modules_to_run:
             return self.post_forward(module, args, output)
