@@ -66,12 +66,20 @@ def pinned_rank() -> int | None:
     return _pinned.rank
 
 
+def _enabled_mode() -> Any:
+    """The enabled ``LocalTensorMode`` on this thread, or None.
+
+    The module may be in ``sys.modules`` half imported (another thread importing it right now); no
+    mode can be enabled before its import finishes, so a missing function means none is.
+    """
+    module = sys.modules.get(_LOCAL_TENSOR_MODULE)
+    enabled_mode = getattr(module, "enabled_local_tensor_mode", None)
+    return enabled_mode() if enabled_mode is not None else None
+
+
 def simulated_ranks() -> frozenset[int] | None:
     """The ranks of the enabled ``LocalTensorMode`` on this thread, or None when none is enabled."""
-    module = sys.modules.get(_LOCAL_TENSOR_MODULE)
-    if module is None:
-        return None
-    mode = module.enabled_local_tensor_mode()
+    mode = _enabled_mode()
     if mode is None:
         return None
     ranks: frozenset[int] = mode.ranks
@@ -104,8 +112,7 @@ def as_simulated_rank(rank: int) -> Iterator[None]:
 @contextlib.contextmanager
 def mode_disabled() -> Iterator[None]:
     """The enabled ``LocalTensorMode`` (if any) disabled inside the block: ops on plain tensors stay plain."""
-    module = sys.modules.get(_LOCAL_TENSOR_MODULE)
-    mode = module.enabled_local_tensor_mode() if module is not None else None
+    mode = _enabled_mode()
     if mode is None:
         yield
         return
