@@ -197,3 +197,31 @@ def test_partial_avg_needs_a_dtype_that_can_hold_a_mean() -> None:
     spec = DTensorSpec(mesh, (Partial("avg"), Shard(0)))
     with pytest.raises(ValueError, match="floating-point"):
         spec.with_tensor_meta(TensorMeta(shape, stride, torch.int16))
+
+
+def test_dim_map_sums_and_num_shards_map_describe_the_layout() -> None:
+    spec = DTensorSpec(MESH_2X3, [Partial(), Shard(1)], meta(4, 6, 5))
+    assert spec.dim_map == [-1, 1, -1]
+    assert spec.sums == [0]
+    assert spec.num_shards_map == [1, 3, 1]
+    replicated = DTensorSpec(MESH_2X3, [Replicate(), Replicate()], meta(4, 6))
+    assert replicated.dim_map == [-1, -1] and replicated.sums == [] and replicated.num_shards_map == [1, 1]
+
+
+def test_dim_map_of_a_dim_sharded_twice_names_both_mesh_dims() -> None:
+    spec = DTensorSpec(MESH_2X3, [Shard(0), Shard(0)], meta(12, 2))
+    assert spec.num_shards_map == [6, 1]
+    with pytest.raises(ValueError, match="tensor dim 0 is sharded on mesh dims 0 and 1"):
+        spec.dim_map
+
+
+def test_from_dim_map_round_trips_and_refuses_conflicts() -> None:
+    spec = DTensorSpec.from_dim_map(MESH_2X3, [1, -1, 0], [], meta(6, 2, 4))
+    assert spec.placements == (Shard(2), Shard(0))
+    assert spec.dim_map == [1, -1, 0]
+    with_sum = DTensorSpec.from_dim_map(MESH_2X3, [-1, 1], [0])
+    assert with_sum.placements == (Partial(), Shard(1)) and with_sum.sums == [0]
+    with pytest.raises(RuntimeError, match="cannot shard both tensor dims 0 and 1"):
+        DTensorSpec.from_dim_map(MESH_2X3, [0, 0], [])
+    with pytest.raises(RuntimeError, match="either Partial or Shard"):
+        DTensorSpec.from_dim_map(MESH_2X3, [0, -1], [0])

@@ -256,6 +256,67 @@ class DTensorSpec(Generic[MeshT]):
         """True when at least one mesh dim is Partial."""
         return bool(self._partial_mesh_dims)
 
+    # -- PyTorch's dim-map view of a layout (tests and rule code written for it read these) --
+
+    @property
+    def dim_map(self) -> list[int]:
+        """For each tensor dim, the mesh dim sharding it, or -1; at most one mesh dim per tensor dim.
+
+        A tensor dim sharded by several mesh dims (``[Shard(0), Shard(0)]``) has no dim-map
+        form, so it raises, as PyTorch's does, naming both mesh dims.
+        """
+        sharding_mesh_dim = [-1] * self.ndim
+        for mesh_dim, placement in enumerate(self.placements):
+            if isinstance(placement, (Shard, _StridedShard)):
+                previous = sharding_mesh_dim[placement.dim]
+                if previous >= 0:
+                    raise ValueError(
+                        f"dim_map: tensor dim {placement.dim} is sharded on mesh dims {previous} and {mesh_dim} "
+                        f"({self.placements}); a dim map holds one mesh dim per tensor dim, expected placements "
+                        "with each tensor dim sharded at most once"
+                    )
+                sharding_mesh_dim[placement.dim] = mesh_dim
+        return sharding_mesh_dim
+
+    @property
+    def num_shards_map(self) -> list[int]:
+        """:attr:`num_shards_per_dim` as a list (PyTorch's name)."""
+        return list(self.num_shards_per_dim)
+
+    @property
+    def sums(self) -> list[int]:
+        """The Partial mesh dims as a list (PyTorch's name for the pending reductions)."""
+        return list(self._partial_mesh_dims)
+
+    @classmethod
+    def from_dim_map(
+        cls,
+        mesh: MeshT,
+        dim_map: list[int],
+        sums: list[int],
+        tensor_meta: TensorMeta | None = None,
+    ) -> DTensorSpec[MeshT]:
+        """The spec whose :attr:`dim_map` is ``dim_map`` and whose Partial(sum) mesh dims are ``sums``."""
+        placements: list[Placement] = [Replicate() for _ in mesh.shape]
+        for mesh_dim in sums:
+            placements[mesh_dim] = Partial()
+        for tensor_dim, mesh_dim in enumerate(dim_map):
+            if mesh_dim < 0:
+                continue
+            taken = placements[mesh_dim]
+            if isinstance(taken, Shard):
+                raise RuntimeError(
+                    f"from_dim_map: mesh dim {mesh_dim} cannot shard both tensor dims {taken.dim} and {tensor_dim}; "
+                    "expected each mesh dim in dim_map at most once"
+                )
+            if isinstance(taken, Partial):
+                raise RuntimeError(
+                    f"from_dim_map: mesh dim {mesh_dim} is in sums and shards tensor dim {tensor_dim}; expected a "
+                    "mesh dim to be either Partial or Shard"
+                )
+            placements[mesh_dim] = Shard(tensor_dim)
+        return cls(mesh, placements, tensor_meta)
+
     def local_shape_and_offset(
         self, coordinate: Sequence[int] | None = None
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
