@@ -164,6 +164,9 @@ def test_distribute_tensor_errors_before_any_collective() -> None:
             distribute_tensor(tensor, mesh, [Shard(0)])
         with pytest.raises(RuntimeError, match="distribute leaf tensor"):
             distribute_tensor(torch.randn(12, 12, requires_grad=True) + 2, mesh, [Shard(0), Shard(0)])
+        # A non-leaf is refused first, as by PyTorch's, even when its placements are wrong too.
+        with pytest.raises(RuntimeError, match="distribute leaf tensor"):
+            distribute_tensor(torch.randn(12, 12, requires_grad=True) + 2, mesh, [Shard(0)])
         with pytest.raises(ValueError, match="to a different device mesh"):
             distribute_tensor(dtensor, new_mesh, [Shard(0)])
         with pytest.raises(ValueError, match="to a different placements"):

@@ -65,13 +65,14 @@ def distribute_tensor(
     mesh = resolve_device_mesh(device_mesh, "distribute_tensor")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor expects a torch.Tensor, got {type(tensor).__name__}")
-    target = normalize_placements(placements, mesh, tensor.ndim, "distribute_tensor")
+    # The leaf check first, as PyTorch's: code matching on its error sees it even with bad placements.
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
             "`distribute_tensor` should be used to distribute leaf tensors! but found a non-leaf tensor "
             f"(grad_fn={type(tensor.grad_fn).__name__}); distribute the leaf and run the computation on the "
             "DTensor, or call .detach() first"
         )
+    target = normalize_placements(placements, mesh, tensor.ndim, "distribute_tensor")
     if src_data_rank is not None:
         for mesh_dim, size in enumerate(mesh.shape):
             if not 0 <= src_data_rank < size:
