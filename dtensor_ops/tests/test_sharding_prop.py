@@ -346,7 +346,7 @@ def test_in_place_ops_keep_self_and_return_its_spec() -> None:
 
 def test_in_place_partial_sum_that_cannot_stay_partial_is_an_error_naming_op_and_placements() -> None:
     x = spec(MESH_4, [P], 8, 6)
-    with pytest.raises(ShardingPropagationError, match=r"aten\.relu_\.default .*self: Partial\(reduce_op='sum'\)"):
+    with pytest.raises(ShardingPropagationError, match=r"aten\.relu_\.default .*self: Partial\(sum\)"):
         propagate_op_sharding(aten.relu_.default, (x,), {})
     with pytest.raises(ShardingPropagationError, match=r"aten\.exp_\.default"):
         propagate_op_sharding(aten.exp_.default, (x,), {})
@@ -421,7 +421,7 @@ def test_an_op_without_a_rule_names_the_op_and_the_input_placements() -> None:
         NotImplementedError,
         match=(
             r"^shardwise has no sharding rule for aten\.cross\.default "
-            r"\(inputs: \(Shard\(dim=0\), Replicate\(\)\), \(Replicate\(\), Partial\(reduce_op='sum'\)\)\): "
+            r"\(inputs: \(Shard\(dim=0\), Replicate\(\)\), \(Replicate\(\), Partial\(sum\)\)\): "
             r"Operator aten\.cross\.default does not have a sharding strategy registered\.$"
         ),
     ):

@@ -281,7 +281,7 @@ class Partial(Placement):
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Partial(reduce_op={self.reduce_op!r})"
+        return f"Partial({self.reduce_op})"  # PyTorch's repr: messages and tests match on it
 
     def __str__(self) -> str:
         return f"P({self.reduce_op})"
