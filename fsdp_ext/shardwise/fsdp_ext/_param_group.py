@@ -212,12 +212,16 @@ class FSDPParam:
 
     def unsharded_for_module(self, unsharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:
         """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
-        tp_spec = self.tp_spec
-        if tp_spec is None:
+        if self.tp_spec is None:
             return unsharded
-        assert tp_spec.tensor_meta is not None
         if unsharded.requires_grad:
             return _TensorParallelParam.apply(unsharded, self, group)
+        return self.tp_dtensor_around(unsharded)
+
+    def tp_dtensor_around(self, unsharded: torch.Tensor) -> DTensor:
+        """``DTensor.from_local`` of ``unsharded`` with the parameter's tensor-parallel spec."""
+        tp_spec = self.tp_spec
+        assert tp_spec is not None and tp_spec.tensor_meta is not None
         return DTensor.from_local(
             unsharded,
             tp_spec.mesh,
@@ -256,17 +260,9 @@ class FSDPParam:
         ``from_local``'s backward all-reduces a gradient left Partial over tp (sequence parallelism's
         norms) for this parameter alone (eager batches them per unit).
         """
-        tp_spec = self.tp_spec
-        if tp_spec is None:
+        if self.tp_spec is None:
             return unsharded
-        assert tp_spec.tensor_meta is not None
-        return DTensor.from_local(
-            unsharded,
-            tp_spec.mesh,
-            tp_spec.placements,
-            shape=tp_spec.tensor_meta.shape,
-            stride=tp_spec.tensor_meta.stride,
-        )
+        return self.tp_dtensor_around(unsharded)
 
     def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
         tp_spec = self.tp_spec
