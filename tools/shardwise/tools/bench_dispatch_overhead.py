@@ -154,6 +154,13 @@ def _floor_cases() -> dict[str, Callable[[], object]]:
     model = nn.Linear(8, 8)
     for name, parameter in list(model.named_parameters()):
         setattr(model, name, nn.Parameter(_BareWrapper(parameter.detach().clone())))
+    return _cases_on(x, y, w, b, grad_out, model)
+
+
+def _cases_on(
+    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, grad_out: torch.Tensor, model: nn.Module
+) -> dict[str, Callable[[], object]]:
+    """The four timed calls on given operands, whatever tensor type they are."""
 
     def linear_step() -> None:
         model(x).backward(grad_out)
@@ -205,18 +212,7 @@ def _build_cases(api: _Api | None, world_size: int) -> dict[str, Callable[[], ob
         b = api.distribute_tensor(b_full, api.mesh, [api.replicate])
         grad_out = api.distribute_tensor(torch.ones(rows * world_size, 8), api.mesh, [api.shard])
         api.distribute_module(model, api.mesh)
-
-    def linear_step() -> None:
-        model(x).backward(grad_out)
-        model.weight.grad = None
-        model.bias.grad = None
-
-    return {
-        "add": lambda: x + y,
-        "mm": lambda: torch.mm(x, w),
-        "linear": lambda: F.linear(x, w, b),
-        "Linear fwd+bwd": linear_step,
-    }
+    return _cases_on(x, y, w, b, grad_out, model)
 
 
 _CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
