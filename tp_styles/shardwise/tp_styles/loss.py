@@ -28,11 +28,12 @@ weights may be plain tensors (the same on every rank) or DTensors.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._op_handlers import OpHandler, custom_op_handlers
+from shardwise.mesh._simulation import run_for_each_simulated_rank
 from shardwise.placement import (
     DTensorSpec,
     Partial,
@@ -120,6 +121,14 @@ def _require_dtensor(value: Any, op: torch._ops.OpOverload, what: str) -> DTenso
 # -- log_softmax --------------------------------------------------------------------------------
 
 
+def _shard_max(local: torch.Tensor, dim: int) -> torch.Tensor:
+    """Max of this rank's class shard along ``dim`` (keepdim); -inf for an empty shard."""
+    if local.shape[dim] == 0:
+        # An empty class shard (more ranks than classes) contributes nothing to max or sum.
+        return local.new_full((*local.shape[:dim], 1, *local.shape[dim + 1 :]), float("-inf"))
+    return local.amax(dim, keepdim=True)
+
+
 def _log_softmax_handler(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     value, dim, half_to_float = _arguments(args, kwargs, ("self", "dim", "half_to_float"))
     x = _require_dtensor(value, op, "its input")
@@ -132,11 +141,8 @@ def _log_softmax_handler(op: torch._ops.OpOverload, args: tuple[Any, ...], kwarg
     if not mesh_dims:
         result = torch._log_softmax(local, dim, False)
     else:
-        if local.shape[dim] == 0:
-            # An empty class shard (more ranks than classes) contributes nothing to max or sum.
-            local_max = local.new_full((*local.shape[:dim], 1, *local.shape[dim + 1 :]), float("-inf"))
-        else:
-            local_max = local.amax(dim, keepdim=True)
+        # Per simulated rank under torch's LocalTensorMode (shard sizes differ by rank); a plain call otherwise.
+        local_max = run_for_each_simulated_rank(_shard_max, local, dim)
         global_max = _all_reduce_over(local_max, x, mesh_dims, "max")
         # A row whose max is -inf (all -inf) would give nan from (-inf) - (-inf); torch gives nan there too.
         shifted = local - global_max
@@ -182,12 +188,27 @@ def _known_row_sums(original: DTensor, prepared: DTensor) -> torch.Tensor | None
 # -- nll_loss -----------------------------------------------------------------------------------
 
 
+class _RankRows(NamedTuple):
+    """One rank's rows of an nll_loss call: its class shard, its targets in it, the sample weights."""
+
+    local_rows: torch.Tensor  # (rows, local_classes): this rank's log-probabilities, classes last
+    local_classes: int
+    sample_weight: torch.Tensor  # (rows,): the target's class weight, 0 for ignored rows
+    in_shard: torch.Tensor  # (rows,): whether the row's target class lives on this rank
+    local_index: torch.Tensor  # (rows,): the target's index within this rank's shard (0 elsewhere)
+
+
 class _NllProblem:
     """An nll_loss call as every rank sees it, in rows: one row of classes per target.
 
     A ``(C,)`` input is one row; ``(N, C)`` is N rows; ``(N, C, d1, ...)`` (aten's
     nll_loss2d, which ``F.cross_entropy`` reaches for inputs with more than 2 dims)
     is ``N * d1 * ...`` rows with the class dim moved last.
+
+    Construction does the DTensor-level work (layouts, replicating targets and weights: maybe
+    collectives); :meth:`rank_rows` does the rank-dependent math on local tensors, no collective,
+    so under torch's ``LocalTensorMode`` it runs once per simulated rank
+    (``run_for_each_simulated_rank``) between collectives issued once for every rank.
     """
 
     def __init__(self, op: torch._ops.OpOverload, value: Any, target: Any, weight: Any, ignore_index: int) -> None:
@@ -198,16 +219,12 @@ class _NllProblem:
         self.x = _class_sharded_or_replicated(x, self.class_dim)
         self.num_classes = int(x.shape[self.class_dim])
         self.mesh_dims = _class_mesh_dims(self.x.placements, self.class_dim)
-        local_shape, offset = self.x._spec.local_shape_and_offset()
-        self.class_offset = int(offset[self.class_dim])
-        self.local_classes = int(local_shape[self.class_dim])
-        local = self.x._local_tensor
+        self.ignore_index = ignore_index
         # Target shape: the input's shape without its class dim.
         self.target_shape = tuple(int(size) for dim, size in enumerate(x.shape) if dim != self.class_dim)
-        row_count = 1
+        self.row_count = 1
         for size in self.target_shape:
-            row_count *= size
-        self.local_rows = local.movedim(self.class_dim, -1).reshape(row_count, self.local_classes)
+            self.row_count *= size
 
         target_local = _replicated_local(target, "target")
         assert target_local is not None
@@ -216,38 +233,48 @@ class _NllProblem:
                 f"loss_parallel: target of shape {tuple(target_local.shape)} does not match input of shape "
                 f"{tuple(x.shape)}; expected target shape {self.target_shape}"
             )
-        self.target_rows = target_local.to(device=local.device).reshape(row_count)
-        self.valid = self.target_rows != ignore_index
-        out_of_bounds = self.valid & ((self.target_rows < 0) | (self.target_rows >= self.num_classes))
+        self.target_local = target_local
+        self.weight_local = _replicated_local(weight, "weight")
+        if self.weight_local is not None and tuple(self.weight_local.shape) != (self.num_classes,):
+            raise ValueError(
+                f"loss_parallel: weight of shape {tuple(self.weight_local.shape)} must have one entry per class "
+                f"({self.num_classes})"
+            )
+
+    def rank_rows(
+        self, x_local: torch.Tensor, target_local: torch.Tensor, weight_local: torch.Tensor | None
+    ) -> _RankRows:
+        """This rank's rows, from its own local tensors (plain ones, one rank's, under the mode)."""
+        local_shape, offset = self.x._spec.local_shape_and_offset()
+        class_offset = int(offset[self.class_dim])
+        local_classes = int(local_shape[self.class_dim])
+        local_rows = x_local.movedim(self.class_dim, -1).reshape(self.row_count, local_classes)
+        target_rows = target_local.to(device=x_local.device).reshape(self.row_count)
+        valid = target_rows != self.ignore_index
+        out_of_bounds = valid & ((target_rows < 0) | (target_rows >= self.num_classes))
         if type(out_of_bounds) is torch.Tensor:
             if bool(out_of_bounds.any()):
-                bad = int(self.target_rows[out_of_bounds][0])
+                bad = int(target_rows[out_of_bounds][0])
                 raise IndexError(f"Target {bad} is out of bounds (input has {self.num_classes} classes).")
         else:
             # Traced (torch.compile): the answer is not on the host; the graph asserts when it runs.
             torch._assert_async(
                 ~out_of_bounds.any(), f"loss_parallel: a target is out of bounds (input has {self.num_classes} classes)"
             )
-        safe_target = torch.where(self.valid, self.target_rows, torch.zeros_like(self.target_rows))
-
-        weight_local = _replicated_local(weight, "weight")
+        safe_target = torch.where(valid, target_rows, torch.zeros_like(target_rows))
         if weight_local is None:
-            sample_weight = torch.ones(row_count, dtype=local.dtype, device=local.device)
+            sample_weight = torch.ones(self.row_count, dtype=x_local.dtype, device=x_local.device)
         else:
-            if tuple(weight_local.shape) != (self.num_classes,):
-                raise ValueError(
-                    f"loss_parallel: weight of shape {tuple(weight_local.shape)} must have one entry per class "
-                    f"({self.num_classes})"
-                )
-            sample_weight = weight_local.to(dtype=local.dtype, device=local.device)[safe_target]
-        self.sample_weight = torch.where(self.valid, sample_weight, torch.zeros_like(sample_weight))
-        local_target = safe_target - self.class_offset
-        self.in_shard = self.valid & (local_target >= 0) & (local_target < self.local_classes)
-        self.local_index = torch.where(self.in_shard, local_target, torch.zeros_like(local_target))
+            sample_weight = weight_local.to(dtype=x_local.dtype, device=x_local.device)[safe_target]
+        sample_weight = torch.where(valid, sample_weight, torch.zeros_like(sample_weight))
+        local_target = safe_target - class_offset
+        in_shard = valid & (local_target >= 0) & (local_target < local_classes)
+        local_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
+        return _RankRows(local_rows, local_classes, sample_weight, in_shard, local_index)
 
-    def rows_to_local(self, rows: torch.Tensor) -> torch.Tensor:
+    def rows_to_local(self, rows: torch.Tensor, local_classes: int) -> torch.Tensor:
         """Rows (one per target, classes last) back to the local input's layout."""
-        shaped = rows.reshape(*self.target_shape, self.local_classes)
+        shaped = rows.reshape(*self.target_shape, local_classes)
         return shaped.movedim(-1, self.class_dim).contiguous()
 
 
@@ -256,16 +283,25 @@ def _nll_loss_forward_handler(op: torch._ops.OpOverload, args: tuple[Any, ...], 
         args, kwargs, ("self", "target", "weight", "reduction", "ignore_index")
     )
     problem = _NllProblem(op, value, target, weight, int(ignore_index))
-    rows = problem.local_rows
-    if problem.local_classes == 0:
-        picked = rows.new_zeros(problem.target_rows.shape)
-    else:
-        picked = rows.gather(1, problem.local_index.unsqueeze(1)).squeeze(1)
-        picked = torch.where(problem.in_shard, picked, torch.zeros_like(picked))
+
+    def picked_and_weights(
+        x_local: torch.Tensor, target_local: torch.Tensor, weight_local: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's log-probability of each row's target (0 where another rank holds it)."""
+        rows = problem.rank_rows(x_local, target_local, weight_local)
+        if rows.local_classes == 0:
+            return rows.local_rows.new_zeros((problem.row_count,)), rows.sample_weight
+        picked = rows.local_rows.gather(1, rows.local_index.unsqueeze(1)).squeeze(1)
+        return torch.where(rows.in_shard, picked, torch.zeros_like(picked)), rows.sample_weight
+
+    # Per simulated rank under torch's LocalTensorMode; a plain call otherwise.
+    picked, sample_weight = run_for_each_simulated_rank(
+        picked_and_weights, problem.x._local_tensor, problem.target_local, problem.weight_local
+    )
     if problem.mesh_dims:
         picked = _all_reduce_over(picked, problem.x, problem.mesh_dims, "sum")
-    losses = -problem.sample_weight * picked
-    total_weight = problem.sample_weight.sum()
+    losses = -sample_weight * picked
+    total_weight = sample_weight.sum()
     if reduction == _REDUCTION_NONE:
         output = losses.reshape(problem.target_shape)
         # aten reports the target's weight for one sample, 0 for a batch, when nothing is reduced.
@@ -291,27 +327,44 @@ def _nll_loss_backward_handler(op: torch._ops.OpOverload, args: tuple[Any, ...],
     problem = _NllProblem(op, value, target, weight, int(ignore_index))
     grad_output = _replicated_local(grad_value, "grad_output")
     assert grad_output is not None
-    grad_output = grad_output.to(problem.sample_weight.dtype)
-    # d loss / d logp[row, target of row] for each row (0 for ignored rows).
-    if reduction == _REDUCTION_NONE:
-        coefficient = -problem.sample_weight * grad_output.reshape(-1)
-    else:
-        coefficient = -problem.sample_weight * grad_output.reshape(())
-        if reduction == _REDUCTION_MEAN:
-            total = _replicated_local(total_weight, "total_weight")
-            assert total is not None
-            coefficient = coefficient / total
-    rows = problem.local_rows
-    grad_rows = torch.zeros_like(rows)
-    if problem.local_classes > 0:
-        grad_rows.scatter_(
-            1,
-            problem.local_index.unsqueeze(1),
-            torch.where(problem.in_shard, coefficient, torch.zeros_like(coefficient)).unsqueeze(1),
-        )
-    result = _wrap(problem.rows_to_local(grad_rows), problem.x, problem.x.placements, problem.x.shape)
-    # Each row holds one non-zero entry, so its sum over classes is that entry: known on every rank.
-    row_sums = coefficient.reshape(*problem.target_shape, 1).movedim(-1, problem.class_dim)
+    total = None
+    if reduction == _REDUCTION_MEAN:
+        total = _replicated_local(total_weight, "total_weight")
+        assert total is not None
+
+    def gradient_and_row_sums(
+        x_local: torch.Tensor,
+        target_local: torch.Tensor,
+        weight_local: torch.Tensor | None,
+        grad_local: torch.Tensor,
+        total_local: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shard of the one-hot gradient, and the row sums of the whole gradient."""
+        rows = problem.rank_rows(x_local, target_local, weight_local)
+        grad_out = grad_local.to(rows.sample_weight.dtype)
+        # d loss / d logp[row, target of row] for each row (0 for ignored rows).
+        if reduction == _REDUCTION_NONE:
+            coefficient = -rows.sample_weight * grad_out.reshape(-1)
+        else:
+            coefficient = -rows.sample_weight * grad_out.reshape(())
+            if total_local is not None:
+                coefficient = coefficient / total_local
+        grad_rows = torch.zeros_like(rows.local_rows)
+        if rows.local_classes > 0:
+            grad_rows.scatter_(
+                1,
+                rows.local_index.unsqueeze(1),
+                torch.where(rows.in_shard, coefficient, torch.zeros_like(coefficient)).unsqueeze(1),
+            )
+        # Each row holds one non-zero entry, so its sum over classes is that entry: known on every rank.
+        row_sums = coefficient.reshape(*problem.target_shape, 1).movedim(-1, problem.class_dim)
+        return problem.rows_to_local(grad_rows, rows.local_classes), row_sums
+
+    # Per simulated rank under torch's LocalTensorMode; a plain call otherwise.
+    grad_local, row_sums = run_for_each_simulated_rank(
+        gradient_and_row_sums, problem.x._local_tensor, problem.target_local, problem.weight_local, grad_output, total
+    )
+    result = _wrap(grad_local, problem.x, problem.x.placements, problem.x.shape)
     setattr(result, _ROW_SUMS_ATTRIBUTE, (row_sums, result._version))
     return result
 
