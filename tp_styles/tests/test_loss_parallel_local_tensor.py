@@ -7,7 +7,7 @@ forward, none backward, each issued once for all simulated ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,11 @@ def plain(function: Any, *args: Any) -> Any:
     """``function(*args)`` on plain tensors, outside the mode (the reference)."""
     with mode_disabled():
         return function(*args)
+
+
+def labelled(label: str) -> Callable[[str], str]:
+    """An ``assert_close`` message: torch's own, prefixed with which case and rank differed."""
+    return lambda message: f"{label}: {message}"
 
 
 def reference(
@@ -49,7 +54,7 @@ class LossParallelUnderLocalTensorModeTest(LocalDTensorTestBase):
         by_rank = dict(tensor._local_tensors)  # type: ignore[attr-defined]
         self.assertEqual(sorted(by_rank), list(range(self.world_size)), case)
         for rank, piece in by_rank.items():
-            torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"{case}, simulated rank {rank}: {m}")
+            torch.testing.assert_close(piece, expected, msg=labelled(f"{case}, simulated rank {rank}"))
 
     def assert_class_shards(self, tensor: torch.Tensor, full: torch.Tensor, dim: int, case: str) -> None:
         """Simulated rank r holds torch.chunk piece r of ``full`` along ``dim`` (empty past the last chunk)."""
@@ -57,7 +62,7 @@ class LossParallelUnderLocalTensorModeTest(LocalDTensorTestBase):
         chunks = plain(lambda: full.chunk(self.world_size, dim))
         for rank, piece in dict(tensor._local_tensors).items():  # type: ignore[attr-defined]
             expected = chunks[rank] if rank < len(chunks) else plain(lambda: full.narrow(dim, 0, 0))
-            torch.testing.assert_close(piece, expected, msg=lambda m, rank=rank: f"{case}, simulated rank {rank}: {m}")
+            torch.testing.assert_close(piece, expected, msg=labelled(f"{case}, simulated rank {rank}"))
 
     @with_comms
     def test_cross_entropy_matches_plain_torch_on_every_simulated_rank(self) -> None:
@@ -100,7 +105,7 @@ class LossParallelUnderLocalTensorModeTest(LocalDTensorTestBase):
                     loss.sum().backward()
             self.assertEqual(forward_mode.get_comm_counts(), {funcol.all_reduce: 3}, f"{case}: forward collectives")
             self.assertEqual(backward_mode.get_total_counts(), 0, f"{case}: backward collectives")
-            self.assertIsInstance(loss, DTensor)
+            assert isinstance(loss, DTensor), case
             self.assertEqual(loss.placements, (Replicate(),), case)
             self.assert_every_rank_equals(loss.to_local(), expected_loss, case)
             grad = sharded.grad
@@ -132,6 +137,7 @@ class LossParallelUnderLocalTensorModeTest(LocalDTensorTestBase):
             sharded = distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_(True)
             with loss_parallel():
                 loss = objective(sharded)
+                assert isinstance(loss, DTensor)
                 with CommDebugMode() as backward_mode:
                     loss.backward()
             self.assertEqual(backward_mode.get_comm_counts().get(funcol.all_reduce), 1)
