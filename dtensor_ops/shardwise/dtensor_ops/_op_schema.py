@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, TypeVar, Union
 
 import torch
 
@@ -613,13 +613,14 @@ def expand_single_dim_strategy(
 # ----------------------------------------------------------------------------- adapters into rules
 
 
-def _replace_specs(value: object, replace: Callable[[DTensorSpec[Any]], object]) -> object:
+def replace_specs(value: object, replace: Callable[[DTensorSpec[Any]], object]) -> object:
+    """``value`` with each spec in it (also inside lists and tuples) replaced by ``replace(spec)``, in order."""
     if isinstance(value, DTensorSpec):
         return replace(value)
     if isinstance(value, list):
-        return [_replace_specs(item, replace) for item in value]
+        return [replace_specs(item, replace) for item in value]
     if isinstance(value, tuple):
-        return tuple(_replace_specs(item, replace) for item in value)
+        return tuple(replace_specs(item, replace) for item in value)
     return value
 
 
@@ -1051,29 +1052,34 @@ _StrategyFunc = Callable[[OpSchema], StrategyType]
 _PropRuleFunc = Callable[[OpSchema], OutputSharding]
 
 
+_RegisteredFunc = TypeVar("_RegisteredFunc", _PropRuleFunc, _StrategyFunc)
+
+
+def _registering_decorator(
+    op: torch._ops.OpOverload | list[torch._ops.OpOverload],
+    schema_info: RuntimeSchemaInfo | None,
+    name: str,
+    register_func: Callable[[torch._ops.OpOverload, Any, RuntimeSchemaInfo | None], None],
+) -> Callable[[_RegisteredFunc], _RegisteredFunc]:
+    overloads = _overloads(op, name)
+
+    def register(func: _RegisteredFunc) -> _RegisteredFunc:
+        for overload in overloads:
+            register_func(overload, func, schema_info)
+        return func
+
+    return register
+
+
 def register_prop_rule(
     op: torch._ops.OpOverload | list[torch._ops.OpOverload], schema_info: RuntimeSchemaInfo | None = None
 ) -> Callable[[_PropRuleFunc], _PropRuleFunc]:
     """Decorator (PyTorch's ``_ops.utils.register_prop_rule``): the function becomes the op's sharding-prop rule."""
-    overloads = _overloads(op, "register_prop_rule")
-
-    def register(rule_func: _PropRuleFunc) -> _PropRuleFunc:
-        for overload in overloads:
-            register_prop_rule_func(overload, rule_func, schema_info)
-        return rule_func
-
-    return register
+    return _registering_decorator(op, schema_info, "register_prop_rule", register_prop_rule_func)
 
 
 def register_op_strategy(
     op: torch._ops.OpOverload | list[torch._ops.OpOverload], schema_info: RuntimeSchemaInfo | None = None
 ) -> Callable[[_StrategyFunc], _StrategyFunc]:
     """Decorator (PyTorch's ``_ops.utils.register_op_strategy``): the function becomes the op's strategy."""
-    overloads = _overloads(op, "register_op_strategy")
-
-    def register(strategy_func: _StrategyFunc) -> _StrategyFunc:
-        for overload in overloads:
-            register_op_strategy_func(overload, strategy_func, schema_info)
-        return strategy_func
-
-    return register
+    return _registering_decorator(op, schema_info, "register_op_strategy", register_op_strategy_func)

@@ -32,9 +32,8 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
 
-from ._caches import register_cache
+from ._caches import clear_all_caches, register_cache
 from ._decision import ArgPosition, OpDecision, OutputSpecs
-from ._caches import clear_all_caches
 from ._decision_cache import DECISIONS, MAX_CACHED_DECISIONS, call_key, decision_cache_size, remember_decision
 from ._ops import OneDimStrategy, OpCall, ShardingRule, rule_for
 from ._ops.fallback import replicate_fallback_rule
@@ -55,6 +54,7 @@ from ._op_schema import (
     register_op_strategy_func,
     register_prop_rule_func,
     register_single_dim_op_strategy_func,
+    replace_specs,
 )
 from ._random import plan_random_draw
 from ._redistribute_plan import redistribute_cost_bytes
@@ -300,23 +300,13 @@ def output_sharding_of(schema: OpSchema, decision: OpDecision) -> OutputSharding
     def target(spec: DTensorSpec[Any]) -> DTensorSpec[Any]:
         return next(targets)
 
-    moved_args = tuple(_with_targets(arg, target) for arg in schema.args_schema)
-    moved_kwargs = {name: _with_targets(value, target) for name, value in schema.kwargs_schema.items()}
+    moved_args = tuple(replace_specs(arg, target) for arg in schema.args_schema)
+    moved_kwargs = {name: replace_specs(value, target) for name, value in schema.kwargs_schema.items()}
     return OutputSharding(
         cast(OutputSpecType, decision.output_specs),
         redistribute_schema=OpSchema(schema.op, moved_args, moved_kwargs, schema.schema_info),
         needs_redistribute=True,
     )
-
-
-def _with_targets(value: object, target: Callable[[DTensorSpec[Any]], DTensorSpec[Any]]) -> object:
-    if isinstance(value, DTensorSpec):
-        return target(value)
-    if isinstance(value, list):
-        return [_with_targets(item, target) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_with_targets(item, target) for item in value)
-    return value
 
 
 def sharding_cache_key(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Hashable:
