@@ -46,6 +46,16 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, targets
 
 
+def _transformer_setup() -> tuple[DeviceMesh, Transformer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 2x2 mesh, the seeded base Transformer, the whole batch and this dp rank's row of it."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    base = Transformer(ARGS)
+    tokens, targets = _data()
+    dp_rank = mesh["dp"].get_local_rank()
+    return mesh, base, tokens, targets, tokens[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1]
+
+
 def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
 
@@ -116,12 +126,7 @@ def _assert_same_gradients(compiled: list[tuple[Any, torch.Tensor]], eager: list
 @pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
 @multi_rank(world_size=4, timeout=300)
 def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_process(compile_backend: str) -> None:
-    mesh = _mesh()
-    torch.manual_seed(0)
-    base = Transformer(ARGS)
-    tokens, targets = _data()
-    dp_rank = mesh["dp"].get_local_rank()
-    my_tokens, my_targets = tokens[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1]
+    mesh, base, tokens, targets, my_tokens, my_targets = _transformer_setup()
 
     eager_losses, eager_grads = _train(_fsdp_tp(base, mesh, True), _loss, my_tokens, my_targets, STEPS)
     torch._dynamo.reset()
@@ -162,12 +167,7 @@ def test_fsdp_x_tp_model_compiles_as_one_frame_and_trains_like_eager_and_one_pro
 
 @multi_rank(world_size=4, timeout=300)
 def test_mixed_precision_without_reshard_compiled_matches_eager_fully_shard() -> None:
-    mesh = _mesh()
-    torch.manual_seed(0)
-    base = Transformer(ARGS)
-    tokens, targets = _data()
-    dp_rank = mesh["dp"].get_local_rank()
-    tokens, targets = tokens[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1]
+    mesh, base, _, _, tokens, targets = _transformer_setup()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     options: dict[str, Any] = {"mp_policy": policy, "reshard_after_forward": False}
@@ -253,12 +253,7 @@ def test_option_a_graph_cannot_honour_is_refused_at_trace_time() -> None:
 @multi_rank(world_size=4, timeout=300)
 def test_fsdp_x_tp_with_compiled_blocks_trains_with_eager_losses() -> None:
     """Each block's forward compiled alone (fullgraph): fully_shard's eager hooks run around it."""
-    mesh = _mesh()
-    torch.manual_seed(0)
-    base = Transformer(ARGS)
-    tokens, targets = _data()
-    dp_rank = mesh["dp"].get_local_rank()
-    tokens, targets = tokens[dp_rank : dp_rank + 1], targets[dp_rank : dp_rank + 1]
+    mesh, base, _, _, tokens, targets = _transformer_setup()
 
     def train(counter: CompileCounterWithBackend | None) -> list[float]:
         model = _fsdp_tp(base, mesh, False)
