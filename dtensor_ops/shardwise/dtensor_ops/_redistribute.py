@@ -714,13 +714,12 @@ def redistribute_local_tensor(
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
-    if type(local) is not torch.Tensor or simulation.simulated_view() is not None:
-        view = simulation.simulated_view()
-        if isinstance(view, frozenset):
-            # Every rank simulated in this process (torch's LocalTensorMode): see _redistribute_simulated.
-            return _redistribute_simulated(local, src, dst, view)
-        if view is not None:
-            return _redistribute_one_simulated_rank(local, src, dst, view)
+    view = simulation.simulated_view()
+    if isinstance(view, frozenset):
+        # Every rank simulated in this process (torch's LocalTensorMode): see _redistribute_simulated.
+        return _redistribute_simulated(local, src, dst, view)
+    if view is not None:
+        return _redistribute_one_simulated_rank(local, src, dst, view)
     try:
         program = _programs.get((src, dst))
     except TypeError:
