@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from shardwise.testing._group_calls import count_new_group_calls
+from group_creation_helpers import count_group_constructions as count_new_group_calls
 
 from shardwise.mesh import DeviceMesh, MeshDimError, MeshError, get_current_mesh, init_device_mesh
 from shardwise.testing import multi_rank, run_on_ranks
@@ -53,9 +53,10 @@ def test_2d_mesh_makes_one_group_per_dim_for_each_rank() -> None:
     rank = dist.get_rank()
     with count_new_group_calls() as calls:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    # Every rank takes part in naming all 4 sub-groups but joins (creates) only its own 2.
-    assert calls.calls == 4
+    # Each rank creates its own 2 groups and takes no part in the other 2 (member-only creation).
+    assert calls.calls == 2
     assert calls.created == 2
+    assert sorted(calls.member_ranks) == sorted([[2 * (rank // 2), 2 * (rank // 2) + 1], [rank % 2, rank % 2 + 2]])
     row, column = divmod(rank, 2)
     assert mesh.get_coordinate() == (row, column)
     assert mesh.get_local_rank("dp") == row and mesh.get_local_rank(0) == row
@@ -239,7 +240,8 @@ def test_rank_outside_the_mesh() -> None:
     rank = dist.get_rank()
     with count_new_group_calls() as calls:
         mesh = DeviceMesh("cpu", [1, 3], mesh_dim_names=("x",))
-    assert calls.calls == 1  # every rank takes part in naming the group, members or not
+    # Only the members construct the group; the other ranks take no part at all.
+    assert calls.calls == (1 if rank in (1, 3) else 0)
     assert mesh.mesh.tolist() == [1, 3] and mesh.size() == 2
     if rank in (1, 3):
         assert calls.created == 1
@@ -392,7 +394,7 @@ def test_mesh_as_context_manager() -> None:
 def test_meshes_after_asymmetric_group_history_do_not_hang() -> None:
     # After these, ranks 0/1 belong to more groups than ranks 2/3. c10d's use_local_synchronization
     # would then name the next shared group differently on its members, and they would wait for
-    # each other until the timeout; the world-wide naming we use is unaffected.
+    # each other until the timeout; names derived from the ranks alone are unaffected.
     DeviceMesh("cpu", [0, 1], mesh_dim_names=("pair",))
     dist.new_group([0, 1])
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -426,3 +428,121 @@ def test_meshes_do_not_keep_process_groups_alive_after_destroy() -> None:
         mesh.get_group("tp")
     with pytest.raises(MeshError, match="were destroyed"):
         line.get_all_groups()
+
+
+# -- member-only group creation, lazy joint groups ------------------------------------------------
+
+
+def _names_on_every_rank(name: str | None) -> list[str | None]:
+    names: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, name)
+    return names
+
+
+@multi_rank
+def test_joint_groups_are_made_when_first_asked_for_and_reuse_equal_rank_sets() -> None:
+    with count_new_group_calls() as calls:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert calls.created == calls.calls == 2  # one per dim, none for joint dims
+    assert mesh._joint_groups == {} and mesh._supports_joint_groups() and mesh["tp"]._supports_joint_groups()
+    with count_new_group_calls() as calls:
+        joint = mesh._joint_group((0, 1))
+        from_slice = mesh["dp", "tp"]._joint_group((0, 1))
+        single = mesh._joint_group((1,))
+    # All four ranks in increasing order are the world: its group is reused, nothing is created.
+    assert calls.calls == 0
+    assert joint == from_slice == (dist.group.WORLD.group_name, (0, 1, 2, 3))
+    assert single == (mesh.get_group_name("tp"), (0, 1))
+
+    # A flattened dim whose ranks are not increasing gets its own group, created by its members
+    # (here all ranks) under the same name on every rank, with group rank = flattened coordinate.
+    backwards = DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("a", "b"))
+    with count_new_group_calls() as calls:
+        flat = backwards._flatten()
+    assert calls.member_ranks == [[3, 2, 1, 0]]
+    assert len(set(_names_on_every_rank(flat.get_group_name()))) == 1
+    assert _gather_ranks_over(flat.get_group_name(), 4) == [3, 2, 1, 0]
+    assert backwards.get_group("a_b") is flat.get_group()
+
+
+_FIVE_RANKS = 5
+
+
+def _redistribute_over_both_dims(mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S0, S0) -> (S1, S1) on a 2x2 mesh: one all-to-all over the joint group. Returns (got, expected)."""
+    from shardwise.dtensor_ops import Shard, distribute_tensor
+
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    moved = distribute_tensor(full, mesh, [Shard(0), Shard(0)]).redistribute(mesh, [Shard(1), Shard(1)])
+    a, b = mesh.get_coordinate()  # type: ignore[misc]
+    first_column = 4 * a + 2 * b
+    return moved.to_local(), full[:, first_column : first_column + 2]
+
+
+@multi_rank(world_size=_FIVE_RANKS, timeout=120)
+def test_groups_are_created_by_their_members_only_whatever_each_rank_did_before() -> None:
+    rank = dist.get_rank()
+    # Different histories: ranks 1 and 2 hold one group more than ranks 3 and 4 (c10d's hashed
+    # local-synchronization names would differ between them and their rendezvous would hang), and
+    # user code's world-ordered new_group keeps working in between (we never advance its counter).
+    if rank in (1, 2):
+        DeviceMesh("cpu", [1, 2], mesh_dim_names=("pair",))
+    user_group = dist.new_group([0, 4])
+    with count_new_group_calls() as calls:
+        mesh = DeviceMesh("cpu", [[4, 3], [2, 1]], mesh_dim_names=("dp", "tp"))
+    joint_name: str | None = None
+    if rank == 0:
+        # Outside the mesh: no group construction at all, now or when the others redistribute.
+        assert calls.calls == 0 and mesh.get_coordinate() is None and mesh._joint_group((0, 1)) is None
+    else:
+        assert calls.created == calls.calls == 2
+        assert mesh["tp"].get_group() is mesh.get_group("tp")
+        flat = mesh._flatten()
+        assert _gather_ranks_over(flat.get_group_name(), 4) == [4, 3, 2, 1]
+        assert mesh._joint_groups == {}
+        with count_new_group_calls() as calls:
+            got, expected = _redistribute_over_both_dims(mesh)
+        # The joint group was made by the redistribution that needed it, over its 4 ranks only.
+        assert calls.member_ranks == [[1, 2, 3, 4]] and calls.calls == 1
+        assert torch.equal(got, expected)
+        with count_new_group_calls() as calls:
+            again, _ = _redistribute_over_both_dims(mesh)
+        assert calls.calls == 0 and torch.equal(again, expected)
+        joint = mesh._joint_group((0, 1))
+        assert joint is not None
+        joint_name = joint[0]
+    if rank in (0, 4):
+        assert _sum_of_ranks_over(user_group) == 4
+    names = _names_on_every_rank(joint_name)
+    assert names[0] is None and len(set(names[1:])) == 1
+
+
+def _compiled_redistribution(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    from shardwise.dtensor_ops import DTensor, Shard
+
+    source = DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False)
+    return source.redistribute(mesh, [Shard(1), Shard(1)]).to_local()
+
+
+@multi_rank(world_size=_FIVE_RANKS, timeout=240)
+def test_a_joint_group_first_needed_inside_torch_compile_is_created_while_tracing() -> None:
+    import torch._dynamo
+
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))  # rank 4 is outside
+    if rank != 4:
+        torch._dynamo.reset()
+        full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+        a, b = mesh.get_coordinate()  # type: ignore[misc]
+        local = full[4 * a + 2 * b : 4 * a + 2 * b + 2]
+        compiled = torch.compile(_compiled_redistribution, backend="aot_eager", fullgraph=True)
+        with count_new_group_calls() as calls:
+            got = compiled(local, mesh)
+        assert calls.member_ranks == [[0, 1, 2, 3]]
+        with count_new_group_calls() as calls:
+            again = compiled(local * 2, mesh)
+        assert calls.calls == 0
+        first_column = 4 * a + 2 * b
+        assert torch.equal(got, full[:, first_column : first_column + 2])
+        assert torch.equal(again, 2 * full[:, first_column : first_column + 2])
+    dist.barrier()

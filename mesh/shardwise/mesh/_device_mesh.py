@@ -41,10 +41,12 @@ def get_current_mesh() -> DeviceMesh:
 class DeviceMesh:
     """An n-D grid of global ranks, with one c10d process group per dim for each rank in it.
 
-    Follows ``torch.distributed.device_mesh.DeviceMesh`` (PyTorch 2.13). Every rank of the world
-    must build the same meshes in the same order (SPMD), including ranks that are not in the
-    mesh: they take part in creating its process groups. On such a rank ``get_coordinate()`` is
-    None, ``_dim_group_names`` is empty and ``get_group``/``get_local_rank`` raise.
+    Follows ``torch.distributed.device_mesh.DeviceMesh`` (PyTorch 2.13). The ranks of a mesh build
+    it in the same order relative to their other meshes (SPMD); each rank creates only its own
+    group per dim (``_process_groups`` states the protocol), so a rank outside the mesh creates
+    nothing (it may build the mesh or not; with a device-bound NCCL world it must, as c10d then
+    splits communicators world-collectively). On such a rank ``get_coordinate()`` is None,
+    ``_dim_group_names`` is empty and ``get_group``/``get_local_rank`` raise.
 
     A sliced (``mesh["tp"]``) or flattened (``mesh[...]._flatten()``) mesh is a view of its root
     mesh: it sees the sub-mesh holding this rank and uses the root's process groups.
@@ -90,11 +92,15 @@ class DeviceMesh:
         layout = MeshLayout.root(grid)
         rank = dist.get_rank()
         groups = [
-            process_groups.group_for_dim(layout.groups_along(dim), rank, _group_description(names, dim))
+            process_groups.group_for_dim(layout, dim, rank, _group_description(names, dim))
             for dim in range(layout.ndim)
         ]
         self._setup(device_type, layout, names, root=None, groups=_member_groups(groups), rank=rank)
-        self._create_joint_groups()
+        self._has_joint_groups = True
+        if not process_groups.member_only_creation():
+            # Bound (NCCL split) worlds create groups world-collectively, which a redistribution,
+            # run by the mesh's ranks only, cannot do later: make them all now.
+            self._create_joint_groups()
 
     def _setup(
         self,
@@ -299,33 +305,34 @@ class DeviceMesh:
     # ---------------------------------------------------------------------------- joint groups
 
     def _create_joint_groups(self) -> None:
-        """One process group for every set of two or more root dims (of size > 1), made at construction.
-
-        A redistribution may change several mesh dims with one collective over their joint group.
-        Groups are created collectively by every rank of the world, so they cannot be made on demand
-        inside a redistribution, which only the mesh's ranks run: they are made here, where every
-        rank takes part. Each group is over its ranks in increasing order, whatever the mesh's order
-        (the caller learns the order from ``_joint_group``), so rank sets that have a group already
-        reuse it: a 2-D mesh over the world, in any order, creates none.
-        """
+        """Every joint group of this root mesh now (world-ordered creation only; see ``_joint_group``)."""
         splitting = [dim for dim, size in enumerate(self._layout.root_shape) if size > 1]
         for count in range(2, len(splitting) + 1):
             for root_dims in itertools.combinations(splitting, count):
-                row_major = self._layout.view((root_dims,)).groups_along(0)
-                in_order = tuple(tuple(sorted(ranks)) for ranks in row_major)
-                group = process_groups.group_for_dim(in_order, self._rank, f"mesh_joint_{root_dims}")
-                if group is None:
-                    continue
-                mine = next(ranks for ranks in row_major if self._rank in ranks)
-                member_of_group_rank = tuple(sorted(range(len(mine)), key=lambda index: mine[index]))
-                self._joint_groups[root_dims] = (group.group_name, member_of_group_rank)
-        self._has_joint_groups = True
+                self._joint_group_over_root_dims(root_dims)
+
+    def _joint_group_over_root_dims(self, root_dims: tuple[int, ...]) -> tuple[str, tuple[int, ...]] | None:
+        """This rank's group over several root dims together, created on first request (on the root)."""
+        known = self._joint_groups.get(root_dims)
+        if known is not None or not self._has_joint_groups:
+            return known
+        joint_layout = self._layout.view((root_dims,))
+        group = process_groups.group_for_dim(
+            joint_layout, 0, self._rank, f"mesh_joint_{'_'.join(map(str, root_dims))}", in_rank_order=True
+        )
+        if group is None:
+            return None
+        row_major = joint_layout.group_through(0, self._rank)
+        assert row_major is not None
+        member_of_group_rank = tuple(sorted(range(len(row_major)), key=lambda index: row_major[index]))
+        self._joint_groups[root_dims] = (group.group_name, member_of_group_rank)
+        return self._joint_groups[root_dims]
 
     def _supports_joint_groups(self) -> bool:
-        """Whether every set of this mesh's dims has a joint process group (see ``_joint_group``).
+        """Whether every set of this mesh's dims can have a joint process group (see ``_joint_group``).
 
         True for meshes built by ``DeviceMesh(...)``/``init_device_mesh`` and their slices; False for
-        ``from_group`` meshes and unpickled ones. The same answer on every rank.
+        ``from_group`` meshes and unpickled ones. The same answer on every rank; creates nothing.
         """
         return self._get_root_mesh()._has_joint_groups
 
@@ -335,6 +342,14 @@ class DeviceMesh:
         Returns its c10d name and, for each group rank, the member's row-major index over those
         dims' coordinates (the group orders its ranks by rank, not by coordinate). Dims of size 1
         are left out; a single remaining dim gives that dim's own group (group rank = coordinate).
+
+        A joint group is created here, by its members, the first time it is asked for: the
+        redistribution that asks issues its collective on the group right after, so members create
+        joint groups in the order of their collectives on them, which SPMD already makes the same
+        on every member (the protocol is in ``_process_groups``). Under torch.compile the first
+        request comes while dynamo propagates fake tensors through the redistribution, on every
+        rank that traces, in program order; the graph then names the group, which exists from then
+        on in this process. Ranks that never redistribute over these dims never create it.
         """
         if self._coordinate is None or len(self._dim_group_names) != self.ndim:
             return None
@@ -349,7 +364,7 @@ class DeviceMesh:
             for dim, dims in enumerate(self._layout.dims):
                 if root_dims[0] in dims and len(dims) == 1:
                     return self._dim_group_names[dim], tuple(range(self._layout.root_shape[root_dims[0]]))
-        return root._joint_groups.get(root_dims)
+        return root._joint_group_over_root_dims(root_dims)
 
     # ------------------------------------------------------------------------ slicing, flatten
 
@@ -396,8 +411,8 @@ class DeviceMesh:
         """A 1-D mesh over all of this mesh's dims, named ``mesh_dim_name`` (default: names joined by "_").
 
         The flattened dim is registered on the root mesh, so ``root[mesh_dim_name]`` and
-        ``root.get_group(mesh_dim_name)`` find it. Creates one process group per flattened rank list
-        (unless one already exists), so every rank must call it.
+        ``root.get_group(mesh_dim_name)`` find it. Creates this rank's group over the flattened dim
+        (unless one exists already), so every rank of the mesh must call it, in the same order.
         """
         if self._mesh_dim_names is None:
             raise MeshError("cannot flatten a DeviceMesh that has no mesh_dim_names; create it with mesh_dim_names=(...)")
@@ -422,7 +437,7 @@ class DeviceMesh:
                 f"a flattened dim named {mesh_dim_name!r} already exists over different mesh dims; pick another name"
             )
         layout = self._layout.view(flat_dims)
-        group = process_groups.group_for_dim(layout.groups_along(0), self._rank, f"mesh_{mesh_dim_name}")
+        group = process_groups.group_for_dim(layout, 0, self._rank, f"mesh_{mesh_dim_name}")
         flattened = DeviceMesh._view(root, layout, (mesh_dim_name,), _member_groups([group]))
         root._flatten_mapping[mesh_dim_name] = flattened
         return flattened
@@ -479,12 +494,12 @@ class DeviceMesh:
         if coordinate is None:
             raise MeshError(f"from_group: rank {rank} is not in mesh {list(grid.ranks)}; its groups cannot be used here")
         for dim, dim_group in enumerate(groups):
-            expected = next(ranks for ranks in layout.groups_along(dim) if rank in ranks)
+            expected = layout.group_through(dim, rank)
             actual = tuple(dist.get_process_group_ranks(dim_group))
             if actual != expected:
                 raise MeshError(
                     f"from_group: the process group for mesh dim {dim} has ranks {list(actual)} (in group rank order) "
-                    f"but the mesh has {list(expected)} along that dim through rank {rank}"
+                    f"but the mesh has {list(expected or ())} along that dim through rank {rank}"
                 )
         result = DeviceMesh.__new__(DeviceMesh)
         result._setup(device_type, layout, names, root=None, groups=tuple(groups), rank=rank)

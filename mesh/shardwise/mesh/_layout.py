@@ -139,6 +139,22 @@ class MeshLayout:
         rows = self._root_grid().permute(*others, *spanned).reshape(-1, self.shape[dim])
         return tuple(tuple(int(rank) for rank in row) for row in rows.tolist())
 
+    def group_through(self, dim: int, rank: int) -> tuple[int, ...] | None:
+        """The one rank list of ``groups_along(dim)`` that holds ``rank`` (None if the root lacks it).
+
+        Costs the group's size, not the mesh's: a rank builds only the groups it belongs to, so at
+        thousands of ranks neither time nor memory may grow with the other groups.
+        """
+        root_index = self._root_index(rank)
+        if root_index is None:
+            return None
+        spanned = self.dims[dim]
+        base = sum(root_index[d] * self.root_strides[d] for d in range(len(self.root_shape)) if d not in spanned)
+        positions = [base]
+        for d in spanned:  # row-major over the spanned root dims: the first one varies slowest
+            positions = [start + step * self.root_strides[d] for start in positions for step in range(self.root_shape[d])]
+        return tuple(self.root_ranks[position] for position in positions)
+
     def submesh_grid(self, rank: int) -> torch.Tensor | None:
         """The grid of ranks of the sub-mesh holding ``rank``.
 

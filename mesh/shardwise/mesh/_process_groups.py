@@ -1,42 +1,64 @@
-"""Creating and caching the c10d process groups of mesh dims.
+"""Creating and caching the c10d process groups of mesh dims: only the groups this rank is in.
 
-Each distinct rank list gets one process group per default process group, however many meshes
-use it: the registry is keyed by (backend config, ordered ranks) and is dropped when the default
-process group changes (``destroy_process_group`` + ``init_process_group``). It refers to the groups
-weakly: c10d owns them (see ``_GroupRegistry``).
+Protocol (``member_only_creation()``: every default group not bound to a device, i.e. gloo, the
+fake backend, torch's threaded test backend, and NCCL initialised lazily)
+-----------------------------------------------------------------------------------------------
 
-How groups are created (measured on gloo; see README.md):
+* **Only members create a group.** A rank never calls into c10d for a group it is not in: a mesh
+  dim costs each rank one group, created with the ranks of that dim through this rank only
+  (``MeshLayout.group_through``), so set-up time and memory follow this rank's groups, not the
+  number of groups in the mesh (at 64x64x4 = 16,384 ranks: 3 groups instead of 4,608 calls).
+* **The name comes from the ranks.** c10d's ``new_group`` names a group from a world-wide counter
+  that every rank of the world must advance in step (hence its rule that all ranks call it for
+  every group), or, with ``use_local_synchronization=True``, from a hash of the ranks *and of the
+  number of groups this process already has*, which differs between members with different
+  histories and makes them rendezvous under different store keys until the timeout. We name the
+  group ``shardwise_<digest of (backend, ordered ranks)>`` instead and hand that name to c10d's
+  group constructor (``_new_process_group_helper``, the function ``new_group`` itself ends in), so
+  every member derives the same name from the ranks alone, whatever else it created before, and
+  c10d's counter is never touched (user code mixing in ``new_group`` stays in step).
+* **Order.** A group's creation is a rendezvous of its members (gloo connects them; nothing for
+  the fake backend). Members must therefore not wait on two shared groups in opposite orders.
+  Groups of a mesh are created in one order on every rank: mesh construction order, then dim
+  order, then flattening order (all SPMD calls); joint groups (several dims at once, see
+  ``DeviceMesh._joint_group``) are created by their members at the first redistribution that
+  uses them, immediately before its collective on that group, so they are ordered exactly as the
+  collectives on them, which DTensor's SPMD contract already requires to be the same on every
+  member. Every rank thus meets shared groups in one global order, so waits cannot form a cycle.
+* **At most once per world.** The registry maps (backend, ordered ranks) to the group and is
+  dropped when the default group changes, so no name is created twice in a world.
 
-* ``dist.new_group`` without ``use_local_synchronization`` must be entered by every rank of the
-  world, members or not, in the same order, because group names come from a world-wide counter.
-  A non-member's call returns at once (about 50 us on gloo, no communication); only the groups a
-  rank belongs to do a rendezvous. So each rank *creates* one group per mesh dim, but makes one
-  call per sub-group.
-* ``use_local_synchronization=True`` lets only members call, but c10d then names the group from a
-  hash of the ranks and of how many groups *this* process already belongs to. Members that joined
-  different numbers of groups before (say after a mesh over ranks [0, 1] only) get different
-  names and wait on each other's store keys until the timeout. That is a hang we cannot rule out
-  locally, so we do not use it.
-* ``split_group`` needs a default group bound to an accelerator (NCCL); gloo refuses it. With a
-  bound NCCL default group, c10d's ``new_group`` already splits the default communicator.
+Default groups bound to a device (NCCL with ``device_id``, ``bound_device_id`` set) split new
+communicators from the world's, which ``ncclCommSplit`` makes a collective of the whole world:
+there every rank of the world calls ``new_group`` for every sub-group in a fixed order (c10d then
+splits for members and makes a no-colour split for the others), as before. That path needs GPUs
+to test and keeps joint groups eager (``world_ordered_creation``).
 
-All ranks therefore call ``new_group`` for every sub-group not yet in the registry, in a fixed
-order. The registry is identical on all ranks (non-members record that the group exists), so
-ranks skip exactly the same calls and the world-wide counter stays in step.
+The registry holds groups weakly: c10d owns them (see ``_GroupRegistry``).
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import time
 import weakref
 from typing import Sequence
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from shardwise.mesh._errors import MeshError
+from shardwise.mesh._layout import MeshLayout
 
-__all__ = ["default_process_group", "group_for_dim", "registered_group"]
+__all__ = [
+    "default_process_group",
+    "group_for_dim",
+    "member_only_creation",
+    "member_group_name",
+    "registered_group",
+    "registered_group_count",
+]
 
 _GroupKey = tuple[str, tuple[int, ...]]
 
@@ -51,8 +73,19 @@ def default_process_group() -> dist.ProcessGroup:
     return world
 
 
+def member_only_creation() -> bool:
+    """Whether groups are created by their members alone (True unless the world is bound to a device)."""
+    return getattr(default_process_group(), "bound_device_id", None) is None
+
+
+def member_group_name(backend: str, ranks: Sequence[int]) -> str:
+    """The c10d name of the group over ``ranks`` (in group rank order): the same on every member."""
+    digest = hashlib.blake2b(repr((backend, tuple(ranks))).encode(), digest_size=12).hexdigest()
+    return f"shardwise_{digest}"
+
+
 class _GroupRegistry:
-    """Process-wide map from (backend, ordered ranks) to the group, or None on non-members.
+    """Process-wide map from (backend, ordered ranks) to a group, for the current default group.
 
     It holds the groups (and the default group it follows) by weak reference only: c10d keeps
     every group it created alive until ``destroy_process_group``, and nothing in shardwise may keep
@@ -61,6 +94,9 @@ class _GroupRegistry:
     a finished collective's tensors must take the GIL to release their Python objects, and a
     thread taking the GIL during finalisation is killed with "terminate called without an active
     exception" (SIGABRT), failing a job that did everything right.
+
+    In member-only mode only this rank's groups are recorded. In world-ordered mode a group this
+    rank is not in is recorded as None, so that every rank skips the same ``new_group`` calls.
     """
 
     def __init__(self) -> None:
@@ -77,43 +113,45 @@ class _GroupRegistry:
             self._groups = {(self._backend, tuple(range(world.size()))): weakref.ref(world)}
         return world
 
-    def group_for(self, sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:
+    def _live(self, key: _GroupKey) -> dist.ProcessGroup | None:
+        reference = self._groups[key]
+        group = None if reference is None else reference()
+        if group is None:
+            # Recreating it here alone would put this rank out of step with the other members
+            # (or, world-ordered, with the ranks outside the group), who cannot see that it is gone.
+            raise MeshError(
+                f"the process group of ranks {list(key[1])} was destroyed "
+                "(destroy_process_group(group)) while the default process group lives on; "
+                "meshes over these ranks need a new default process group"
+            )
+        return group
+
+    def member_group(self, ranks: tuple[int, ...], my_rank: int, description: str) -> dist.ProcessGroup:
+        """The group over ``ranks`` (group rank order; they hold ``my_rank``), created by members only."""
+        world = self._follow_world()
+        key = (self._backend, ranks)
+        if key in self._groups:
+            group = self._live(key)
+            assert group is not None
+            return group
+        created = _create_by_members(world, ranks, my_rank, self._backend, description)
+        self._groups[key] = weakref.ref(created)
+        return created
+
+    def group_among(
+        self, sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str
+    ) -> dist.ProcessGroup | None:
+        """World-ordered: every rank of the world passes every rank list, in the same order."""
         world = self._follow_world()
         mine: dist.ProcessGroup | None = None
         for ranks in sub_groups:
             key = (self._backend, ranks)
             if key not in self._groups:
-                created = self._create(world, ranks, my_rank, description)
+                created = _create_by_whole_world(world, ranks, my_rank, description)
                 self._groups[key] = None if created is None else weakref.ref(created)
             if my_rank in ranks:
-                reference = self._groups[key]
-                mine = None if reference is None else reference()
-                if mine is None:
-                    # Recreating it here alone would put this rank's new_group calls out of step
-                    # with the ranks outside the group, who cannot see that it is gone.
-                    raise MeshError(
-                        f"the process group of ranks {list(ranks)} was destroyed "
-                        "(destroy_process_group(group)) while the default process group lives on; "
-                        "meshes over these ranks need a new default process group"
-                    )
+                mine = self._live(key)
         return mine
-
-    @staticmethod
-    def _create(
-        world: dist.ProcessGroup, ranks: tuple[int, ...], my_rank: int, description: str
-    ) -> dist.ProcessGroup | None:
-        in_order = list(ranks) == sorted(ranks)
-        if in_order:
-            created = dist.new_group(ranks=list(ranks), group_desc=description)
-        else:
-            # c10d sorts ranks unless told not to; group rank must equal the mesh coordinate, or
-            # collectives would gather/scatter shards in the wrong order.
-            created = dist.new_group(ranks=list(ranks), group_desc=description, sort_ranks=False)
-        if my_rank not in ranks:
-            return None
-        if not isinstance(created, dist.ProcessGroup):
-            raise MeshError(f"torch.distributed.new_group({list(ranks)}) returned {created!r} on member rank {my_rank}")
-        return created
 
     def forget(self) -> None:
         """Drop every record of the groups (the next use starts from the current default group)."""
@@ -129,6 +167,58 @@ class _GroupRegistry:
             if group is not None and group.group_name == group_name:
                 return group
         return None
+
+    def member_group_count(self) -> int:
+        """How many groups this rank holds records of (the default group included)."""
+        return len(self._groups)
+
+
+def _create_by_members(
+    world: dist.ProcessGroup, ranks: tuple[int, ...], my_rank: int, backend_config: str, description: str
+) -> dist.ProcessGroup:
+    if my_rank not in ranks:
+        raise AssertionError(f"rank {my_rank} asked to create the group of ranks {list(ranks)}, which it is not in")
+    name = member_group_name(backend_config, ranks)
+    # The world's own backend and store, as new_group uses when no backend is given; read per call
+    # because torch's threaded test backend swaps c10d's world state per thread.
+    backend, store = c10d._world.pg_map[world]
+    if name in c10d._world.pg_names.values():
+        raise MeshError(
+            f"a process group named {name!r} (ranks {list(ranks)}) already exists in this process but not in "
+            "shardwise's registry; it was created outside shardwise.mesh"
+        )
+    created, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(my_rank),
+        list(ranks),
+        backend,
+        store,
+        c10d.GroupName(name),
+        timeout=c10d._get_default_timeout(dist.Backend(backend)),
+        group_desc=description,
+    )
+    if not isinstance(created, dist.ProcessGroup):
+        raise MeshError(f"c10d did not create the process group of ranks {list(ranks)} on member rank {my_rank}: {created!r}")
+    # What new_group records after the constructor, so get_process_group_ranks / get_group_rank work.
+    c10d._world.pg_group_ranks[created] = {rank: group_rank for group_rank, rank in enumerate(ranks)}
+    return created
+
+
+def _create_by_whole_world(
+    world: dist.ProcessGroup, ranks: tuple[int, ...], my_rank: int, description: str
+) -> dist.ProcessGroup | None:
+    in_order = list(ranks) == sorted(ranks)
+    if in_order:
+        created = dist.new_group(ranks=list(ranks), group_desc=description)
+    else:
+        # c10d sorts ranks unless told not to; group rank must equal the mesh coordinate, or
+        # collectives would gather/scatter shards in the wrong order.
+        created = dist.new_group(ranks=list(ranks), group_desc=description, sort_ranks=False)
+    if my_rank not in ranks:
+        return None
+    if not isinstance(created, dist.ProcessGroup):
+        raise MeshError(f"torch.distributed.new_group({list(ranks)}) returned {created!r} on member rank {my_rank}")
+    return created
 
 
 _registry = _GroupRegistry()
@@ -149,14 +239,31 @@ def _let_collective_workers_finish() -> None:
 atexit.register(_let_collective_workers_finish)
 
 
-def group_for_dim(sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str) -> dist.ProcessGroup | None:
-    """This rank's group among ``sub_groups`` (all of a mesh dim's rank lists), creating any missing.
+def group_for_dim(
+    layout: MeshLayout, dim: int, my_rank: int, description: str, *, in_rank_order: bool = False
+) -> dist.ProcessGroup | None:
+    """This rank's group along ``dim`` of ``layout`` (None when the rank is not in the mesh).
 
-    Every rank of the world must call this with the same ``sub_groups`` in the same order.
-    Returns None when ``my_rank`` is in none of them.
+    Group ranks follow the coordinate along ``dim`` unless ``in_rank_order`` (then increasing
+    global ranks, which lets rank sets that already have a group, like the world, reuse it).
+    Member-only mode: call it on the ranks that need the group, in the order described in the
+    module docstring. World-ordered mode: every rank of the world must call it, in the same order.
     """
-    return _registry.group_for(sub_groups, my_rank, description)
+    if member_only_creation():
+        ranks = layout.group_through(dim, my_rank)
+        if ranks is None:
+            return None
+        return _registry.member_group(tuple(sorted(ranks)) if in_rank_order else ranks, my_rank, description)
+    sub_groups = layout.groups_along(dim)
+    if in_rank_order:
+        sub_groups = tuple(tuple(sorted(ranks)) for ranks in sub_groups)
+    return _registry.group_among(sub_groups, my_rank, description)
 
 
 def registered_group(group_name: str) -> dist.ProcessGroup | None:
     return _registry.lookup_by_name(group_name)
+
+
+def registered_group_count() -> int:
+    """Groups this process holds records of for the current world (for memory checks and benchmarks)."""
+    return _registry.member_group_count()
