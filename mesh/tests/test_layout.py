@@ -67,6 +67,18 @@ def test_groups_along_each_dim_match_enumeration(
 
 
 @pytest.mark.parametrize(("shape", "ranks", "dims"), VIEWS)
+def test_the_group_through_a_rank_is_its_group_along_the_dim(
+    shape: tuple[int, ...], ranks: list[int] | None, dims: tuple[tuple[int, ...], ...]
+) -> None:
+    layout = _root(shape, ranks).view(dims)
+    for dim in range(layout.ndim):
+        groups = layout.groups_along(dim)
+        for rank in layout.root_ranks:
+            assert layout.group_through(dim, rank) == next(group for group in groups if rank in group)
+    assert layout.group_through(0, max(layout.root_ranks) + 1) is None
+
+
+@pytest.mark.parametrize(("shape", "ranks", "dims"), VIEWS)
 def test_coordinate_and_submesh_agree(shape: tuple[int, ...], ranks: list[int] | None, dims: tuple[tuple[int, ...], ...]) -> None:
     layout = _root(shape, ranks).view(dims)
     for rank in layout.root_ranks:
