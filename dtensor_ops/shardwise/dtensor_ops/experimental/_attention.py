@@ -1,0 +1,622 @@
+"""Context parallelism (mirrors ``torch.distributed.tensor.experimental._attention``).
+
+``context_parallel(mesh, buffers=..., buffer_seq_dims=...)`` shards the given buffers in place along
+their sequence dims and, while it is open, runs ``F.scaled_dot_product_attention`` as ring attention
+over the mesh (``_cp_ring``).  How SDPA is intercepted: a ``TorchFunctionMode`` pushed for the
+duration of the context sees the call before any kernel is chosen, so the CPU flash kernel, the math
+path and the CUDA kernels all take the same way, and autograd sees one differentiable ring call.
+
+Which positions each rank holds is one :class:`~._cp_layout.SequenceLayout`, chosen when the buffers
+are sharded (head-tail balanced by default, any length) and read again by the attention inside the
+context and by :func:`context_parallel_unshard`.  Plain tensors seen by SDPA in the context are
+this rank's pieces of that layout (a length that is not this rank's share of it is taken as an even
+share of ``local length * W``).  DTensors whose query is ``Shard(2)`` on one mesh dim are ring-
+attended over that mesh dim, so context parallelism composes with tensor parallelism on a 2-D mesh.
+
+Errors about the arguments are raised on every rank before any collective, and the buffers are put
+back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Placement, Shard
+
+from .. import _collectives
+from .._dtensor import DTensor
+from ._cp_kernels import choose_kernel
+from ._cp_layout import (
+    SequenceLayout,
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    contiguous_layout,
+    head_tail_layout,
+)
+from ._cp_ring import RingSpec, ring_attention
+
+__all__ = [
+    "_CausalBehavior",
+    "_context_parallel_shard",
+    "_ContextParallel",
+    "_cp_options",
+    "_create_default_load_balancer",
+    "_disable_context_parallel_dispatcher",
+    "_enable_context_parallel_dispatcher",
+    "_is_causal_behavior",
+    "_RotateMethod",
+    "_HeadTailLoadBalancer",
+    "_LoadBalancer",
+    "context_parallel",
+    "context_parallel_unshard",
+    "set_rotate_method",
+]
+
+SDPA_SEQ_DIM = 2  # F.scaled_dot_product_attention's inputs are (batch, heads, seq, head_dim)
+
+
+class _CausalBehavior(Enum):
+    SKIP = None
+    NOT_IS_CAUSAL = False
+    IS_CAUSAL = True
+
+
+class _RotateMethod(Enum):
+    ALL_TO_ALL = auto()
+    ALL_GATHER = auto()
+
+
+_ROTATE_METHOD_NAMES = {_RotateMethod.ALL_TO_ALL: "alltoall", _RotateMethod.ALL_GATHER: "allgather"}
+
+
+@dataclass
+class _ContextParallelOptions:
+    # Partial results are always merged in float32; kept for code that sets it.
+    convert_to_f32: bool = True
+    enable_load_balance: bool = True
+    rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER
+
+
+_cp_options = _ContextParallelOptions()
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """How key/value blocks travel: ``"allgather"`` (one all-gather, the default) or ``"alltoall"`` (a ring)."""
+    for method, name in _ROTATE_METHOD_NAMES.items():
+        if rotate_method == name:
+            _cp_options.rotate_method = method
+            return
+    raise NotImplementedError(
+        f"Context Parallel does not support using {rotate_method!r} for kv shards rotation; "
+        f"expected one of {sorted(_ROTATE_METHOD_NAMES.values())}"
+    )
+
+
+def _is_causal_behavior(rank: int, world_size: int, i: int, is_causal: bool) -> _CausalBehavior:
+    """What step ``i`` of a causal ring computes on ``rank`` (PyTorch's contract, for its even layouts)."""
+    if not is_causal:
+        return _CausalBehavior.NOT_IS_CAUSAL
+    if i == 0:
+        return _CausalBehavior.IS_CAUSAL
+    source = (rank - i) % world_size
+    if source < rank or _cp_options.enable_load_balance:
+        return _CausalBehavior.NOT_IS_CAUSAL
+    return _CausalBehavior.SKIP
+
+
+def _create_default_load_balancer(
+    seq_length: int, world_size: int, device: str | torch.device
+) -> _LoadBalancer | None:
+    """Head-tail when load balancing is on (any length here; PyTorch's needs ``seq_length % 2W == 0``)."""
+    if _cp_options.enable_load_balance:
+        return _HeadTailLoadBalancer(seq_length, world_size, device)
+    return None
+
+
+def _default_layout(global_length: int, world_size: int) -> SequenceLayout:
+    if _cp_options.enable_load_balance:
+        return head_tail_layout(global_length, world_size)
+    return contiguous_layout(global_length, world_size)
+
+
+# The layout the most recent context_parallel / _context_parallel_shard cut its buffers with: SDPA in
+# the context and context_parallel_unshard after it read it back.
+_sharded_layout: SequenceLayout | None = None
+
+
+def _layout_of_local_length(local_length: int, rank: int, world_size: int) -> SequenceLayout:
+    recorded = _sharded_layout
+    if recorded is not None and recorded.world_size == world_size and recorded.local_length(rank) == local_length:
+        return recorded
+    return _default_layout(local_length * world_size, world_size)
+
+
+# -- checks (local, identical on every rank: raised before any collective) ----------------------------------
+
+
+def _check_cp_mesh(mesh: Any, what: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} expects a shardwise DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{what} needs a 1-D mesh (the context-parallel dim); got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} "
+            f"(dims {mesh.mesh_dim_names}); pass mesh['cp'] or the sub-mesh of the context-parallel dim"
+        )
+
+
+def _normalized_seq_dims(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], what: str) -> list[int]:
+    if len(buffers) != len(seq_dims):
+        raise ValueError(
+            f"{what}: `seq_dims` must have the same number of elements as `buffers` (got {len(seq_dims)} seq dims "
+            f"for {len(buffers)} buffers)"
+        )
+    normalized: list[int] = []
+    for index, (buffer, seq_dim) in enumerate(zip(buffers, seq_dims)):
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"{what}: buffer {index} is a {type(buffer).__name__}; expected a torch.Tensor")
+        if isinstance(buffer, DTensor):
+            raise TypeError(f"{what}: buffer {index} is a DTensor; context parallel shards plain tensors")
+        if not -buffer.dim() <= seq_dim < buffer.dim():
+            raise ValueError(
+                f"{what}: seq dim {seq_dim} of buffer {index} is out of range for its shape {tuple(buffer.shape)} "
+                f"(expected a dim in [{-buffer.dim()}, {buffer.dim() - 1}])"
+            )
+        normalized.append(seq_dim % buffer.dim())
+    lengths = [buffer.shape[dim] for buffer, dim in zip(buffers, normalized)]
+    if len(set(lengths)) > 1:
+        described = ", ".join(f"buffer {i}: {tuple(b.shape)} dim {d}" for i, (b, d) in enumerate(zip(buffers, normalized)))
+        raise ValueError(f"{what}: the buffers' sequence dims disagree in length {lengths} ({described}); expected one length")
+    devices = {buffer.device for buffer in buffers}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: all buffers must be on the same device, got {sorted(str(d) for d in devices)}")
+    return normalized
+
+
+# -- sharding and unsharding ------------------------------------------------------------------------------
+
+
+def _rank_positions(layout: SequenceLayout, rank: int, device: torch.device) -> torch.Tensor:
+    positions = [position for start, stop in layout.segments[rank] for position in range(start, stop)]
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _shard(buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int) -> torch.Tensor:
+    """This rank's piece of ``buffer`` along ``seq_dim`` (no communication)."""
+    segments = layout.segments[rank]
+    if len(segments) == 1:
+        start, stop = segments[0]
+        return buffer.narrow(seq_dim, start, stop - start).clone()
+    return buffer.index_select(seq_dim, _rank_positions(layout, rank, buffer.device))
+
+
+def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, layout: SequenceLayout) -> torch.Tensor:
+    """The whole sequence in its original order, from every rank's piece: one all-gather."""
+    world_size = layout.world_size
+    lengths = layout.local_lengths()
+    widest = max(lengths)
+    front = piece.movedim(seq_dim, 0).contiguous()
+    padded = F.pad(front, (0, 0) * (front.dim() - 1) + (0, widest - front.size(0))) if widest > front.size(0) else front
+    gathered = _collectives.wait(
+        _collectives.launch_all_gather(padded, world_size, _collectives.mesh_dim_group_name(mesh, 0))
+    )
+    pieces = [gathered[rank * widest : rank * widest + lengths[rank]] for rank in range(world_size)]
+    in_layout_order = torch.cat(pieces) if world_size > 1 else pieces[0]
+    if not layout.is_contiguous:
+        restore = torch.argsort(torch.tensor(layout.order(), dtype=torch.long, device=piece.device))
+        in_layout_order = in_layout_order.index_select(0, restore)
+    return in_layout_order.movedim(0, seq_dim)
+
+
+def _layout_for_balancer(load_balancer: _LoadBalancer | None, seq_length: int, world_size: int) -> SequenceLayout:
+    if load_balancer is None:
+        return contiguous_layout(seq_length, world_size)
+    layout = load_balancer._layout()
+    if layout.global_length != seq_length or layout.world_size != world_size:
+        raise ValueError(
+            f"the load balancer lays out {layout.global_length} tokens over {layout.world_size} ranks; the buffers have "
+            f"{seq_length} tokens over a mesh of {world_size}"
+        )
+    return layout
+
+
+@torch.no_grad()
+def context_parallel_unshard(
+    mesh: DeviceMesh,
+    buffers: list[torch.Tensor],
+    seq_dims: list[int],
+    load_balancer: _LoadBalancer | None = None,
+) -> list[torch.Tensor]:
+    """Gather context-parallel pieces (outputs, gradients) back into whole sequences, one all-gather each.
+
+    Without ``load_balancer`` the layout is the one the last ``context_parallel`` sharded with (when
+    these pieces are its shares), else the default for ``local length * W`` tokens.
+    """
+    _check_cp_mesh(mesh, "context_parallel_unshard")
+    buffers = list(buffers)
+    normalized = _normalized_seq_dims(buffers, seq_dims, "context_parallel_unshard") if buffers else []
+    if not buffers:
+        return []
+    world_size = mesh.size()
+    rank = mesh.get_local_rank(0)
+    local_length = buffers[0].shape[normalized[0]]
+    if load_balancer is not None:
+        layout = load_balancer._layout()
+        if layout.world_size != world_size or layout.local_length(rank) != local_length:
+            raise ValueError(
+                f"context_parallel_unshard: the load balancer gives rank {rank} {layout.local_length(rank)} of "
+                f"{layout.global_length} tokens over {layout.world_size} ranks; the buffers hold {local_length} over {world_size}"
+            )
+    else:
+        layout = _layout_of_local_length(local_length, rank, world_size)
+    return [_unshard(mesh, buffer, dim, layout) for buffer, dim in zip(buffers, normalized)]
+
+
+def _context_parallel_shard(
+    mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    seq_dims: Sequence[int] | Mapping[str, int],
+    load_balancer: _LoadBalancer | None = None,
+) -> Any:
+    """This rank's pieces of ``buffers`` (new tensors, same container structure), rearranged by ``load_balancer``.
+
+    No communication.  Records the layout, so that SDPA under ``_ContextParallel`` and
+    ``context_parallel_unshard`` read the same one; as PyTorch's, load balancing is on exactly
+    when a balancer is given.
+    """
+    global _sharded_layout
+    _check_cp_mesh(mesh, "_context_parallel_shard")
+    if len(buffers) != len(seq_dims):
+        raise ValueError("`seq_dims` must have the same number of elements as `buffers`.")
+    flat_buffers, structure = tree_flatten(buffers)
+    flat_seq_dims, _ = tree_flatten(seq_dims)
+    if len(flat_buffers) != len(flat_seq_dims):
+        raise ValueError("`seq_dims` must have the pytree structure as `buffers`.")
+    for index, buffer in enumerate(flat_buffers):
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(
+                f"_context_parallel_shard: buffer {index} is a {type(buffer).__name__}; only tensors are supported "
+                "(flex_attention BlockMasks are not)"
+            )
+    normalized = _normalized_seq_dims(flat_buffers, flat_seq_dims, "_context_parallel_shard")
+    if not flat_buffers:
+        return tree_unflatten([], structure)
+    seq_length = flat_buffers[0].shape[normalized[0]]
+    layout = _layout_for_balancer(load_balancer, seq_length, mesh.size())
+    rank = mesh.get_local_rank(0)
+    shards = [_shard(buffer, dim, layout, rank) for buffer, dim in zip(flat_buffers, normalized)]
+    _cp_options.enable_load_balance = load_balancer is not None
+    _sharded_layout = layout
+    return tree_unflatten(shards, structure)
+
+
+# -- attention inside the context ---------------------------------------------------------------------------
+
+SdpaArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool, "float | None", bool]
+
+
+def _sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> SdpaArgs:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"scaled_dot_product_attention() got unexpected keyword arguments {sorted(unknown)}")
+    bound.update(kwargs)
+    missing = [name for name in names[:3] if name not in bound]
+    if missing:
+        raise TypeError(f"scaled_dot_product_attention() missing arguments {missing}")
+    return (
+        bound["query"],
+        bound["key"],
+        bound["value"],
+        bound["attn_mask"],
+        float(bound["dropout_p"]),
+        bool(bound["is_causal"]),
+        bound["scale"],
+        bool(bound["enable_gqa"]),
+    )
+
+
+def _ring_spec(
+    group_name: str,
+    rank: int,
+    world_size: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_layout: SequenceLayout,
+    kv_layout: SequenceLayout,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> RingSpec:
+    """Check one attention call (locally, the same verdict on every rank) and describe its ring."""
+    where = "context parallel scaled_dot_product_attention"
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 4:
+            raise ValueError(f"{where} takes (batch, heads, seq, head_dim) tensors; {name} has shape {tuple(tensor.shape)}")
+    if attn_mask is not None:
+        raise ValueError(
+            f"{where}: attn_mask is not supported (a mask over the whole sequence cannot be cut per ring step); "
+            "use is_causal=True for causal attention"
+        )
+    if dropout_p != 0.0:
+        raise ValueError(f"{where}: dropout_p={dropout_p} is not supported (expected 0.0)")
+    if query.shape[0] != key.shape[0] or key.shape[0] != value.shape[0]:
+        raise ValueError(f"{where}: batch sizes differ: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise ValueError(f"{where}: key {tuple(key.shape)} and value {tuple(value.shape)} must agree in heads and sequence")
+    if query.shape[3] != key.shape[3]:
+        raise ValueError(f"{where}: query head dim {query.shape[3]} differs from key head dim {key.shape[3]}")
+    query_heads, kv_heads = query.shape[1], key.shape[1]
+    if query_heads != kv_heads and not (enable_gqa and kv_heads > 0 and query_heads % kv_heads == 0):
+        raise ValueError(
+            f"{where}: {query_heads} query heads against {kv_heads} key/value heads; expected equal heads, or "
+            "enable_gqa=True with query heads a multiple of key/value heads"
+        )
+    if is_causal and query_layout.global_length != kv_layout.global_length:
+        raise ValueError(
+            f"{where}: is_causal=True needs as many queries as keys; the sequences have {query_layout.global_length} "
+            f"queries and {kv_layout.global_length} keys (across {world_size} ranks)"
+        )
+    if is_causal and query_layout != kv_layout:
+        raise ValueError(f"{where}: is_causal=True needs queries and keys laid out alike over the ranks")
+    resolved_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[3])
+    return RingSpec(
+        group_name=group_name,
+        rank=rank,
+        world_size=world_size,
+        query_layout=query_layout,
+        kv_layout=kv_layout,
+        is_causal=is_causal,
+        scale=resolved_scale,
+        query_heads_per_kv_head=query_heads // kv_heads,
+        kernel=choose_kernel(query, key, value, is_causal, resolved_scale),
+        rotate_method=_ROTATE_METHOD_NAMES[_cp_options.rotate_method],
+    )
+
+
+def _plain_tensor_attention(mesh: DeviceMesh, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(args, kwargs)
+    world_size = mesh.size()
+    rank = mesh.get_local_rank(0)
+    if query.dim() == 4 and key.dim() == 4:
+        query_layout = _layout_of_local_length(query.shape[SDPA_SEQ_DIM], rank, world_size)
+        kv_layout = (
+            query_layout
+            if key.shape[SDPA_SEQ_DIM] == query.shape[SDPA_SEQ_DIM]
+            else _layout_of_local_length(key.shape[SDPA_SEQ_DIM], rank, world_size)
+        )
+    else:
+        query_layout = kv_layout = contiguous_layout(0, world_size)  # _ring_spec refuses the shapes
+    spec = _ring_spec(
+        _collectives.mesh_dim_group_name(mesh, 0), rank, world_size, query, key, value,
+        query_layout, kv_layout, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    )  # fmt: skip
+    return ring_attention(spec, query, key, value)
+
+
+def _dtensor_layout(global_length: int, world_size: int) -> SequenceLayout:
+    # A DTensor's Shard(2) is torch.chunk's layout of its (possibly head-tail permuted) sequence: the two
+    # agree when 2W divides the length, which is when a permuted sequence is taken as head-tail balanced.
+    if _cp_options.enable_load_balance and global_length % (2 * world_size) == 0:
+        return head_tail_layout(global_length, world_size)
+    return contiguous_layout(global_length, world_size)
+
+
+def _context_parallel_mesh_dim(placements: Sequence[Placement]) -> int | None:
+    found = [dim for dim, placement in enumerate(placements) if isinstance(placement, Shard) and placement.dim % 4 == SDPA_SEQ_DIM]
+    return found[0] if len(found) == 1 else None
+
+
+def _dtensor_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Ring attention over the mesh dim that shards the query's sequence; None when no mesh dim does."""
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(args, kwargs)
+    where = "context parallel scaled_dot_product_attention on DTensors"
+    if not (isinstance(query, DTensor) and isinstance(key, DTensor) and isinstance(value, DTensor)):
+        raise TypeError(f"{where}: query, key and value must all be DTensors or all plain tensors")
+    if query.dim() != 4:
+        raise ValueError(f"{where} takes (batch, heads, seq, head_dim) tensors; query has shape {tuple(query.shape)}")
+    cp_dim = _context_parallel_mesh_dim(query.placements)
+    if cp_dim is None:
+        return None
+    mesh = query.device_mesh
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.device_mesh != mesh or tuple(tensor.placements) != tuple(query.placements):
+            raise ValueError(
+                f"{where}: {name} is laid out as {tuple(tensor.placements)} on {tensor.device_mesh}; expected the query's "
+                f"{tuple(query.placements)} on {mesh}"
+            )
+    if any(placement.is_partial() for placement in query.placements):
+        raise ValueError(f"{where}: Partial inputs {tuple(query.placements)} must be reduced first")
+    world_size = mesh.size(cp_dim)
+    query_layout = _dtensor_layout(query.shape[SDPA_SEQ_DIM], world_size)
+    kv_layout = query_layout if key.shape[SDPA_SEQ_DIM] == query.shape[SDPA_SEQ_DIM] else _dtensor_layout(key.shape[SDPA_SEQ_DIM], world_size)
+    local_query, local_key, local_value = query.to_local(), key.to_local(), value.to_local()
+    spec = _ring_spec(
+        _collectives.mesh_dim_group_name(mesh, cp_dim), mesh.get_local_rank(cp_dim), world_size,
+        local_query, local_key, local_value, query_layout, kv_layout, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    )  # fmt: skip
+    local_out = ring_attention(spec, local_query, local_key, local_value)
+    global_shape = (*query.shape[:3], value.shape[3])
+    return DTensor.from_local(
+        local_out, mesh, query.placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(),
+    )  # fmt: skip
+
+
+class _ContextParallelAttentionMode(TorchFunctionMode):
+    """Runs ``F.scaled_dot_product_attention`` as ring attention.
+
+    With a mesh, plain tensors are this rank's pieces along the mesh's one dim; DTensors (with or
+    without a mesh here) use the mesh dim that shards their sequence.  Everything else runs as usual.
+    """
+
+    def __init__(self, mesh: DeviceMesh | None) -> None:
+        super().__init__()
+        self._mesh = mesh
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            if any(isinstance(arg, DTensor) for arg in (*args, *kwargs.values())):
+                result = _dtensor_attention(args, kwargs)
+                if result is not None:
+                    return result
+            elif self._mesh is not None:
+                return _plain_tensor_attention(self._mesh, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_active_context: list[DeviceMesh] = []
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: DeviceMesh,
+    *,
+    buffers: Sequence[torch.Tensor] | None = None,
+    buffer_seq_dims: Sequence[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """Shard ``buffers`` in place along ``buffer_seq_dims`` over the 1-D ``mesh`` and run SDPA as ring attention.
+
+    The buffers are rearranged by the default load balancer (head-tail while
+    ``_cp_options.enable_load_balance``, the default; any length) and each rank keeps its share.
+    On exit every buffer not in ``no_restore_buffers`` gets its original shape and values back,
+    also when the block raised.  Buffers must not require grad while they are resized (set
+    ``requires_grad`` inside the context).  Contexts do not nest.
+    """
+    global _sharded_layout
+    buffer_list = list(buffers) if buffers is not None else []
+    seq_dims = list(buffer_seq_dims) if buffer_seq_dims is not None else []
+    not_restored = list(no_restore_buffers) if no_restore_buffers is not None else []
+    _check_cp_mesh(mesh, "context_parallel")
+    if _active_context:
+        raise RuntimeError(
+            f"context_parallel contexts cannot be nested: one is already open on {_active_context[-1]}; "
+            "close it before opening another"
+        )
+    normalized = _normalized_seq_dims(buffer_list, seq_dims, "context_parallel")
+    for buffer in not_restored:
+        if not any(buffer is candidate for candidate in buffer_list):
+            raise ValueError("`no_restore_buffers` must be a subset of `buffers`.")
+    for index, buffer in enumerate(buffer_list):
+        if buffer.requires_grad:
+            raise ValueError(
+                f"context_parallel: buffer {index} {tuple(buffer.shape)} requires grad and cannot be resized in place; "
+                "pass it with requires_grad=False and set requires_grad inside the context"
+            )
+        if any(other is buffer for other in buffer_list[:index]):
+            raise ValueError(f"context_parallel: buffer {index} is given twice")
+    world_size = mesh.size()
+    rank = mesh.get_local_rank(0)
+    layout = _default_layout(buffer_list[0].shape[normalized[0]], world_size) if buffer_list else None
+    originals = [None if any(buffer is kept for kept in not_restored) else buffer.clone() for buffer in buffer_list]
+    mode = _ContextParallelAttentionMode(mesh)
+    _active_context.append(mesh)
+    try:
+        if layout is not None:
+            with torch.no_grad():
+                for buffer, dim in zip(buffer_list, normalized):
+                    piece = _shard(buffer, dim, layout, rank)
+                    buffer.resize_(piece.shape)
+                    buffer.copy_(piece)
+            _sharded_layout = layout
+        with mode:
+            yield
+    finally:
+        _active_context.pop()
+        with torch.no_grad():
+            for buffer, original in zip(buffer_list, originals):
+                if original is not None:
+                    # A buffer made to require grad inside the context is a leaf (it had no history at
+                    # entry): resize it with the flag off and put the flag back.  Its .grad is left as is.
+                    wanted_grad = buffer.requires_grad
+                    buffer.requires_grad_(False)
+                    buffer.resize_(original.shape)
+                    buffer.copy_(original)
+                    buffer.requires_grad_(wanted_grad)
+
+
+# -- the module style and the dispatcher switch ---------------------------------------------------------------
+
+
+class _ContextParallel:
+    """Ring attention inside one module's forward (PyTorch's ``_ContextParallel`` ParallelStyle).
+
+    Apply it with ``parallelize_module(module, cp_mesh, _ContextParallel(seq_dim=2,
+    attention_type=_ContextParallel.AttentionType.SDPA))`` (``shardwise.tp_styles`` counts it as a
+    ``ParallelStyle``).  During the module's forward, SDPA on plain tensors is ring attention over
+    the mesh, with the layout of the last ``_context_parallel_shard``; DTensor inputs sharded on
+    their sequence dim are ring-attended too.
+    """
+
+    class AttentionType(Enum):
+        FLEX = "flex_attention"
+        SDPA = "scaled_dot_product_attention"
+
+    src_data_rank: int | None = 0
+
+    def __init__(self, seq_dim: int, attention_type: _ContextParallel.AttentionType) -> None:
+        if attention_type is not self.AttentionType.SDPA:
+            raise NotImplementedError(
+                f"_ContextParallel supports attention_type=SDPA only; {attention_type} (flex_attention) is not supported"
+            )
+        if seq_dim % 4 != SDPA_SEQ_DIM:
+            raise ValueError(f"_ContextParallel: SDPA's sequence dim is {SDPA_SEQ_DIM} of (batch, heads, seq, head_dim); got {seq_dim}")
+        self.seq_dim = seq_dim
+        self.attention_type = attention_type
+
+    def _check_module(self, module: nn.Module, module_path: str | None) -> None:
+        """Any module may hold SDPA calls: nothing to refuse."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_cp_mesh(device_mesh, "_ContextParallel")
+        modes: list[_ContextParallelAttentionMode] = []
+
+        def enter(_module: nn.Module, _args: Any) -> None:
+            mode = _ContextParallelAttentionMode(device_mesh)
+            mode.__enter__()
+            modes.append(mode)
+
+        def leave(_module: nn.Module, _args: Any, output: Any) -> Any:
+            if modes:
+                modes.pop().__exit__(None, None, None)
+            return output
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+
+_dispatcher_modes: list[_ContextParallelAttentionMode] = []
+
+
+def _enable_context_parallel_dispatcher() -> None:
+    """From now on SDPA on DTensors whose sequence dim is sharded runs as ring attention (until disabled)."""
+    mode = _ContextParallelAttentionMode(None)
+    mode.__enter__()
+    _dispatcher_modes.append(mode)
+
+
+def _disable_context_parallel_dispatcher() -> None:
+    """Undo the most recent :func:`_enable_context_parallel_dispatcher` (nothing if none is on)."""
+    if _dispatcher_modes:
+        _dispatcher_modes.pop().__exit__(None, None, None)

@@ -1,0 +1,301 @@
+"""The attention kernels ring attention runs on each (query block, key/value block) pair.
+
+Each kernel answers the block's output with its log-sum-exp (float32, shape ``(B, H, Lq)``) and,
+for the backward, the block's gradients given the *final* output and log-sum-exp of the whole
+ring (so every block recomputes its softmax with the global normaliser, and the per-block
+gradients add up to the exact gradient).  The kernel is the one ``F.scaled_dot_product_attention``
+itself would pick for the local tensors (``torch._fused_sdp_choice``, which honours
+``sdpa_kernel(...)``): the CPU flash kernel or the math path on CPU, flash / memory-efficient /
+cuDNN / math on CUDA.
+
+Masks are ``causal`` (SDPA's top-left triangle) or none; dropout is refused before the ring starts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["BlockKernel", "choose_kernel", "kernel_by_name"]
+
+aten = torch.ops.aten
+
+# torch._fused_sdp_choice's answers (torch.nn.attention.SDPBackend values).
+_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+
+
+class BlockKernel(ABC):
+    """One attention kernel's forward (output, float32 log-sum-exp) and backward on a block pair."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of softmax(q k^T * scale [+ causal mask]) v; ``lse`` float32 ``(B, H, Lq)``."""
+
+    @abstractmethod
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of this block given the ring's final ``out`` and ``lse`` for these query rows."""
+
+
+def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    # SDPA's is_causal is top-left aligned: query i sees keys 0..i.
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu(1)
+
+
+class MathKernel(BlockKernel):
+    """Explicit float32 matmuls: any dtype, any device; what ``sdpa_kernel(SDPBackend.MATH)`` asks for."""
+
+    name = "math"
+
+    def _scores(self, query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+        scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale
+        if causal:
+            scores = scores.masked_fill(_causal_mask(query.size(-2), key.size(-2), query.device), float("-inf"))
+        return scores
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self._scores(query, key, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probabilities = torch.exp(scores - lse.unsqueeze(-1))
+        return torch.matmul(probabilities, value.float()), lse
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grad_out32 = grad_out.float()
+        probabilities = torch.exp(self._scores(query, key, causal, scale) - lse.float().unsqueeze(-1))
+        grad_value = torch.matmul(probabilities.transpose(-2, -1), grad_out32)
+        grad_probabilities = torch.matmul(grad_out32, value.float().transpose(-2, -1))
+        # Softmax backward with the *global* row normaliser: sum_j p_ij dp_ij over all blocks is rowsum(dout * out).
+        row_dot = (grad_out32 * out.float()).sum(-1, keepdim=True)
+        grad_scores = probabilities * (grad_probabilities - row_dot) * scale
+        grad_query = torch.matmul(grad_scores, key.float())
+        grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.float())
+        return grad_query, grad_key, grad_value
+
+
+class CpuFlashKernel(BlockKernel):
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the CPU default)."""
+
+    name = "flash_cpu"
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+            query.contiguous(), key.contiguous(), value.contiguous(), 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad_out.to(query.dtype).contiguous(),
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            out.to(query.dtype).contiguous(),
+            lse.float().contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return grad_query, grad_key, grad_value
+
+
+def _empty_index(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+class CudaFlashKernel(BlockKernel):
+    """``aten._scaled_dot_product_flash_attention`` (CUDA) and its backward."""
+
+    name = "flash"
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        results = aten._scaled_dot_product_flash_attention.default(
+            query.contiguous(), key.contiguous(), value.contiguous(), 0.0, causal, False, scale=scale
+        )
+        return results[0], results[1].float()
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Dense (not nested) inputs: no cumulative sequence lengths; no dropout: the philox state is unread.
+        unused = _empty_index(query.device)
+        grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_backward.default(
+            grad_out.to(query.dtype).contiguous(),
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            out.to(query.dtype).contiguous(),
+            lse.float().contiguous(),
+            unused,
+            unused,
+            query.size(-2),
+            key.size(-2),
+            0.0,
+            causal,
+            unused,
+            unused,
+            scale=scale,
+        )
+        return grad_query, grad_key, grad_value
+
+
+class CudaEfficientKernel(BlockKernel):
+    """``aten._scaled_dot_product_efficient_attention`` (CUDA) and its backward."""
+
+    name = "efficient"
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention.default(
+            query.contiguous(), key.contiguous(), value.contiguous(), None, True, 0.0, causal, scale=scale
+        )
+        # The kernel may pad the log-sum-exp's sequence dim (to a multiple of 32): keep the real rows.
+        return out, lse[..., : query.size(-2)].float()
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seed_and_offset = torch.zeros((), dtype=torch.int64, device=query.device)
+        grads = aten._scaled_dot_product_efficient_attention_backward.default(
+            grad_out.to(query.dtype).contiguous(),
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            None,
+            out.to(query.dtype).contiguous(),
+            lse.float().contiguous(),
+            seed_and_offset,
+            seed_and_offset,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
+        return grads[0], grads[1], grads[2]
+
+
+class CudnnKernel(BlockKernel):
+    """``aten._scaled_dot_product_cudnn_attention`` (CUDA) and its backward; its log-sum-exp keeps a trailing dim."""
+
+    name = "cudnn"
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        results = aten._scaled_dot_product_cudnn_attention.default(
+            query.contiguous(), key.contiguous(), value.contiguous(), None, True, 0.0, causal, False, scale=scale
+        )
+        lse = results[1]
+        if lse.dim() == query.dim():
+            lse = lse.squeeze(-1)
+        return results[0], lse.float()
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        unused = _empty_index(query.device)
+        grads = aten._scaled_dot_product_cudnn_attention_backward.default(
+            grad_out.to(query.dtype).contiguous(),
+            query.contiguous(),
+            key.contiguous(),
+            value.contiguous(),
+            out.to(query.dtype).contiguous(),
+            lse.float().unsqueeze(-1).contiguous(),
+            unused,
+            unused,
+            torch.empty(0, dtype=query.dtype, device=query.device),
+            unused,
+            unused,
+            query.size(-2),
+            key.size(-2),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return grads[0], grads[1], grads[2]
+
+
+_KERNELS: dict[str, BlockKernel] = {
+    kernel.name: kernel for kernel in (MathKernel(), CpuFlashKernel(), CudaFlashKernel(), CudaEfficientKernel(), CudnnKernel())
+}
+
+
+def kernel_by_name(name: str) -> BlockKernel:
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        raise ValueError(f"unknown ring attention kernel {name!r}; expected one of {sorted(_KERNELS)}") from None
+
+
+def choose_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: float) -> BlockKernel:
+    """The kernel ``F.scaled_dot_product_attention`` would run on these local tensors (honours ``sdpa_kernel``)."""
+    grouped = query.size(1) != key.size(1)
+    choice = int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=grouped))
+    if query.device.type == "cpu":
+        return _KERNELS["flash_cpu"] if choice == _FLASH else _KERNELS["math"]
+    by_choice = {_FLASH: "flash", _EFFICIENT: "efficient", _CUDNN: "cudnn"}
+    return _KERNELS[by_choice.get(choice, "math")]

@@ -1,0 +1,290 @@
+"""Ring attention on plain local tensors: the engine under ``context_parallel``.
+
+Every rank holds its queries and one block of keys/values (per :class:`SequenceLayout`).  In ``W``
+steps each rank meets every key/value block: step ``i`` uses the block of rank ``(r - i) mod W``,
+handed on around the ring (all-to-all rotation: one ``all_to_all_single`` per step, launched before
+the step's compute so it can overlap; all-gather rotation: one ``all_gather_into_tensor`` up front).
+Partial outputs are merged with their log-sum-exp in float32, whatever the input dtype.
+
+Backward runs the same ring with the final output and log-sum-exp: each block's gradient comes
+from the kernel's own backward; query gradients stay home, key/value gradients travel with the
+ring (one ``all_to_all_single`` per step, the last one bringing each block's sum home).  So the
+all-to-all rotation issues ``W - 1`` collectives forward and ``2W - 1`` backward (PyTorch's
+``3W - 2`` in all), the all-gather rotation one all-gather forward, one all-gather and ``W``
+all-to-alls backward.
+
+Causal masks follow the layout: a query segment sees the keys of earlier segments whole, its own
+segment under SDPA's causal triangle and later segments not at all, so a step with nothing to see
+computes nothing.  Grouped-query attention rotates the compact key/value heads and expands them
+per block; their gradients are summed back per group before they travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _collectives
+from ._cp_kernels import BlockKernel
+from ._cp_layout import SequenceLayout
+
+__all__ = ["BlockCall", "RingSpec", "block_calls", "ring_attention", "ring_forward", "ring_backward"]
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Everything one ring attention call needs besides its tensors (the same on every rank but ``rank``)."""
+
+    group_name: str
+    rank: int
+    world_size: int
+    query_layout: SequenceLayout
+    kv_layout: SequenceLayout
+    is_causal: bool
+    scale: float
+    query_heads_per_kv_head: int
+    kernel: BlockKernel
+    rotate_method: str  # "alltoall" | "allgather"
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: local query rows ``[q_start, q_stop)`` against key rows ``[kv_start, kv_stop)``."""
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    causal: bool
+
+
+def block_calls(spec: RingSpec, source: int) -> tuple[BlockCall, ...]:
+    """The kernel calls of this rank's queries against ``source``'s key/value block."""
+    q_len = spec.query_layout.local_length(spec.rank)
+    kv_len = spec.kv_layout.local_length(source)
+    if q_len == 0 or kv_len == 0:
+        return ()
+    if not spec.is_causal:
+        return (BlockCall(0, q_len, 0, kv_len, False),)
+    if source == spec.rank:
+        # Positions increase along the local order, so "key position <= query position" is j <= i.
+        return (BlockCall(0, q_len, 0, kv_len, True),)
+    kv_segments = spec.kv_layout.segments[source]
+    calls: list[BlockCall] = []
+    q_offset = 0
+    for q_start, q_stop in spec.query_layout.segments[spec.rank]:
+        visible = 0
+        for kv_start, kv_stop in kv_segments:
+            if kv_stop <= q_start:
+                visible += kv_stop - kv_start  # an earlier segment: seen whole (a prefix, positions increase)
+            elif kv_start < q_stop:
+                raise AssertionError(
+                    f"causal ring attention: rank {spec.rank}'s positions [{q_start}, {q_stop}) overlap rank {source}'s "
+                    f"[{kv_start}, {kv_stop}); the query and key layouts disagree"
+                )
+        rows = q_stop - q_start
+        if visible:
+            last = calls[-1] if calls else None
+            if last is not None and last.q_stop == q_offset and last.kv_stop == visible:
+                calls[-1] = BlockCall(last.q_start, q_offset + rows, 0, visible, False)
+            else:
+                calls.append(BlockCall(q_offset, q_offset + rows, 0, visible, False))
+        q_offset += rows
+    return tuple(calls)
+
+
+def _expand_heads(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    # SDPA's enable_gqa: query head h reads key/value head h // groups.
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+
+
+def _sum_head_groups(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    return tensor if groups == 1 else tensor.unflatten(1, (tensor.size(1) // groups, groups)).sum(2)
+
+
+def _pack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return torch.cat([first.reshape(-1), second.reshape(-1)])
+
+
+def _unpack(
+    flat: torch.Tensor, first_shape: tuple[int, ...], second_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    first_numel = 1
+    for extent in first_shape:
+        first_numel *= extent
+    return flat[:first_numel].reshape(first_shape), flat[first_numel:].reshape(second_shape)
+
+
+class _BlockShapes:
+    """The key and value shapes of every rank's block (sequence lengths differ on uneven layouts)."""
+
+    def __init__(self, spec: RingSpec, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, heads = key.shape[0], key.shape[1]
+        self.key = [(batch, heads, length, key.shape[3]) for length in spec.kv_layout.local_lengths()]
+        self.value = [(batch, heads, length, value.shape[3]) for length in spec.kv_layout.local_lengths()]
+
+    def numel(self, rank: int) -> int:
+        return self.key[rank][0] * self.key[rank][1] * self.key[rank][2] * (self.key[rank][3] + self.value[rank][3])
+
+
+def _send_to_next(spec: RingSpec, flat: torch.Tensor, sent_numel: int, received_numel: int) -> torch.Tensor:
+    """Launch (unwaited) one all-to-all: ``flat`` to rank ``r + 1``, ``received_numel`` elements from ``r - 1``."""
+    input_splits = [0] * spec.world_size
+    output_splits = [0] * spec.world_size
+    input_splits[(spec.rank + 1) % spec.world_size] = sent_numel
+    output_splits[(spec.rank - 1) % spec.world_size] = received_numel
+    return _collectives.launch_all_to_all_exact(flat, output_splits, input_splits, spec.group_name)
+
+
+class _KeyValueRing:
+    """Hands out the key/value block of step ``i`` (rank ``(r - i) mod W``'s), fetching the next one early."""
+
+    def __init__(self, spec: RingSpec, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._spec = spec
+        self._shapes = _BlockShapes(spec, key, value)
+        self._current = (key, value)
+        self._pending: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+        self._widest = max(self._shapes.numel(rank) for rank in range(spec.world_size))
+
+    def _source(self, step: int) -> int:
+        return (self._spec.rank - step) % self._spec.world_size
+
+    def block(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self._spec
+        source = self._source(step)
+        if spec.rotate_method == "allgather":
+            if spec.world_size > 1 and self._gathered is None and step == 0:
+                packed = _pack(*self._current)
+                padded = torch.nn.functional.pad(packed, (0, self._widest - packed.numel()))
+                self._pending = _collectives.launch_all_gather(padded, spec.world_size, spec.group_name)
+            if step == 0:
+                return self._current
+            if self._gathered is None:
+                assert self._pending is not None
+                self._gathered = _collectives.wait(self._pending)
+                self._pending = None
+            start = source * self._widest
+            flat = self._gathered[start : start + self._shapes.numel(source)]
+            return _unpack(flat, self._shapes.key[source], self._shapes.value[source])
+        if step > 0:
+            assert self._pending is not None
+            received = _collectives.wait(self._pending)
+            self._pending = None
+            self._current = _unpack(received, self._shapes.key[source], self._shapes.value[source])
+        if step < spec.world_size - 1:
+            # Launch the hand-on before this step's compute so that the two may overlap.
+            self._pending = _send_to_next(
+                spec, _pack(*self._current), self._shapes.numel(source), self._shapes.numel(self._source(step + 1))
+            )
+        return self._current
+
+
+def _merge(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, call: BlockCall, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    rows = slice(call.q_start, call.q_stop)
+    old_lse = lse_acc[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    # Rows seen for the first time have old_lse = -inf: their old weight exp(-inf) is 0.
+    out_acc[:, :, rows] = out_acc[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(
+        block_lse - new_lse
+    ).unsqueeze(-1)
+    lse_acc[:, :, rows] = new_lse
+
+
+def ring_forward(
+    spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's attention output (query dtype) and float32 log-sum-exp ``(B, H, Lq)``."""
+    batch, heads, q_len, _ = query.shape
+    out_acc = torch.zeros(batch, heads, q_len, value.shape[3], dtype=torch.float32, device=query.device)
+    lse_acc = torch.full((batch, heads, q_len), float("-inf"), dtype=torch.float32, device=query.device)
+    ring = _KeyValueRing(spec, key, value)
+    groups = spec.query_heads_per_kv_head
+    for step in range(spec.world_size):
+        block_key, block_value = ring.block(step)
+        for call in block_calls(spec, (spec.rank - step) % spec.world_size):
+            block_out, block_lse = spec.kernel.forward(
+                query[:, :, call.q_start : call.q_stop],
+                _expand_heads(block_key[:, :, call.kv_start : call.kv_stop], groups),
+                _expand_heads(block_value[:, :, call.kv_start : call.kv_stop], groups),
+                call.causal,
+                spec.scale,
+            )
+            _merge(out_acc, lse_acc, call, block_out, block_lse)
+    return out_acc.to(query.dtype), lse_acc
+
+
+def ring_backward(
+    spec: RingSpec,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's pieces, in their input dtypes."""
+    shapes = _BlockShapes(spec, key, value)
+    grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    ring = _KeyValueRing(spec, key, value)
+    groups = spec.query_heads_per_kv_head
+    pending: torch.Tensor | None = None
+    for step in range(spec.world_size):
+        source = (spec.rank - step) % spec.world_size
+        block_key, block_value = ring.block(step)
+        grad_key = torch.zeros(shapes.key[source], dtype=torch.float32, device=key.device)
+        grad_value = torch.zeros(shapes.value[source], dtype=torch.float32, device=value.device)
+        for call in block_calls(spec, source):
+            rows = slice(call.q_start, call.q_stop)
+            columns = slice(call.kv_start, call.kv_stop)
+            block_grad_query, block_grad_key, block_grad_value = spec.kernel.backward(
+                grad_out[:, :, rows],
+                query[:, :, rows],
+                _expand_heads(block_key[:, :, columns], groups),
+                _expand_heads(block_value[:, :, columns], groups),
+                out[:, :, rows],
+                lse[:, :, rows],
+                call.causal,
+                spec.scale,
+            )
+            grad_query[:, :, rows] += block_grad_query.float()
+            grad_key[:, :, columns] += _sum_head_groups(block_grad_key.float(), groups)
+            grad_value[:, :, columns] += _sum_head_groups(block_grad_value.float(), groups)
+        if spec.world_size == 1:
+            return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+        if pending is not None:
+            # What earlier ranks added to this block's gradient, handed on with the ring.
+            earlier_key, earlier_value = _unpack(_collectives.wait(pending), shapes.key[source], shapes.value[source])
+            grad_key += earlier_key
+            grad_value += earlier_value
+        next_source = (source - 1) % spec.world_size
+        pending = _send_to_next(spec, _pack(grad_key, grad_value), shapes.numel(source), shapes.numel(next_source))
+    assert pending is not None
+    # After W hand-ons the block that arrives is this rank's own, summed over every rank.
+    own_key, own_value = _unpack(_collectives.wait(pending), shapes.key[spec.rank], shapes.value[spec.rank])
+    return grad_query.to(query.dtype), own_key.to(key.dtype), own_value.to(value.dtype)
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spec: RingSpec) -> torch.Tensor:
+        out, lse = ring_forward(spec, query, key, value)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_query, grad_key, grad_value = ring_backward(ctx.spec, grad_out, query, key, value, out, lse)
+        return grad_query, grad_key, grad_value, None
+
+
+def ring_attention(spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Differentiable ring attention of this rank's ``(B, H, L, D)`` pieces (checked by the caller)."""
+    out: torch.Tensor = _RingAttentionFunction.apply(query, key, value, spec)
+    return out
