@@ -23,6 +23,28 @@ __all__ = ["MeshLayout"]
 _RANKS_PRINTED_IN_FULL = 64
 
 
+class _RankPositions:
+    """Where each rank sits in a root's row-major rank list.
+
+    A mesh over consecutive ranks (every ``init_device_mesh`` mesh) needs no table: the position is
+    the rank minus the first. Other meshes keep a dict, built once per root.
+    """
+
+    __slots__ = ("_first", "_count", "_table")
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self._first = ranks[0]
+        self._count = len(ranks)
+        consecutive = ranks[-1] - ranks[0] == len(ranks) - 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1))
+        self._table: dict[int, int] | None = None if consecutive else {rank: i for i, rank in enumerate(ranks)}
+
+    def position(self, rank: int) -> int | None:
+        if self._table is not None:
+            return self._table.get(rank)
+        position = rank - self._first
+        return position if 0 <= position < self._count else None
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     root_shape: tuple[int, ...]
@@ -44,7 +66,10 @@ class MeshLayout:
         return MeshLayout(grid.shape, grid.ranks, tuple((d,) for d in range(len(grid.shape))))
 
     def view(self, dims: tuple[tuple[int, ...], ...]) -> MeshLayout:
-        return MeshLayout(self.root_shape, self.root_ranks, dims)
+        view = MeshLayout(self.root_shape, self.root_ranks, dims)
+        # Views of one root share its rank -> position map (one per root, not one per slice).
+        view.__dict__["_position_of_rank"] = self._position_of_rank
+        return view
 
     @functools.cached_property
     def shape(self) -> tuple[int, ...]:
@@ -95,14 +120,14 @@ class MeshLayout:
         return tuple(d for d in range(len(self.root_shape)) if d not in spanned)
 
     @functools.cached_property
-    def _position_of_rank(self) -> dict[int, int]:
-        return {rank: position for position, rank in enumerate(self.root_ranks)}
+    def _position_of_rank(self) -> _RankPositions:
+        return _RankPositions(self.root_ranks)
 
     def _root_grid(self) -> torch.Tensor:
         return torch.tensor(self.root_ranks, dtype=torch.int64).reshape(self.root_shape)
 
     def _root_index(self, rank: int) -> tuple[int, ...] | None:
-        position = self._position_of_rank.get(rank)
+        position = self._position_of_rank.position(rank)
         if position is None:
             return None
         index: list[int] = []
@@ -113,7 +138,7 @@ class MeshLayout:
 
     def contains(self, rank: int) -> bool:
         """Whether ``rank`` is in the root mesh (the view's sub-mesh for it then contains it too)."""
-        return rank in self._position_of_rank
+        return self._position_of_rank.position(rank) is not None
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
         """``rank``'s index in the sub-mesh of this view that holds it; None if not in the root."""
