@@ -85,7 +85,10 @@ class DeviceMesh:
         mesh_dim_names: tuple[str, ...] | None = None,
     ) -> None:
         device_type = validation.check_device_type(device_type)
-        grid = validation.rank_grid_from(mesh)
+        if isinstance(mesh, validation.RankGrid):  # init_device_mesh's grid, valid by construction
+            grid = mesh
+        else:
+            grid = validation.rank_grid_from(mesh)
         names = validation.normalize_dim_names(mesh_dim_names, len(grid.shape))
         validation.check_fits_world(grid, world_size_for_validation())
         ensure_default_process_group(device_type)
@@ -132,7 +135,7 @@ class DeviceMesh:
         self._joint_groups = {}
         self._has_joint_groups = False
         self._slices = {}
-        layout_key = (device_type, layout.root_shape, layout.root_ranks, layout.dims, names)
+        layout_key = (device_type, layout.root_shape, layout.ranks_identity, layout.dims, names)
         # Python's str hash differs between processes; a digest of the key does not, so the hash is
         # the same on every rank (and in every process: the world's number stays out of it).
         self._stable_digest = hashlib.blake2b(repr(layout_key).encode(), digest_size=16).digest()
@@ -639,4 +642,6 @@ def init_device_mesh(
     shape = validation.check_mesh_shape(mesh_shape)
     names = validation.normalize_dim_names(mesh_dim_names, len(shape))
     validation.check_world_size_matches(shape, world_size_for_validation())
-    return DeviceMesh(device_type, torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names)
+    # The grid directly: at 16,384 ranks a tensor round trip and re-validating range(world) cost more
+    # than everything else init_device_mesh does.
+    return DeviceMesh(device_type, validation.RankGrid(shape, tuple(range(math.prod(shape))), consecutive=True), mesh_dim_names=names)

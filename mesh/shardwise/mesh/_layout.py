@@ -32,11 +32,17 @@ class _RankPositions:
 
     __slots__ = ("_first", "_count", "_table")
 
-    def __init__(self, ranks: tuple[int, ...]) -> None:
+    def __init__(self, ranks: tuple[int, ...], *, known_consecutive: bool = False) -> None:
         self._first = ranks[0]
         self._count = len(ranks)
-        consecutive = ranks[-1] - ranks[0] == len(ranks) - 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1))
+        consecutive = known_consecutive or (
+            ranks[-1] - ranks[0] == len(ranks) - 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1))
+        )
         self._table: dict[int, int] | None = None if consecutive else {rank: i for i, rank in enumerate(ranks)}
+
+    @property
+    def consecutive(self) -> bool:
+        return self._table is None
 
     def position(self, rank: int) -> int | None:
         if self._table is not None:
@@ -63,12 +69,16 @@ class MeshLayout:
 
     @staticmethod
     def root(grid: RankGrid) -> MeshLayout:
-        return MeshLayout(grid.shape, grid.ranks, tuple((d,) for d in range(len(grid.shape))))
+        layout = MeshLayout(grid.shape, grid.ranks, tuple((d,) for d in range(len(grid.shape))))
+        if grid.consecutive:
+            layout.__dict__["_position_of_rank"] = _RankPositions(grid.ranks, known_consecutive=True)
+        return layout
 
     def view(self, dims: tuple[tuple[int, ...], ...]) -> MeshLayout:
         view = MeshLayout(self.root_shape, self.root_ranks, dims)
         # Views of one root share its rank -> position map (one per root, not one per slice).
         view.__dict__["_position_of_rank"] = self._position_of_rank
+        view.__dict__["ranks_identity"] = self.ranks_identity
         return view
 
     @functools.cached_property
@@ -123,6 +133,13 @@ class MeshLayout:
     def _position_of_rank(self) -> _RankPositions:
         return _RankPositions(self.root_ranks)
 
+    @functools.cached_property
+    def ranks_identity(self) -> tuple[object, ...]:
+        """What tells this root's rank list apart, small for consecutive ranks (for keys and digests)."""
+        if self._position_of_rank.consecutive:
+            return ("range", self.root_ranks[0], len(self.root_ranks))
+        return self.root_ranks
+
     def _root_grid(self) -> torch.Tensor:
         return torch.tensor(self.root_ranks, dtype=torch.int64).reshape(self.root_shape)
 
@@ -175,6 +192,9 @@ class MeshLayout:
             return None
         spanned = self.dims[dim]
         base = sum(root_index[d] * self.root_strides[d] for d in range(len(self.root_shape)) if d not in spanned)
+        if len(spanned) == 1:  # a plain dim: one strided slice of the rank list
+            stride = self.root_strides[spanned[0]]
+            return self.root_ranks[base : base + stride * self.root_shape[spanned[0]] : stride]
         positions = [base]
         for d in spanned:  # row-major over the spanned root dims: the first one varies slowest
             positions = [start + step * self.root_strides[d] for start in positions for step in range(self.root_shape[d])]

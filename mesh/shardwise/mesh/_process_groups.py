@@ -43,7 +43,7 @@ import atexit
 import hashlib
 import time
 import weakref
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 _GroupKey = tuple[str, tuple[int, ...]]
+_MISSING = object()
 
 
 def default_process_group() -> dist.ProcessGroup:
@@ -113,8 +114,7 @@ class _GroupRegistry:
             self._groups = {(self._backend, tuple(range(world.size()))): weakref.ref(world)}
         return world
 
-    def _live(self, key: _GroupKey) -> dist.ProcessGroup | None:
-        reference = self._groups[key]
+    def _live(self, key: _GroupKey, reference: weakref.ref[dist.ProcessGroup] | None) -> dist.ProcessGroup:
         group = None if reference is None else reference()
         if group is None:
             # Recreating it here alone would put this rank out of step with the other members
@@ -130,10 +130,9 @@ class _GroupRegistry:
         """The group over ``ranks`` (group rank order; they hold ``my_rank``), created by members only."""
         world = self._follow_world()
         key = (self._backend, ranks)
-        if key in self._groups:
-            group = self._live(key)
-            assert group is not None
-            return group
+        reference = self._groups.get(key, _MISSING)
+        if reference is not _MISSING:  # one lookup: hashing a 16,384-rank key is not free
+            return self._live(key, cast(weakref.ref[dist.ProcessGroup], reference))
         created = _create_by_members(world, ranks, my_rank, self._backend, description)
         self._groups[key] = weakref.ref(created)
         return created
@@ -150,7 +149,7 @@ class _GroupRegistry:
                 created = _create_by_whole_world(world, ranks, my_rank, description)
                 self._groups[key] = None if created is None else weakref.ref(created)
             if my_rank in ranks:
-                mine = self._live(key)
+                mine = self._live(key, self._groups[key])
         return mine
 
     def forget(self) -> None:
