@@ -8,6 +8,7 @@ submodules chosen by path; ``loss_parallel()`` computes cross-entropy on logits
 sharded on the class dim without gathering them.
 """
 
+from . import _context_parallel_style  # noqa: F401  (registers _ContextParallel as a ParallelStyle)
 from .api import parallelize_module
 from .loss import loss_parallel
 from .style import (

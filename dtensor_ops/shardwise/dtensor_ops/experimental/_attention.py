@@ -589,21 +589,32 @@ class _ContextParallel:
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_cp_mesh(device_mesh, "_ContextParallel")
-        modes: list[_ContextParallelAttentionMode] = []
-
-        def enter(_module: nn.Module, _args: Any) -> None:
-            mode = _ContextParallelAttentionMode(device_mesh)
-            mode.__enter__()
-            modes.append(mode)
-
-        def leave(_module: nn.Module, _args: Any, output: Any) -> Any:
-            if modes:
-                modes.pop().__exit__(None, None, None)
-            return output
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
+        hooks = _RingAttentionDuringForward(device_mesh)
+        module.register_forward_pre_hook(hooks.enter)
+        module.register_forward_hook(hooks.leave, always_call=True)
         return module
+
+    def _apply_at(self, module: nn.Module, device_mesh: DeviceMesh, module_path: str | None) -> nn.Module:
+        """What ``shardwise.tp_styles.parallelize_module`` calls (it registers this class as a ParallelStyle)."""
+        return self._apply(module, device_mesh)
+
+
+class _RingAttentionDuringForward:
+    """Forward hooks that hold a ring-attention mode open for the module's forward (a class: modules stay deep-copyable)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.open_modes: list[_ContextParallelAttentionMode] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        mode = _ContextParallelAttentionMode(self.mesh)
+        mode.__enter__()
+        self.open_modes.append(mode)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.open_modes:
+            self.open_modes.pop().__exit__(None, None, None)
+        return output
 
 
 _dispatcher_modes: list[_ContextParallelAttentionMode] = []
