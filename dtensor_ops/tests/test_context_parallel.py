@@ -41,6 +41,7 @@ from shardwise.dtensor_ops.experimental._cp_layout import (
 )
 from shardwise.dtensor_ops.experimental._cp_ring import BlockCall, RingSpec, block_calls
 from shardwise.testing import multi_rank, run_on_ranks
+from context_parallel_helpers import split_kv_matches_sdpa
 
 ALL_TO_ALL = "c10d_functional.all_to_all_single"
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
@@ -411,3 +412,10 @@ def test_cp_by_tp_dtensors_on_a_2d_mesh() -> None:
     plain = _sdpa(replicated)
     assert isinstance(plain, DTensor)
     torch.testing.assert_close(plain.full_tensor(), F.scaled_dot_product_attention(query, key, value))
+
+
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_blocks_merged_by_lse_equal_sdpa_on_the_concatenation(kernel: str, causal: bool) -> None:
+    errors = split_kv_matches_sdpa(kernel_by_name(kernel), "cpu", torch.float32, causal)
+    assert max(errors) < 1e-5, errors
