@@ -1,8 +1,14 @@
-"""A repository rule that builds the pinned Python environment and registers it as the toolchain.
+"""A repository rule that builds the pinned Python environment as declared files, and its toolchain.
 
-`bazel test //...` then never depends on which `python3` is first on the caller's PATH, and works
-under --incompatible_strict_action_env. The lock file is a label attribute, so editing it re-runs
-this rule and rebuilds the environment.
+The interpreter (a copy of the host's binary, its shared library and standard library) and every
+package of the lock file are files of the repository `@shardwise_python`, listed by a glob. The
+`py_runtime` names the interpreter by label and carries all of them in `files`, so every `py_test`
+and `py_binary` has its interpreter and dependencies as inputs of its action: the action runs the
+same on a remote worker that has none of the client's paths, and nothing resolves through PATH.
+(The previous toolchain named an absolute `interpreter_path` inside the client's output base.)
+
+`bazel test //...` never depends on which `python3` is first on the caller's PATH, and works under
+--incompatible_strict_action_env. The lock file is a label attribute, so editing it re-runs this rule.
 """
 
 _MIN_PYTHON = (3, 11)
@@ -23,6 +29,11 @@ def _run(rctx, args, what, timeout = 600):
         fail("{} failed (exit {}):\n{}\n{}".format(what, result.return_code, result.stdout, result.stderr))
     return result
 
+# The stub Bazel writes for every py_binary/py_test is a small stdlib-only Python script that finds the
+# runfiles and execs the runtime's interpreter (ours, from the inputs). Something must run the stub
+# itself: the OS's python3, the same way /bin/bash runs shell actions. Debian and Ubuntu ship one.
+_STUB_SHEBANG = "#!/usr/bin/env python3"
+
 def _python_env_impl(rctx):
     host_python = _find_host_python(rctx)
     version = _run(rctx, [host_python, "-c", "import sys; print('%d %d' % sys.version_info[:2])"], "Probing " + host_python)
@@ -37,27 +48,40 @@ def _python_env_impl(rctx):
         ))
 
     lock_file = rctx.path(rctx.attr.lock_file)
-    venv = rctx.path("venv")
-    rctx.report_progress("Creating the Python environment from " + str(lock_file))
-    _run(rctx, [host_python, "-m", "venv", str(venv)], "Creating the virtual environment")
-    interpreter = str(venv) + "/bin/python3"
+    builder = rctx.path(rctx.attr._builder)
+    rctx.report_progress("Building the Python environment from " + str(lock_file))
     _run(
         rctx,
-        [interpreter, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check", "-r", str(lock_file)],
-        "Installing " + str(lock_file),
+        [host_python, str(builder), "--lock", str(lock_file), "--dest", str(rctx.path("python"))],
+        "Building the Python environment (tools/build_defs/python_env_builder.py)",
         timeout = 3600,
     )
+    layout = json.decode(rctx.read("python/layout.json"))
+    interpreter = "python/" + layout["interpreter"]
 
     rctx.file("BUILD.bazel", """\
 load("@rules_python//python:defs.bzl", "py_runtime", "py_runtime_pair")
 
 package(default_visibility = ["//visibility:public"])
 
+# The whole environment: interpreter, standard library, locked packages, C headers.
+filegroup(
+    name = "files",
+    srcs = glob(["python/**"], exclude = ["python/layout.json"]),
+)
+
+# The interpreter alone, for genrules that run Python (their `tools` also list :files).
+filegroup(
+    name = "python3",
+    srcs = ["{interpreter}"],
+)
+
 py_runtime(
     name = "py3_runtime",
-    interpreter_path = "{interpreter}",
+    interpreter = "{interpreter}",
+    files = [":files"],
     python_version = "PY3",
-    stub_shebang = "#!{interpreter}",
+    stub_shebang = "{stub_shebang}",
 )
 
 py_runtime_pair(
@@ -72,13 +96,17 @@ toolchain(
 )
 
 exports_files(["interpreter_path.txt"])
-""".format(interpreter = interpreter))
-    rctx.file("interpreter_path.txt", interpreter + "\n")
+""".format(interpreter = interpreter, stub_shebang = _STUB_SHEBANG))
+
+    # For repository rules only (native_wheel_tag asks the interpreter for its wheel tag while BUILD
+    # files load); no action reads it.
+    rctx.file("interpreter_path.txt", str(rctx.path(interpreter)) + "\n")
 
 python_env = repository_rule(
     implementation = _python_env_impl,
     attrs = {
         "lock_file": attr.label(mandatory = True, allow_single_file = True),
+        "_builder": attr.label(default = "//tools/build_defs:python_env_builder.py", allow_single_file = True),
     },
     environ = ["SHARDWISE_PYTHON", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_FIND_LINKS"],
     local = False,

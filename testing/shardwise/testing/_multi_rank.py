@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable, TypeVar, overload
 
 from shardwise.testing import _protocol as protocol
+from shardwise.testing import _timeouts
 from shardwise.testing._rank_pool import get_pool, pickle_call
 from shardwise.testing._rank_worker import RANK_BODY_ATTRIBUTE
 
@@ -27,33 +28,18 @@ def _default_world_size() -> int:
 
 
 DEFAULT_WORLD_SIZE = _default_world_size()
-DEFAULT_TIMEOUT_S = 120.0
-TIMEOUT_ENV_VAR = "SHARDWISE_TEST_TIMEOUT"
 SUPPORTED_BACKENDS = ("gloo", "nccl")
-# Starting the ranks (importing torch in each) is not part of a test's time budget.
-MIN_STARTUP_TIMEOUT_S = 120.0
+# Every time limit lives in _timeouts (what a hang is, how limits scale); these names stay importable.
+DEFAULT_TIMEOUT_S = _timeouts.DEFAULT_STALL_S
+TIMEOUT_ENV_VAR = _timeouts.TIMEOUT_ENV_VAR
 
 _R = TypeVar("_R")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def resolve_timeout(timeout: float | None) -> float:
-    if timeout is not None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
-    from_env = os.environ.get(TIMEOUT_ENV_VAR)
-    if from_env is None or from_env.strip() == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(from_env)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {TIMEOUT_ENV_VAR} must be a positive number of seconds, got {from_env!r}"
-        ) from None
-    if not value > 0:
-        raise ValueError(f"environment variable {TIMEOUT_ENV_VAR} must be a positive number of seconds, got {from_env!r}")
-    return value
+    """A task's no-progress window in seconds (see _timeouts): ``timeout``, $SHARDWISE_TEST_TIMEOUT or 120, scaled."""
+    return _timeouts.stall_seconds(timeout)
 
 
 def _validate_world_size(world_size: int) -> None:
@@ -146,8 +132,9 @@ def run_on_ranks(
 
     Every rank has a fresh default process group (``backend`` "gloo" on CPU when None, or "nccl"
     with one GPU per rank) for the duration of the call. Raises ``MultiRankError`` naming the
-    ranks that raised (with the first one's traceback), died, or did not answer within
-    ``timeout`` seconds (default: $SHARDWISE_TEST_TIMEOUT, else 120 s).
+    ranks that raised (with the first one's traceback), died, or made no progress (no CPU used by
+    any rank or a process it started) for ``timeout`` seconds (default: $SHARDWISE_TEST_TIMEOUT,
+    else 120 s; both times $SHARDWISE_TEST_TIMEOUT_SCALE); see ``shardwise.testing._timeouts``.
     """
     __tracebackhide__ = True  # pytest: the failure is the ranks', not this frame's
     _validate_world_size(world_size)
@@ -156,7 +143,7 @@ def run_on_ranks(
     reference = function_ref(fn)
     payload = pickle_call(args, kwargs, reference.describe())
     _skip_unless_gpus_for(resolved_backend, world_size)
-    pool = get_pool(world_size, resolved_backend, max(MIN_STARTUP_TIMEOUT_S, timeout_s))
+    pool = get_pool(world_size, resolved_backend, _timeouts.startup_seconds(timeout_s))
     results = pool.run(reference, payload, timeout_s=timeout_s, description=reference.describe())
     skip_reasons = {result.skip_reason for result in results if result.skip_reason is not None}
     if skip_reasons:

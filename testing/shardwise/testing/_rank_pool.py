@@ -27,6 +27,7 @@ from typing import IO, NoReturn
 
 from shardwise.testing import _protocol as protocol
 from shardwise.testing import _rank_worker
+from shardwise.testing import _timeouts
 
 # How long the others get to report once one rank has failed: several ranks failing the same
 # assertion report within milliseconds, and ranks blocked in a gloo collective with a failed peer
@@ -273,9 +274,9 @@ class RankPool:
             call_payload=call_payload,
             sys_path=tuple(absolute_sys_path()),
             seed=SEED,
-            # Collectives must outlive the test timeout so that a hang is seen here, with stacks,
-            # rather than as a gloo timeout error on some rank.
-            collective_timeout_s=timeout_s + 60.0,
+            # Collectives must outlive the harness's limits so that a hang is seen here, with
+            # stacks, rather than as a gloo timeout error on some rank.
+            collective_timeout_s=_timeouts.task_limits(timeout_s).collective_s,
             environment=tuple(os.environ.items()),
         )
         for rank in self._ranks:
@@ -309,14 +310,32 @@ class RankPool:
         bodies_finished: set[int] = set()
         awaiting_teardown: list[_Rank] = []
         teardown_released = False
-        deadline = started + timeout_s
+        # timeout_s is a no-progress window, not a wall-clock budget (see _timeouts): while any rank
+        # or a process it started (an inductor compile) uses CPU, the task is not hung.
+        limits = _timeouts.task_limits(timeout_s)
+        poll_s = _timeouts.poll_seconds(timeout_s)
+        hard_deadline = started + limits.hard_limit_s
+        last_progress_at = started
+        last_cpu_ticks = _timeouts.process_tree_cpu_ticks([rank.process.pid for rank in self._ranks])
         first_failure_at: float | None = None
+        stalled = False
         while pending:
             now = time.monotonic()
-            limit = deadline if first_failure_at is None else min(deadline, first_failure_at + GRACE_AFTER_FAILURE_S)
-            if now >= limit:
-                break
-            for connection in wait_for_readable(list(pending), timeout=limit - now):
+            if first_failure_at is None:
+                current_ticks = _timeouts.process_tree_cpu_ticks([rank.process.pid for rank in self._ranks])
+                if current_ticks is not None and current_ticks != last_cpu_ticks:
+                    last_progress_at, last_cpu_ticks = now, current_ticks
+                limit = min(hard_deadline, last_progress_at + timeout_s)
+                if now >= limit:
+                    stalled = now < hard_deadline
+                    break
+                wait_s = min(limit - now, poll_s)
+            else:
+                limit = first_failure_at + GRACE_AFTER_FAILURE_S
+                if now >= limit:
+                    break
+                wait_s = limit - now
+            for connection in wait_for_readable(list(pending), timeout=wait_s):
                 assert isinstance(connection, socket.socket)
                 rank = pending[connection]
                 try:
@@ -366,8 +385,14 @@ class RankPool:
         header_context = f"(world_size={self.world_size}, backend={self.backend})"
         if not failure_order:
             finished = sorted(results)
+            why = (
+                f"made no progress for {timeout_s:g} s (no rank, nor any process it started, used CPU; "
+                f"{elapsed:.1f} s in all)"
+                if stalled
+                else f"was still running after its hard limit of {limits.hard_limit_s:g} s"
+            )
             raise MultiRankTimeout(
-                f"{description} timed out after {timeout_s:g} s {header_context}: "
+                f"{description} timed out: it {why} {header_context}: "
                 f"ranks {list(unfinished)} did not answer"
                 + (f" (ranks {finished} finished)" if finished else "")
                 + ". The rank pool was killed; the next test starts a new one."

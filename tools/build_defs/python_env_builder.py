@@ -1,0 +1,186 @@
+"""Builds the pinned Python environment as plain files in one directory (run by python_env.bzl).
+
+    python_env_builder.py --lock requirements.lock --dest DIR
+
+lays out DIR as a relocatable Python installation:
+
+    DIR/bin/python3           the interpreter every Bazel action runs (a launcher, see below)
+    DIR/bin/python3.X         a copy of the host interpreter's binary
+    DIR/lib/libpython3.X.so*  its shared library, when it was built with one
+    DIR/lib/python3.X/...     its standard library (without the test suite and GUI modules)
+    DIR/<site dir>/...        every locked package, installed with `pip --no-deps --target`
+    DIR/include/python3.X     its C headers (inductor and the pybind11 extension compile against them)
+
+and writes DIR/layout.json (the interpreter's relative path, the site dir) for the repository rule.
+
+Everything is a declared file of the repository, so each test action carries its interpreter and
+packages as inputs and runs on a machine that has none of the client's paths (remote execution).
+Python finds its standard library relative to its own binary, so the copy works wherever it lands.
+Bytecode is compiled here with unchecked-hash invalidation: a remote worker materialises inputs with
+new mtimes, which would make timestamp-checked .pyc files stale and have every test action recompile
+torch (tens of seconds per action on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+
+# Parts of the standard library no test or build step imports; the test suite alone is ~2,000 files
+# that every action would otherwise carry.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "__pycache__", "ensurepip"}
+
+# Runfiles manifests separate the two paths of an entry with a space, so Bazel 4 cannot carry a file
+# whose path holds one (e.g. setuptools' "script (dev).tmpl", used only by `setup.py develop`).
+_UNCARRIABLE = (" ", "\n", "\t")
+
+
+def _copy_stdlib(source: str, dest: str) -> None:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skipped = {name for name in names if name in _STDLIB_SKIP or name.endswith(".pyc")}
+        if os.path.samefile(directory, source):
+            return skipped
+        return {name for name in names if name == "__pycache__" or name.endswith(".pyc")}
+
+    shutil.copytree(source, dest, symlinks=False, ignore=ignore)
+
+
+def _copy_shared_library(dest_lib: str) -> str | None:
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return None
+    name = sysconfig.get_config_var("LDLIBRARY")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    path = os.path.join(libdir, name)
+    if not os.path.exists(path):
+        raise SystemExit(f"python_env_builder: the interpreter is built shared but {path} does not exist")
+    os.makedirs(dest_lib, exist_ok=True)
+    real = os.path.realpath(path)
+    # Keep both the unversioned name and the soname the binary asks for.
+    for target_name in {name, os.path.basename(real), sysconfig.get_config_var("INSTSONAME") or name}:
+        shutil.copy2(real, os.path.join(dest_lib, target_name))
+    return os.path.basename(real)
+
+
+def _write_launcher(path: str, binary_name: str, shared: bool) -> None:
+    # A host build with a shared libpython carries an absolute RUNPATH to the host's lib directory
+    # (pyenv: /root/.pyenv/versions/X/lib); the launcher points the loader at our copy instead.
+    # Ranks and compilers started with sys.executable inherit LD_LIBRARY_PATH from it.
+    lines = ["#!/bin/sh", 'here="$(dirname "$0")"']
+    if shared:
+        lines.append('LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"')
+        lines.append("export LD_LIBRARY_PATH")
+    lines.append(f'exec "$here/{binary_name}" "$@"')
+    with open(path, "w") as launcher:
+        launcher.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o755)
+
+
+def _site_dir_relative() -> str:
+    # Where this kind of interpreter's own site.py looks for packages under its prefix
+    # (pyenv/python.org: lib/python3.X/site-packages; Debian: local/lib/python3.X/dist-packages).
+    base = sys.base_prefix
+    purelib = sysconfig.get_path("purelib", vars={"base": base, "platbase": base, "installed_base": base})
+    relative = os.path.relpath(purelib, base)
+    if relative.startswith(".."):
+        relative = os.path.join("lib", f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
+    return relative
+
+
+def _remove_uncarriable(root: str) -> list[str]:
+    removed = []
+    for directory, dirnames, filenames in os.walk(root):
+        for name in list(filenames) + list(dirnames):
+            if any(ch in name for ch in _UNCARRIABLE):
+                path = os.path.join(directory, name)
+                removed.append(os.path.relpath(path, root))
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                    dirnames.remove(name)
+                else:
+                    os.remove(path)
+    return removed
+
+
+def _replace_symlinks(root: str) -> None:
+    # Bazel follows symlinks in a glob; a dangling one fails the whole glob, and a link out of the
+    # repository would leak a host path. Pip does not create links, but copies of host files can.
+    for directory, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                target = os.path.realpath(path)
+                os.remove(path)
+                if os.path.exists(target):
+                    shutil.copy2(target, path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lock", required=True)
+    parser.add_argument("--dest", required=True)
+    args = parser.parse_args()
+
+    dest = os.path.abspath(args.dest)
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    binary_name = f"python{version}"
+
+    os.makedirs(os.path.join(dest, "bin"))
+    shutil.copy2(os.path.realpath(sys._base_executable), os.path.join(dest, "bin", binary_name))
+    os.chmod(os.path.join(dest, "bin", binary_name), 0o755 | stat.S_IRUSR)
+    shared_library = _copy_shared_library(os.path.join(dest, "lib"))
+    _write_launcher(os.path.join(dest, "bin", "python3"), binary_name, shared_library is not None)
+
+    stdlib = sysconfig.get_path("stdlib")
+    _copy_stdlib(stdlib, os.path.join(dest, "lib", binary_name))
+    platstdlib = sysconfig.get_path("platstdlib")
+    dynload = os.path.join(platstdlib, "lib-dynload")
+    if os.path.isdir(dynload) and not os.path.exists(os.path.join(dest, "lib", binary_name, "lib-dynload")):
+        shutil.copytree(dynload, os.path.join(dest, "lib", binary_name, "lib-dynload"))
+    include = sysconfig.get_path("include")
+    if os.path.isdir(include):
+        shutil.copytree(include, os.path.join(dest, "include", os.path.basename(include)))
+    else:
+        print(f"python_env_builder: warning: no C headers at {include}; C++ builds will fail", file=sys.stderr)
+
+    site_dir = _site_dir_relative()
+    site_path = os.path.join(dest, site_dir)
+    os.makedirs(site_path, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
+         "--no-warn-script-location", "--target", site_path, "-r", args.lock],
+        check=True,
+    )
+    # Console scripts pip wrote carry the host interpreter's path in their shebang: nothing runs them.
+    shutil.rmtree(os.path.join(site_path, "bin"), ignore_errors=True)
+    removed = _remove_uncarriable(dest)
+    _replace_symlinks(dest)
+
+    # Compiled by the copied interpreter, so the .pyc files match the binary that reads them; some
+    # files in packages are templates or data that do not compile, which compileall reports and skips.
+    subprocess.run(
+        [os.path.join(dest, "bin", "python3"), "-m", "compileall", "-q", "-q", "-j", "0",
+         "--invalidation-mode", "unchecked-hash", os.path.join(dest, "lib", binary_name), site_path],
+        check=False,
+    )
+    probe = subprocess.run(
+        [os.path.join(dest, "bin", "python3"), "-c", "import sys, torch, pytest; print(sys.prefix)"],
+        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
+    )
+    if probe.returncode != 0 or os.path.realpath(probe.stdout.strip()) != os.path.realpath(dest):
+        raise SystemExit(f"python_env_builder: the copied interpreter does not run from {dest}:\n{probe.stdout}{probe.stderr}")
+
+    with open(os.path.join(dest, "layout.json"), "w") as layout:
+        json.dump({"interpreter": "bin/python3", "site_dir": site_dir, "version": version, "removed": removed}, layout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
