@@ -1,0 +1,230 @@
+"""The time a redistribution step or plan takes on a mesh: alpha + bytes / beta per collective.
+
+Pure pricing over a ``shardwise.mesh`` cost profile (``shardwise.mesh._cost_profile``); nothing here
+communicates, and nothing here is used by the planner or strategy choice yet.
+
+Units: ``nbytes`` is what one rank *receives* in the collective, exactly as the planner counts a
+step's ``bytes_per_rank`` (so beta is nccl-tests' bus bandwidth), or, for ``local_copy``, the bytes
+a rank copies locally (chunking, padding, trimming, zero-filling).
+
+Which profile: the ``profile`` argument (a ``CostProfile``, a built-in name or a JSON path) if
+given, else ``$SHARDWISE_COST_PROFILE``, else the default of the mesh's backend (``gloo-loopback``
+for gloo, ``nccl`` for NCCL: intra-node figures, inter-node ones for groups that span nodes);
+``shardwise.mesh._cost_profile.active_cost_profile`` is the one place that decides.
+
+How to wire it in (left to the planner's owner; the exact edits)
+----------------------------------------------------------------
+
+1. **Planner** (``_redistribute_plan.find_cheapest_plan``): today an edge's weight is
+   ``step.bytes_per_rank``. Make it ``price(step)`` with ``price = StepPricer(mesh, profile)``
+   built once per (mesh, profile): ``StepPricer.step_time(kind, mesh_dims, bytes_per_rank,
+   local_copy_bytes)``. Compare paths by the tuple ``(total time, number of collectives,
+   PyTorch-order rank)`` so ties go to fewer collectives, then to PyTorch's choice. The search
+   needs the mesh (node spans, calibrated per-dim tables) where it now takes ``mesh_shape``: pass the
+   pricer instead, and add ``pricer.cache_key`` (profile identity + per-dim (alpha, beta)) to
+   ``_ProblemKey`` and the by-spec key, so a changed profile never hands out a plan priced by the old one.
+   Keep ``plan_bytes_per_rank`` for the byte figures the tests assert.
+2. **Strategy choice** (sharding propagation's "cheapest redistribution of the inputs"): replace
+   ``redistribute_cost_bytes(src, dst)`` by ``plan_time(plan_redistribute(src, dst), src.mesh)``.
+3. **Local copies**: a step that pads before a collective and trims after, or chunks locally, adds
+   ``local_copy`` of the bytes it copies (``step_time(..., local_copy_bytes=...)``).
+
+When the bytes lower bound is also the time optimum
+---------------------------------------------------
+
+A plan with fewer bytes but ``k`` more collectives beats the alternative iff the bytes it saves
+exceed ``k * alpha * beta`` (``bytes_worth_one_collective``). So the fewest-bytes plan is also the
+fastest once the saved bytes per extra collective exceed alpha * beta; the alternatives the planner
+weighs differ by a fixed fraction of the tensor (typically (p-1)/p of a local shard), so from a
+tensor size of about ``alpha * beta * p / (p - 1)`` per extra collective on bandwidth decides:
+
+* gloo on loopback (measured here, 4 ranks on the loaded 2-core machine): alpha * beta ~ 1.0 MB
+  (reduce-scatter), 1.5 MB (all-gather), 5.1 MB (all-to-all), 6.7 MB (all-reduce); so below a
+  few MB per rank fewer collectives win, and almost every tensor of the toy Transformer is below.
+* NCCL within an H100 node (published busbw, assumed alphas): 8 ranks, all-gather 15 us x 360 GB/s
+  ~ 5.4 MB; all-reduce 17 us x 460 GB/s ~ 7.8 MB.
+* NCCL across nodes (NDR InfiniBand, 40 GB/s busbw): 8 ranks 29 us x 40 GB/s ~ 1.2 MB.
+
+``crossover_table`` prints these for any profile and group size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch.distributed as dist
+
+from shardwise.mesh._cost_profile import COLLECTIVE_KINDS, CostProfile, active_cost_profile
+
+__all__ = [
+    "StepPricer",
+    "bytes_worth_one_collective",
+    "collective_time",
+    "crossover_table",
+    "plan_time",
+    "priced_kind",
+]
+
+# The planner's step kinds (``StepKind.value``), priced as the collective that runs them.
+_KIND_OF_STEP = {
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all": "all_to_all",
+    "local_copy": "local_copy",
+    "joint_all_to_all": "all_to_all",
+    "joint_reduce_scatter": "reduce_scatter",
+    "joint_all_to_all_reduce": "all_to_all",
+    # Local steps copy (or zero-fill) their output on the rank's device.
+    "local_chunk": "local_copy",
+    "local_partial": "local_copy",
+    "shard_to_partial": "local_copy",
+}
+# Changes nothing but the label (a mesh dim of size 1): free.
+_FREE_KINDS = frozenset({"relabel"})
+
+
+def priced_kind(kind: object) -> str | None:
+    """The collective kind that prices a step kind (a ``StepKind`` or its value); None for free steps."""
+    value = str(getattr(kind, "value", kind))
+    if value in _FREE_KINDS:
+        return None
+    priced = _KIND_OF_STEP.get(value)
+    if priced is None:
+        raise ValueError(f"no price for step kind {value!r}; known: {sorted(_KIND_OF_STEP) + sorted(_FREE_KINDS)}")
+    return priced
+
+
+def _mesh_backend(mesh: Any) -> str | None:
+    """The c10d backend of the mesh's groups, or None where the mesh has none (test doubles, outside ranks)."""
+    get_group = getattr(mesh, "get_group", None)
+    if get_group is None or not dist.is_initialized():
+        return None
+    try:
+        return str(dist.get_backend(get_group(0)))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+def _profile_for(mesh: Any, profile: CostProfile | str | os.PathLike[str] | None) -> CostProfile:
+    if isinstance(profile, CostProfile):
+        return profile
+    return active_cost_profile(profile, backend=_mesh_backend(mesh))
+
+
+def _dims(mesh_dim: int | Sequence[int]) -> tuple[int, ...]:
+    return (mesh_dim,) if isinstance(mesh_dim, int) else tuple(mesh_dim)
+
+
+def collective_time(
+    kind: object,
+    nbytes: float,
+    mesh: Any,
+    mesh_dim: int | Sequence[int],
+    *,
+    profile: CostProfile | str | os.PathLike[str] | None = None,
+) -> float:
+    """Seconds one ``kind`` collective over ``mesh_dim`` (a dim, or several jointly) takes when a rank receives ``nbytes``.
+
+    ``kind``: a collective kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``,
+    ``local_copy``) or a planner step kind. A group of one rank moves nothing: only a local copy costs.
+    """
+    if nbytes < 0:
+        raise ValueError(f"collective_time: nbytes must be >= 0, got {nbytes}")
+    priced = priced_kind(kind)
+    if priced is None:
+        return 0.0
+    chosen = _profile_for(mesh, profile)
+    cost, group_size = chosen.cost(priced, mesh, _dims(mesh_dim))
+    if priced != "local_copy" and group_size <= 1:
+        return 0.0
+    return cost.time(nbytes, group_size)
+
+
+def bytes_worth_one_collective(
+    kind: str, mesh: Any, mesh_dim: int | Sequence[int], *, profile: CostProfile | str | os.PathLike[str] | None = None
+) -> float:
+    """alpha * beta: the received bytes that take as long as one collective's latency on that dim.
+
+    A plan that saves more bytes than this per extra collective it issues is the faster one.
+    """
+    chosen = _profile_for(mesh, profile)
+    cost, group_size = chosen.cost(kind, mesh, _dims(mesh_dim))
+    return cost.alpha(group_size) * cost.beta_bytes_per_s
+
+
+@dataclass(frozen=True)
+class StepPricer:
+    """Prices planner steps on one mesh under one profile (what the planner would build once and reuse)."""
+
+    mesh: Any
+    profile: CostProfile
+
+    @staticmethod
+    def for_mesh(mesh: Any, profile: CostProfile | str | os.PathLike[str] | None = None) -> StepPricer:
+        return StepPricer(mesh, _profile_for(mesh, profile))
+
+    def step_time(self, kind: object, mesh_dims: int | Sequence[int], bytes_per_rank: float, local_copy_bytes: float = 0.0) -> float:
+        priced = priced_kind(kind)
+        if priced is None:
+            return 0.0
+        if priced == "local_copy":
+            return collective_time("local_copy", bytes_per_rank + local_copy_bytes, self.mesh, mesh_dims, profile=self.profile)
+        seconds = collective_time(priced, bytes_per_rank, self.mesh, mesh_dims, profile=self.profile)
+        if local_copy_bytes:
+            seconds += collective_time("local_copy", local_copy_bytes, self.mesh, mesh_dims, profile=self.profile)
+        return seconds
+
+    @property
+    def cache_key(self) -> tuple[object, ...]:
+        """What a cached plan priced by this pricer depends on besides the specs."""
+        shape = tuple(int(size) for size in self.mesh.shape)
+        per_dim = tuple(
+            (kind, dim, self.profile.alpha(kind, self.mesh, dim), self.profile.beta(kind, self.mesh, dim))
+            for dim in range(len(shape))
+            for kind in COLLECTIVE_KINDS
+        )
+        return (self.profile.name, shape, per_dim)
+
+
+def plan_time(plan: Iterable[Any], mesh: Any, *, profile: CostProfile | str | os.PathLike[str] | None = None) -> float:
+    """Seconds a redistribution plan takes: the sum of its steps' times.
+
+    A step is read by duck typing (the planner's ``RedistributeStep``): ``kind``, ``bytes_per_rank``
+    and ``mesh_dims`` (joint steps) or ``mesh_dim``.
+    """
+    pricer = StepPricer.for_mesh(mesh, profile)
+    total = 0.0
+    for step in plan:
+        dims = getattr(step, "mesh_dims", None) or (step.mesh_dim,)
+        total += pricer.step_time(step.kind, tuple(dims), step.bytes_per_rank)
+    return total
+
+
+def crossover_table(profile: CostProfile, group_sizes: Sequence[int], mesh: Any | None = None) -> list[tuple[str, int, float]]:
+    """(kind, group size, alpha * beta bytes) for each collective kind and group size, on a 1-D mesh of that size."""
+    rows = []
+    for size in group_sizes:
+        line = mesh if mesh is not None else _LineMesh(size)
+        for kind in COLLECTIVE_KINDS:
+            if kind == "local_copy":
+                continue
+            rows.append((kind, size, bytes_worth_one_collective(kind, line, 0, profile=profile)))
+    return rows
+
+
+@dataclass(frozen=True)
+class _LineMesh:
+    """A 1-D mesh shape without processes, for pricing by group size alone."""
+
+    size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.size,)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return None

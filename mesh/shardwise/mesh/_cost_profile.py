@@ -1,0 +1,352 @@
+"""How long collectives take on a mesh: a latency-bandwidth profile per collective kind and mesh dim.
+
+A collective of ``kind`` over the group of one mesh dim (or several dims jointly) takes
+
+    time = alpha(kind, dim) + bytes / beta(kind, dim)
+    alpha(kind, dim) = alpha_s + alpha_per_peer_s * (group size - 1)
+
+where ``bytes`` is what one rank *receives* in it, counted as the redistribute planner counts a
+step's ``bytes_per_rank`` ((p-1)/p of the gathered tensor for an all-gather, 2(p-1)/p of the tensor
+for an all-reduce, ...). In those units ``beta`` is what nccl-tests calls *bus bandwidth* (busbw),
+so published nccl-tests figures plug in directly. ``local_copy`` prices the copies a step makes on
+its own device (chunking, padding, trimming): ``bytes`` copied, ``beta`` the copy bandwidth.
+
+A profile holds one ``CollectiveCost`` per kind for groups within a node, optionally another set for
+groups that span nodes, and optionally per-mesh-dim tables written by ``shardwise.tools.calibrate``,
+which measured them on the user's own mesh. ``active_cost_profile`` is the one place that decides
+which profile is in force (argument > ``SHARDWISE_COST_PROFILE`` > the backend's default).
+
+Pure: no process group is touched; a mesh is only read for its dim names, sizes and the ranks along
+a dim (to tell whether a group spans nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from shardwise.mesh._errors import MeshError
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COST_PROFILE_ENV_VAR",
+    "BUILTIN_PROFILES",
+    "CollectiveCost",
+    "CostProfile",
+    "active_cost_profile",
+    "load_cost_profile",
+]
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "local_copy")
+COST_PROFILE_ENV_VAR = "SHARDWISE_COST_PROFILE"
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """alpha + bytes / beta, with alpha growing by ``alpha_per_peer_s`` for every further group member."""
+
+    alpha_s: float
+    beta_bytes_per_s: float
+    alpha_per_peer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.alpha_s >= 0 and self.alpha_per_peer_s >= 0 and self.beta_bytes_per_s > 0):
+            raise MeshError(
+                f"a collective cost needs alpha_s >= 0, alpha_per_peer_s >= 0 and beta_bytes_per_s > 0, got {self}"
+            )
+
+    def alpha(self, group_size: int) -> float:
+        return self.alpha_s + self.alpha_per_peer_s * max(group_size - 1, 0)
+
+    def time(self, received_bytes: float, group_size: int) -> float:
+        return self.alpha(group_size) + received_bytes / self.beta_bytes_per_s
+
+
+class MeshLike(Protocol):
+    """What pricing reads from a mesh (shardwise's ``DeviceMesh``, PyTorch's, or a test double)."""
+
+    @property
+    def shape(self) -> Any: ...
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None: ...
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Per-kind collective costs, within a node and across nodes, plus calibrated per-dim tables.
+
+    ``dim_costs`` maps a mesh dim's name (or its index as text, e.g. ``"0"``) to per-kind costs;
+    where present they win, since they were measured on that dim. ``ranks_per_node`` tells which
+    groups span nodes (ranks ``r`` and ``s`` share a node when ``r // ranks_per_node == s //
+    ranks_per_node``, torchrun's layout); None reads ``LOCAL_WORLD_SIZE`` and, without it, treats every
+    group as within one node.
+    """
+
+    name: str
+    source: str
+    costs: Mapping[str, CollectiveCost]
+    inter_node_costs: Mapping[str, CollectiveCost] | None = None
+    dim_costs: Mapping[str, Mapping[str, CollectiveCost]] = field(default_factory=dict)
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        tables = [("costs", self.costs)]
+        if self.inter_node_costs is not None:
+            tables.append(("inter_node_costs", self.inter_node_costs))
+        tables += [(f"dim_costs[{dim!r}]", table) for dim, table in self.dim_costs.items()]
+        for label, table in tables:
+            unknown = sorted(set(table) - set(COLLECTIVE_KINDS))
+            if unknown:
+                raise MeshError(f"cost profile {self.name!r}: {label} names unknown kinds {unknown}; known: {COLLECTIVE_KINDS}")
+        missing = [kind for kind in COLLECTIVE_KINDS if kind not in self.costs]
+        if missing:
+            raise MeshError(f"cost profile {self.name!r}: costs lacks {missing}; every kind needs a default cost")
+
+    # ------------------------------------------------------------------------------ pricing
+
+    def cost(self, kind: str, mesh: MeshLike, mesh_dims: int | Sequence[int]) -> tuple[CollectiveCost, int]:
+        """(the cost that applies, the group size) for ``kind`` over ``mesh_dims`` (one dim or several jointly)."""
+        if kind not in COLLECTIVE_KINDS:
+            raise MeshError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+        dims = (mesh_dims,) if isinstance(mesh_dims, int) else tuple(mesh_dims)
+        shape = tuple(int(size) for size in mesh.shape)
+        for dim in dims:
+            if not -len(shape) <= dim < len(shape):
+                raise MeshError(f"mesh dim {dim} is out of range for a mesh of shape {shape}")
+        group_size = 1
+        for dim in dims:
+            group_size *= shape[dim]
+        if len(dims) == 1:
+            calibrated = self._calibrated(kind, mesh, dims[0] % len(shape))
+            if calibrated is not None:
+                return calibrated, group_size
+        if self.inter_node_costs is not None and kind in self.inter_node_costs and self._spans_nodes(mesh, dims):
+            return self.inter_node_costs[kind], group_size
+        return self.costs[kind], group_size
+
+    def alpha(self, kind: str, mesh: MeshLike, mesh_dims: int | Sequence[int]) -> float:
+        cost, group_size = self.cost(kind, mesh, mesh_dims)
+        return cost.alpha(group_size)
+
+    def beta(self, kind: str, mesh: MeshLike, mesh_dims: int | Sequence[int]) -> float:
+        cost, _ = self.cost(kind, mesh, mesh_dims)
+        return cost.beta_bytes_per_s
+
+    def _calibrated(self, kind: str, mesh: MeshLike, dim: int) -> CollectiveCost | None:
+        names = mesh.mesh_dim_names
+        for key in ((names[dim],) if names else ()) + (str(dim),):
+            table = self.dim_costs.get(key)
+            if table is not None and kind in table:
+                return table[kind]
+        return None
+
+    def _spans_nodes(self, mesh: MeshLike, dims: tuple[int, ...]) -> bool:
+        per_node = self.ranks_per_node if self.ranks_per_node is not None else _local_world_size()
+        if per_node is None:
+            return False
+        ranks = _ranks_along(mesh, dims)
+        return ranks is not None and len({rank // per_node for rank in ranks}) > 1
+
+    # -------------------------------------------------------------------------- persistence
+
+    def to_json(self) -> dict[str, Any]:
+        def table(costs: Mapping[str, CollectiveCost]) -> dict[str, dict[str, float]]:
+            return {
+                kind: {"alpha_s": c.alpha_s, "alpha_per_peer_s": c.alpha_per_peer_s, "beta_bytes_per_s": c.beta_bytes_per_s}
+                for kind, c in costs.items()
+            }
+
+        return {
+            "format": "shardwise-cost-profile",
+            "version": _FORMAT_VERSION,
+            "name": self.name,
+            "source": self.source,
+            "ranks_per_node": self.ranks_per_node,
+            "costs": table(self.costs),
+            "inter_node_costs": None if self.inter_node_costs is None else table(self.inter_node_costs),
+            "dim_costs": {dim: table(costs) for dim, costs in self.dim_costs.items()},
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any], where: str = "cost profile") -> CostProfile:
+        if data.get("format") != "shardwise-cost-profile" or data.get("version") != _FORMAT_VERSION:
+            raise MeshError(
+                f"{where} is not a shardwise cost profile of version {_FORMAT_VERSION} "
+                f"(format={data.get('format')!r}, version={data.get('version')!r}); write it with "
+                "`python -m shardwise.tools.calibrate`"
+            )
+
+        def table(raw: Mapping[str, Any], label: str) -> dict[str, CollectiveCost]:
+            try:
+                return {
+                    kind: CollectiveCost(
+                        alpha_s=float(entry["alpha_s"]),
+                        beta_bytes_per_s=float(entry["beta_bytes_per_s"]),
+                        alpha_per_peer_s=float(entry.get("alpha_per_peer_s", 0.0)),
+                    )
+                    for kind, entry in raw.items()
+                }
+            except (KeyError, TypeError, ValueError) as error:
+                raise MeshError(f"{where}: {label} is malformed ({error!r}); expected kind -> {{alpha_s, beta_bytes_per_s}}") from None
+
+        inter = data.get("inter_node_costs")
+        per_node = data.get("ranks_per_node")
+        return CostProfile(
+            name=str(data.get("name", where)),
+            source=str(data.get("source", "")),
+            costs=table(data.get("costs", {}), "costs"),
+            inter_node_costs=None if inter is None else table(inter, "inter_node_costs"),
+            dim_costs={str(dim): table(costs, f"dim_costs[{dim!r}]") for dim, costs in data.get("dim_costs", {}).items()},
+            ranks_per_node=None if per_node is None else int(per_node),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as handle:
+            json.dump(self.to_json(), handle, indent=1, sort_keys=True)
+            handle.write("\n")
+
+
+def _local_world_size() -> int | None:
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _ranks_along(mesh: MeshLike, dims: tuple[int, ...]) -> list[int] | None:
+    """Global ranks of this rank's group over ``dims``, or None where the mesh cannot tell."""
+    grid = getattr(mesh, "mesh", None)
+    coordinate = mesh.get_coordinate() if hasattr(mesh, "get_coordinate") else None
+    if not isinstance(grid, torch.Tensor) or coordinate is None:
+        return None
+    index: list[Any] = [slice(None) if dim in dims else int(value) for dim, value in enumerate(coordinate)]
+    return [int(rank) for rank in grid[tuple(index)].reshape(-1).tolist()]
+
+
+# ---------------------------------------------------------------------------------- defaults
+#
+# gloo on loopback, measured here with `python -m shardwise.tools.calibrate --nproc N --sizes
+# 1K,16K,256K,1M,4M --iters 15|20` for N = 2 and 4 (1-D mesh), twice each, on the shared 2-core CPU
+# machine under load (load average 9-12). Means of the two runs (alpha us / beta GB/s):
+#   2 ranks: all_gather 932 / 0.307, reduce_scatter 1386 / 0.285, all_reduce 625 / 0.694,
+#            all_to_all 631 / 0.713, local copy 2.7 / 33.4
+#   4 ranks: all_gather 4392 / 0.364, reduce_scatter 8023 / 0.138, all_reduce 8446 / 0.854,
+#            all_to_all 7408 / 0.749, local copy 2.0 / 19.8
+# alpha grows faster than the number of peers here (4 processes share 2 cores, so latency is mostly
+# waiting to be scheduled): a straight line through both sizes would need a negative base, so alpha
+# is fitted as alpha_per_peer * (p - 1) through zero (least squares over p = 2, 4). beta is the
+# 4-rank figure (what this project's 4-rank runs see). Run-to-run spread on this machine is about 2x.
+_GLOO_LOOPBACK = CostProfile(
+    name="gloo-loopback",
+    source=(
+        "measured: shardwise.tools.calibrate, gloo over loopback, 2 and 4 ranks, shared 2-core CPU machine "
+        "under load (torch 2.13); alpha = alpha_per_peer * (p - 1) fitted over p = 2, 4; beta from 4 ranks"
+    ),
+    costs={
+        "all_gather": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=1411e-6, beta_bytes_per_s=0.364e9),
+        "reduce_scatter": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2545e-6, beta_bytes_per_s=0.138e9),
+        "all_reduce": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2596e-6, beta_bytes_per_s=0.854e9),
+        "all_to_all": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2286e-6, beta_bytes_per_s=0.749e9),
+        "local_copy": CollectiveCost(alpha_s=2.3e-6, beta_bytes_per_s=26.6e9),
+    },
+)
+
+# NCCL on H100 SXM nodes (8 GPUs on NVSwitch, one 400 Gb/s NDR InfiniBand NIC per GPU), from
+# published figures, not measured here:
+# * intra-node all-reduce busbw 460-480 GB/s at large sizes on 8xH100 SXM5 (nccl-tests reference
+#   table, docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests); NVLink 4 is 450 GB/s per
+#   direction per GPU (NVIDIA H100 datasheet: 900 GB/s bidirectional). All-gather, reduce-scatter and
+#   all-to-all use no NVLink SHARP reduction, so we take 80% of the line rate (360 GB/s) for them.
+# * inter-node: NDR InfiniBand is 400 Gb/s = 50 GB/s per GPU; the reference tables above expect
+#   40-50 GB/s busbw for IB NDR, we take 40 GB/s.
+# * alpha: small-message NCCL collectives take some 10-30 us on 8 GPUs in nccl-tests runs; we take
+#   8 us + 1 us per peer within a node and 15 us + 2 us per peer across nodes (assumed, to be
+#   replaced by `shardwise.tools.calibrate` on the user's cluster).
+# * local copy: H100 HBM3 3.35 TB/s (datasheet); a copy reads and writes, so 1.5 TB/s of bytes copied,
+#   5 us kernel launch.
+_NVLINK_BUSBW_REDUCE = 460e9
+_NVLINK_BUSBW_MOVE = 360e9
+_IB_NDR_BUSBW = 40e9
+_NCCL_SOURCE = (
+    "published figures (not measured here): 8xH100 SXM5 nccl-tests busbw 460-480 GB/s all-reduce "
+    "(docs.alayanew.com nccl-tests reference table), NVLink 4 450 GB/s/direction (NVIDIA H100 datasheet), "
+    "NDR InfiniBand 400 Gb/s per GPU with 40-50 GB/s busbw expected; alphas assumed; calibrate to replace"
+)
+_NCCL_INTRA = {
+    "all_gather": CollectiveCost(alpha_s=8e-6, alpha_per_peer_s=1e-6, beta_bytes_per_s=_NVLINK_BUSBW_MOVE),
+    "reduce_scatter": CollectiveCost(alpha_s=8e-6, alpha_per_peer_s=1e-6, beta_bytes_per_s=_NVLINK_BUSBW_MOVE),
+    "all_reduce": CollectiveCost(alpha_s=10e-6, alpha_per_peer_s=1e-6, beta_bytes_per_s=_NVLINK_BUSBW_REDUCE),
+    "all_to_all": CollectiveCost(alpha_s=8e-6, alpha_per_peer_s=1e-6, beta_bytes_per_s=_NVLINK_BUSBW_MOVE),
+    "local_copy": CollectiveCost(alpha_s=5e-6, beta_bytes_per_s=1.5e12),
+}
+_NCCL_INTER = {
+    kind: CollectiveCost(alpha_s=15e-6, alpha_per_peer_s=2e-6, beta_bytes_per_s=_IB_NDR_BUSBW)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+}
+_NCCL_INTRA_NODE = CostProfile(name="nccl-intra-node", source=_NCCL_SOURCE, costs=_NCCL_INTRA)
+_NCCL_INTER_NODE = CostProfile(
+    name="nccl-inter-node", source=_NCCL_SOURCE, costs={**_NCCL_INTER, "local_copy": _NCCL_INTRA["local_copy"]}
+)
+# NCCL's default: intra-node costs for groups within a node, inter-node ones for groups that span
+# nodes (told apart by LOCAL_WORLD_SIZE, or ranks_per_node in a calibrated profile).
+_NCCL = CostProfile(name="nccl", source=_NCCL_SOURCE, costs=_NCCL_INTRA, inter_node_costs=_NCCL_INTER)
+
+BUILTIN_PROFILES: Mapping[str, CostProfile] = {
+    profile.name: profile for profile in (_GLOO_LOOPBACK, _NCCL, _NCCL_INTRA_NODE, _NCCL_INTER_NODE)
+}
+# Which built-in profile a backend gets when nothing else is chosen.
+_DEFAULT_FOR_BACKEND = {"gloo": "gloo-loopback", "nccl": "nccl", "fake": "gloo-loopback", "threaded": "gloo-loopback"}
+
+_loaded_files: dict[tuple[str, float], CostProfile] = {}
+
+
+def load_cost_profile(name_or_path: str | os.PathLike[str]) -> CostProfile:
+    """A built-in profile by name, or a JSON profile file (cached until the file changes)."""
+    text = os.fspath(name_or_path)
+    builtin = BUILTIN_PROFILES.get(text)
+    if builtin is not None:
+        return builtin
+    try:
+        modified = os.stat(text).st_mtime
+    except OSError:
+        raise MeshError(
+            f"cost profile {text!r} is neither a built-in profile ({sorted(BUILTIN_PROFILES)}) nor a readable "
+            "JSON file; write one with `python -m shardwise.tools.calibrate --output PATH`"
+        ) from None
+    cached = _loaded_files.get((text, modified))
+    if cached is not None:
+        return cached
+    try:
+        with open(text) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise MeshError(f"cost profile file {text!r} could not be read as JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise MeshError(f"cost profile file {text!r} holds {type(data).__name__}, expected a JSON object")
+    profile = CostProfile.from_json(data, where=f"cost profile file {text!r}")
+    _loaded_files[(text, modified)] = profile
+    return profile
+
+
+def active_cost_profile(
+    explicit: CostProfile | str | os.PathLike[str] | None = None, *, backend: str | None = None
+) -> CostProfile:
+    """The profile in force: ``explicit`` if given, else ``$SHARDWISE_COST_PROFILE``, else the backend's default.
+
+    ``explicit`` and the variable take a built-in name (``gloo-loopback``, ``nccl``,
+    ``nccl-intra-node``, ``nccl-inter-node``) or the path of a JSON profile. ``backend`` is the
+    mesh's c10d backend (``"gloo"``, ``"nccl"``, ...); unknown or None falls back to gloo's profile.
+    This is the only place that reads the variable.
+    """
+    if isinstance(explicit, CostProfile):
+        return explicit
+    if explicit is not None:
+        return load_cost_profile(explicit)
+    chosen = os.environ.get(COST_PROFILE_ENV_VAR, "").strip()
+    if chosen:
+        return load_cost_profile(chosen)
+    return BUILTIN_PROFILES[_DEFAULT_FOR_BACKEND.get((backend or "gloo").lower(), "gloo-loopback")]
