@@ -103,6 +103,7 @@ class _GroupRegistry:
     def __init__(self) -> None:
         self._world: weakref.ref[dist.ProcessGroup] | None = None
         self._backend = ""
+        self._world_size = 0
         self._groups: dict[_GroupKey, weakref.ref[dist.ProcessGroup] | None] = {}
 
     def _follow_world(self) -> dist.ProcessGroup:
@@ -111,8 +112,13 @@ class _GroupRegistry:
             # Groups of an earlier default process group are dead; their names may even be reused.
             self._world = weakref.ref(world)
             self._backend = dist.get_backend_config(world)
-            self._groups = {(self._backend, tuple(range(world.size()))): weakref.ref(world)}
+            self._world_size = world.size()
+            self._groups = {}
         return world
+
+    def _is_whole_world(self, ranks: tuple[int, ...]) -> bool:
+        # Not kept as a registry key: at 16,384 ranks that tuple alone would hold ~0.6 MB per process.
+        return len(ranks) == self._world_size and ranks == tuple(range(self._world_size))
 
     def _live(self, key: _GroupKey, reference: weakref.ref[dist.ProcessGroup] | None) -> dist.ProcessGroup:
         group = None if reference is None else reference()
@@ -129,6 +135,8 @@ class _GroupRegistry:
     def member_group(self, ranks: tuple[int, ...], my_rank: int, description: str) -> dist.ProcessGroup:
         """The group over ``ranks`` (group rank order; they hold ``my_rank``), created by members only."""
         world = self._follow_world()
+        if self._is_whole_world(ranks):
+            return world
         key = (self._backend, ranks)
         reference = self._groups.get(key, _MISSING)
         if reference is not _MISSING:  # one lookup: hashing a 16,384-rank key is not free
@@ -144,6 +152,9 @@ class _GroupRegistry:
         world = self._follow_world()
         mine: dist.ProcessGroup | None = None
         for ranks in sub_groups:
+            if self._is_whole_world(ranks):
+                mine = world if my_rank in ranks else mine
+                continue
             key = (self._backend, ranks)
             if key not in self._groups:
                 created = _create_by_whole_world(world, ranks, my_rank, description)
@@ -156,11 +167,14 @@ class _GroupRegistry:
         """Drop every record of the groups (the next use starts from the current default group)."""
         self._world = None
         self._backend = ""
+        self._world_size = 0
         self._groups = {}
 
     def lookup_by_name(self, group_name: str) -> dist.ProcessGroup | None:
         """A registered group (or the default group) by its c10d name, for unpickling meshes."""
-        self._follow_world()
+        world = self._follow_world()
+        if world.group_name == group_name:
+            return world
         for reference in self._groups.values():
             group = None if reference is None else reference()
             if group is not None and group.group_name == group_name:
@@ -168,7 +182,7 @@ class _GroupRegistry:
         return None
 
     def member_group_count(self) -> int:
-        """How many groups this rank holds records of (the default group included)."""
+        """How many groups this rank holds records of (the default group, always reused, not counted)."""
         return len(self._groups)
 
 
