@@ -34,13 +34,15 @@ def recorded_misses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Hashable, Any
     """Every cache miss of dispatch: (the key it built, the op, the spec args, the spec kwargs)."""
     clear_all_caches()
     misses: list[tuple[Hashable, Any, tuple[Any, ...], dict[str, Any]]] = []
-    real = dispatch._decide
+    real = dispatch.decide_on_miss
 
-    def recording(op: Any, key: tuple[Any, ...], spec_args: tuple[Any, ...], spec_kwargs: dict[str, Any]) -> Any:
+    def recording(
+        op: Any, key: tuple[Any, ...], args: Any, kwargs: Any, spec_args: tuple[Any, ...], spec_kwargs: dict[str, Any]
+    ) -> Any:
         misses.append((key, op, spec_args, spec_kwargs))
-        return real(op, key, spec_args, spec_kwargs)
+        return real(op, key, args, kwargs, spec_args, spec_kwargs)
 
-    monkeypatch.setattr(dispatch, "_decide", recording)
+    monkeypatch.setattr(dispatch, "decide_on_miss", recording)
     return misses
 
 

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise.dtensor_ops._dispatch as dispatch
-import shardwise.dtensor_ops._sharding_prop as sharding_prop
+import shardwise.dtensor_ops._decision_pipeline as pipeline
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._decision_cache import call_key, decision_cache_size
-from shardwise.dtensor_ops._sharding_prop import OpDecision
+from shardwise.dtensor_ops._decision import OpDecision
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
 from shardwise.testing import multi_rank
@@ -39,21 +39,21 @@ def as_dtensor(value: object) -> DTensor:
 
 @contextlib.contextmanager
 def scripted_rules(rules: dict[Any, Rule], calls: list[Any]) -> Iterator[None]:
-    """Replace the rule engine: ``rules[op](spec_args, spec_kwargs)`` decides; every call is recorded."""
-    real = dispatch.propagate_op_sharding
+    """Replace the spec deciders: ``rules[op](spec_args, spec_kwargs)`` decides; every call is recorded."""
+    real = pipeline.decide_from_specs
 
-    def scripted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, key: Any = None) -> OpDecision:
+    def scripted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpDecision:
         calls.append((op, args, kwargs))
         if op in rules:
-            return rules[op](args, kwargs)
-        return real(op, args, kwargs, key=key)
+            return rules[op](args, kwargs).for_op(op)
+        return real(op, args, kwargs)
 
     clear_all_caches()
-    dispatch.propagate_op_sharding = scripted  # type: ignore[assignment]
+    pipeline.decide_from_specs = scripted  # type: ignore[assignment]
     try:
         yield
     finally:
-        dispatch.propagate_op_sharding = real
+        pipeline.decide_from_specs = real
         clear_all_caches()
 
 
@@ -120,28 +120,28 @@ def test_a_miss_builds_its_key_once_and_propagation_gets_the_same_key() -> None:
     x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
     built: list[Any] = []
     handed: list[Any] = []
-    real_call_key = sharding_prop.call_key
-    real_propagate = dispatch.propagate_op_sharding
+    real_call_key = pipeline.call_key
+    real_decide_on_miss = dispatch.decide_on_miss
 
     def counting_call_key(*args: Any, **kwargs: Any) -> Any:
         key = real_call_key(*args, **kwargs)
         built.append(key)
         return key
 
-    def recording(op: Any, args: Any, kwargs: Any, *, key: Any = None) -> OpDecision:
+    def recording(op: Any, key: Any, *rest: Any) -> Any:
         handed.append(key)
-        return real_propagate(op, args, kwargs, key=key)
+        return real_decide_on_miss(op, key, *rest)
 
     clear_all_caches()
-    sharding_prop.call_key = counting_call_key  # type: ignore[assignment]
-    dispatch.propagate_op_sharding = recording  # type: ignore[assignment]
+    pipeline.call_key = counting_call_key  # type: ignore[assignment]
+    dispatch.decide_on_miss = recording  # type: ignore[assignment]
     try:
-        flat = as_dtensor(x * 3.0)  # the flat path
-        general = as_dtensor(torch.add(x, x, alpha=2))  # kwargs: the general path
+        flat = as_dtensor(x * 3.0)  # the flat reader
+        general = as_dtensor(torch.add(x, x, alpha=2))  # kwargs: the nested reader
     finally:
-        sharding_prop.call_key = real_call_key  # type: ignore[assignment]
-        dispatch.propagate_op_sharding = real_propagate
-    # Two misses: each handed its own key on, and propagation built none.
+        pipeline.call_key = real_call_key  # type: ignore[assignment]
+        dispatch.decide_on_miss = real_decide_on_miss
+    # Two misses: each handed its own key on, and the pipeline built none.
     assert built == []
     assert handed == [
         call_key(aten.mul.Tensor, (x._spec, 3.0)),

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
-from shardwise.dtensor_ops._sharding_prop import _run_on_meta
+from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
 from shardwise.testing import Attention, DTensorOpTestBase, FakeMesh, ModelArgs, multi_rank

@@ -18,7 +18,9 @@ import torch
 from shardwise.dtensor_ops import DeviceMesh, Partial, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._ops.indexing import advanced_index_layout, slice_bounds
-from shardwise.dtensor_ops._sharding_prop import ShardingPropagationError, _run_on_meta, decide_op_sharding
+from shardwise.dtensor_ops._decision_pipeline import decide_from_specs as decide_op_sharding
+from shardwise.dtensor_ops._propagation import ShardingPropagationError
+from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta
 from shardwise.testing import DTensorOpTestBase, FakeMesh

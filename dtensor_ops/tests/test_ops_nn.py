@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._ops.nn_ops import RowShardedEmbeddingLookup
-from shardwise.dtensor_ops._sharding_prop import _run_on_meta, propagate_op_sharding
+from shardwise.dtensor_ops._decision_pipeline import propagate_op_sharding
+from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, split_tensor
 from shardwise.testing import DTensorOpTestBase, FakeMesh, multi_rank

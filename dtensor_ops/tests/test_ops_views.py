@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DeviceMesh, Partial, Replicate, Shard, distribute_tensor
 from shardwise.dtensor_ops._ops import rule_for
-from shardwise.dtensor_ops._sharding_prop import _run_on_meta
+from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import DTensorSpec, TensorMeta, _StridedShard
 from shardwise.testing import Attention, DTensorOpTestBase, DTensorTestBase, FakeMesh, ModelArgs, with_comms

@@ -16,14 +16,11 @@ import torch
 from shardwise.dtensor_ops._ops import OneDimStrategy, OpCall, rule_for
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._decision_cache import KWARGS_MARK
-from shardwise.dtensor_ops._sharding_prop import (
-    OpDecision,
-    ShardingPropagationError,
-    decide_op_sharding,
-    propagate_op_sharding,
-    sharding_cache_key,
-    sharding_cache_size,
-)
+from shardwise.dtensor_ops._decision import OpDecision
+from shardwise.dtensor_ops._decision_pipeline import decide_from_specs as decide_op_sharding
+from shardwise.dtensor_ops._decision_pipeline import propagate_op_sharding
+from shardwise.dtensor_ops._propagation import ShardingPropagationError
+from shardwise.dtensor_ops._sharding_prop import sharding_cache_key, sharding_cache_size
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 from shardwise.testing import FakeMesh
 

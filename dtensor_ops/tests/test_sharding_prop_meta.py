@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shardwise.dtensor_ops._ops import registered_ops, rule_for
-from shardwise.dtensor_ops._sharding_prop import _run_on_meta
+from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 from shardwise.testing import FakeMesh
 
@@ -259,7 +259,7 @@ def test_every_simple_registered_op_agrees_with_meta_tensors(op: torch._ops.OpOv
 def test_propagating_the_linear_ops_does_not_import_dynamo_or_sympy() -> None:
     script = """
 import sys, torch
-from shardwise.dtensor_ops._sharding_prop import propagate_op_sharding
+from shardwise.dtensor_ops._decision_pipeline import propagate_op_sharding
 from shardwise.placement import DTensorSpec, Replicate, Shard, Partial, TensorMeta
 from dataclasses import dataclass
 @dataclass(frozen=True)

@@ -117,36 +117,13 @@ print("imported", 1 + len(modules), "modules of shardwise.{package}")
     assert "imported" in run.stdout
 
 
-def test_dtensor_ops_wheel_carries_the_compiled_fast_path(tmp_path: pathlib.Path) -> None:
-    # Its C++ module makes it a platform wheel: tagged for the pinned interpreter, and the C++ path
-    # loads from the installed package (nothing of the source tree or Bazel's outputs on the path).
-    wheel = next(w for w in WHEELS if _distribution(w) == "shardwise-dtensor-ops")
-    python = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    assert wheel.name.split("-")[2:4] == [python, python], wheel.name
-    with zipfile.ZipFile(wheel) as archive:
-        names = archive.namelist()
-        wheel_file = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
-    assert "shardwise/dtensor_ops/_fastpath_ext.so" in names
-    assert "Root-Is-Purelib: false" in wheel_file and f"Tag: {python}-{python}-" in wheel_file
-    assert not [n for n in names if n.endswith(".so") and n != "shardwise/dtensor_ops/_fastpath_ext.so"]
-
-    by_name = {_distribution(w): w for w in WHEELS}
-    target = tmp_path / "site"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(target),
-         *(str(by_name[name]) for name in ("shardwise-dtensor-ops", "shardwise-mesh", "shardwise-placement"))],
-        env=_pip_env(), capture_output=True, text=True,
-    )
-    assert install.returncode == 0, install.stdout + install.stderr
-    probe = f"""
-import sys
-sys.path.insert(0, {str(target)!r})
-from shardwise.dtensor_ops import _dispatch, _fastpath
-module = _fastpath.extension()
-assert module is not None and module.__file__.startswith({str(target)!r}), module
-print("fast path", _dispatch._cpp_hit is not None)
-"""
-    env = {k: v for k, v in os.environ.items() if k not in ("SHARDWISE_FASTPATH_EXT", "SHARDWISE_DISPATCH_FASTPATH")}
-    run = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "fast path True" in run.stdout, run.stdout
+def test_every_wheel_is_pure_python() -> None:
+    # dispatch's C++ cache hit was removed (it saved under 10 % of the per-op overhead, see
+    # dtensor_ops/README.md): no package ships a compiled module, so every wheel is py3-none-any.
+    for wheel in WHEELS:
+        assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+        with zipfile.ZipFile(wheel) as archive:
+            names = archive.namelist()
+            wheel_file = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+        assert not [n for n in names if n.endswith(".so")], (wheel.name, names)
+        assert "Root-Is-Purelib: true" in wheel_file, wheel_file

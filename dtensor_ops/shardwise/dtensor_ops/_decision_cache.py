@@ -22,7 +22,7 @@ layouts, so eviction order does not matter.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,7 +41,12 @@ __all__ = [
     "call_key",
     "decision_cache_size",
     "float_values_matter",
+    "PROPAGATION_COUNTS",
+    "PropagationCacheInfo",
+    "clear_decisions",
+    "propagation_cache_info",
     "key_part",
+    "lookup_decision",
     "remember_decision",
 ]
 
@@ -49,11 +54,15 @@ MAX_CACHED_DECISIONS = 1 << 16
 
 DECISIONS: dict[Hashable, OpDecision] = register_cache({}, module=__name__, attribute="DECISIONS", rank_local=True)
 
-# [hits, misses] of dispatch's own lookups in DECISIONS on the Python path (the C++ fast path counts
-# the hits it serves itself: _fastpath.cpp_hit_count).  debug._get_fast_path_sharding_prop_cache_stats
+# [hits, misses] of dispatch's lookups in DECISIONS.  debug._get_fast_path_sharding_prop_cache_stats
 # reports them and the debug clear functions zero them.  Process-wide (rank threads share the counts):
 # a list bumped in place costs a few tens of ns per op, a per-rank mapping would cost a lookup.
 DISPATCH_LOOKUPS: list[int] = [0, 0]
+
+# {"hits", "misses"} of the decision pipeline's own entries: a dispatch miss it decides, a direct
+# propagate_op_sharding call (what PyTorch's ShardingPropagator cache_info counts).  Rank-local, like
+# the decisions it counts; off the hot path.
+PROPAGATION_COUNTS: dict[str, int] = register_cache({}, module=__name__, attribute="PROPAGATION_COUNTS", rank_local=True)
 
 # Non-tensor argument types whose value is its own key part.
 SELF_KEYED_TYPES: frozenset[type] = frozenset(
@@ -120,6 +129,29 @@ def call_key(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str
     return tuple(parts)
 
 
+def lookup_decision(key: Hashable) -> OpDecision | None:
+    """The cached decision under ``key``, or None (also when ``key`` holds symbolic sizes, which do not hash:
+    torch.compile tracing with dynamic shapes decides such calls afresh, which costs nothing in eager)."""
+    try:
+        return DECISIONS.get(key)
+    except TypeError:
+        if not _has_symbolic_value(key):
+            raise TypeError(f"an argument is not hashable, so its sharding decision cannot be cached: {key!r}") from None
+        return None
+
+
+def _has_symbolic_value(key_part: object) -> bool:
+    """Whether a cache key holds a SymInt/SymFloat/SymBool (directly, in a spec's metadata or in a list)."""
+    if isinstance(key_part, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(key_part, DTensorSpec):
+        meta = key_part.tensor_meta
+        return meta is not None and _has_symbolic_value((*meta.shape, *meta.stride))
+    if isinstance(key_part, (tuple, list)):
+        return any(_has_symbolic_value(item) for item in key_part)
+    return False
+
+
 def remember_decision(key: Hashable, decision: OpDecision) -> None:
     if len(DECISIONS) >= MAX_CACHED_DECISIONS:
         DECISIONS.clear()
@@ -131,3 +163,24 @@ def remember_decision(key: Hashable, decision: OpDecision) -> None:
 
 def decision_cache_size() -> int:
     return len(DECISIONS)
+
+
+class PropagationCacheInfo(NamedTuple):
+    """functools' cache statistics, for the decision pipeline's own entries (PyTorch's debug helpers)."""
+
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
+def propagation_cache_info() -> PropagationCacheInfo:
+    return PropagationCacheInfo(
+        PROPAGATION_COUNTS.get("hits", 0), PROPAGATION_COUNTS.get("misses", 0), MAX_CACHED_DECISIONS, len(DECISIONS)
+    )
+
+
+def clear_decisions() -> None:
+    """Forget every cached decision and the pipeline's counts (dispatch's counts: see ``debug``)."""
+    DECISIONS.clear()
+    PROPAGATION_COUNTS.clear()

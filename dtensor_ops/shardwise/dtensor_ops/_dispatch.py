@@ -31,45 +31,20 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
 from ._caches import register_cache
 from ._decision import WRAP_INPLACE, WRAP_NESTED, WRAP_OUT, WRAP_PASSTHROUGH, WRAP_TENSOR, OpDecision
-from ._decision_cache import (
-    DECISIONS,
-    DISPATCH_LOOKUPS,
-    KWARGS_MARK,
-    SELF_KEYED_TYPES,
-    float_values_matter,
-    key_part,
-    remember_decision,
-)
+from ._decision_cache import DECISIONS, DISPATCH_LOOKUPS, KWARGS_MARK, SELF_KEYED_TYPES, float_values_matter, key_part
+from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
-from ._op_handlers import HANDLERS_BY_OP_ID, UNKEYED_HANDLERS_BY_OP_ID, OpHandler
+from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
 from ._random import run_random_op
 from ._redistribute import redistribute_local_tensor
-from ._sharding_prop import propagate_op_sharding
 from ._wrapper import wrap_local_tensor
-from ._fastpath import fast_hit
 
 __all__ = ["torch_dispatch"]
 
 _Tensor = torch.Tensor
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _TYPE_TAGGED_TYPES: frozenset[type] = frozenset({float, bool, complex})
-# The C++ cache hit of the flat fast path (key, lookup, local call and wrapper of a simple decision;
-# None hands the call back here), or None for pure Python (SHARDWISE_DISPATCH_FASTPATH, _fastpath).
-_cpp_hit = fast_hit(DTensor)
-
-
-def _decide(
-    op: torch._ops.OpOverload, key: tuple[Any, ...], spec_args: tuple[Any, ...], spec_kwargs: dict[str, Any]
-) -> OpDecision:
-    """Stage (b) on a miss: the engine's decision, completed for ``op`` and cached under ``key``.
-
-    ``key`` is the one dispatch just missed (``call_key``'s key of this call): handed on so that
-    propagation neither builds it again nor needs another key builder.
-    """
-    decision = propagate_op_sharding(op, spec_args, spec_kwargs, key=key).for_op(op)
-    remember_decision(key, decision)
-    return decision
 
 
 _scalar_spec_cache: dict[tuple[DeviceMesh, torch.dtype], DTensorSpec[DeviceMesh]] = register_cache(
@@ -233,23 +208,6 @@ def _check_input_count(prepared: OpDecision, count: int) -> None:
 # -- the entry point -----------------------------------------------------------------------
 
 
-def _ask(handlers: tuple[OpHandler, ...], func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for handler in handlers:
-        handled = handler(func, args, kwargs)
-        if handled is not NotImplemented:
-            return handled
-    return NotImplemented
-
-
-def _ask_on_miss(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """On a decision-cache miss: the handlers that decline by key (those that do not were asked before the cache)."""
-    op_id = id(func)
-    handlers = HANDLERS_BY_OP_ID.get(op_id)
-    if handlers is None or op_id in UNKEYED_HANDLERS_BY_OP_ID:
-        return NotImplemented
-    return _ask(handlers, func, args, kwargs)
-
-
 def torch_dispatch(
     cls: type,
     func: torch._ops.OpOverload,
@@ -257,84 +215,90 @@ def torch_dispatch(
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
 ) -> Any:
-    """``DTensor.__torch_dispatch__``: run ``func`` on DTensors.
+    """``DTensor.__torch_dispatch__``: run ``func`` on DTensors (the one path every op takes).
 
-    Flat fast path for positional arguments that are DTensors, 0-dim plain tensors
-    (Python scalars), ints/None/strings/dtypes, floats/bools and lists of ints;
-    anything else (kwargs, tensor lists, other plain tensors) takes the general path.
+    Read the call (key, specs, local tensors), look the decision up once, on a miss ask the decision
+    pipeline, then execute.  Reading has a flat loop for the common call (positional DTensors, 0-dim
+    plain tensors, ints, strings, dtypes, floats, bools, lists of ints) and :func:`_read_nested` for
+    the rest; both give the key ``_decision_cache.call_key`` defines.
     """
-    if UNKEYED_HANDLERS_BY_OP_ID:
-        handlers = UNKEYED_HANDLERS_BY_OP_ID.get(id(func))
-        if handlers is not None:
-            handled = _ask(handlers, func, args, kwargs or {})
-            if handled is not NotImplemented:
-                return handled
-    if kwargs:
-        return _dispatch_general(func, args, kwargs)
-    if _cpp_hit is not None and not _moved_view_copies:
-        hit = _cpp_hit(func, args)
-        if hit is not None:
-            return hit
-    local_args = list(args)
-    spec_args = list(args)
-    tagged_positions: list[int] | None = None
-    scalar_positions: list[int] | None = None
-    position = 0
-    for arg in args:
-        arg_type = type(arg)
-        if arg_type is DTensor:
-            local_args[position] = arg._local_tensor
-            spec_args[position] = arg._spec
-        elif arg_type in SELF_KEYED_TYPES:
-            pass
-        elif arg_type in _TYPE_TAGGED_TYPES or arg_type is list:
-            if arg_type is list:
-                for item in arg:
-                    if type(item) is not int:
-                        return _dispatch_general(func, args, {})
-            if tagged_positions is None:
-                tagged_positions = [position]
-            else:
-                tagged_positions.append(position)
-        elif arg_type is _Tensor and arg.dim() == 0:
-            if scalar_positions is None:
-                scalar_positions = [position]
-            else:
-                scalar_positions.append(position)
-        else:
-            return _dispatch_general(func, args, {})
-        position += 1
-    if scalar_positions is not None:
-        mesh = _find_mesh(args)
-        if mesh is None:
-            return _dispatch_general(func, args, {})
-        for position in scalar_positions:
-            spec_args[position] = _replicated_spec_for_plain_tensor(func, args[position], mesh)
-    if tagged_positions is not None:
-        keep_floats = float_values_matter(func)
-        key_parts = spec_args.copy()
-        for position in tagged_positions:
-            key_parts[position] = key_part(spec_args[position], keep_floats)
-        key = (func, *key_parts)
-    else:
-        # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
-        key = (func, *spec_args)
-    try:
-        prepared = DECISIONS.get(key)
-    except TypeError:
-        # Symbolic (SymInt) shapes while torch.compile traces: unhashable, so decided afresh (free in eager).
-        prepared = None
-    if prepared is None:
-        DISPATCH_LOOKUPS[1] += 1  # a miss
-        handled = _ask_on_miss(func, args, {})
+    if UNKEYED_HANDLERS_BY_OP_ID:  # decider 1 has handlers for some op: asked before the cache
+        handled = ask_before_cache(func, args, kwargs or {})
         if handled is not NotImplemented:
-            return handled
-        prepared = _decide(func, key, tuple(spec_args), {})
+            return handled.result
+    spec_kwargs: dict[str, Any] = _NO_KWARGS
+    local_kwargs: dict[str, Any] = _NO_KWARGS
+    if kwargs:
+        key, spec_args, local_args, spec_kwargs, local_kwargs = _read_nested(func, args, kwargs)
     else:
+        local_args = list(args)
+        spec_args = list(args)
+        tagged_positions: list[int] | None = None
+        scalar_positions: list[int] | None = None
+        nested = False
+        position = 0
+        for arg in args:
+            arg_type = type(arg)
+            if arg_type is DTensor:
+                local_args[position] = arg._local_tensor
+                spec_args[position] = arg._spec
+            elif arg_type in SELF_KEYED_TYPES:
+                pass
+            elif arg_type in _TYPE_TAGGED_TYPES or arg_type is list:
+                if arg_type is list:
+                    for item in arg:
+                        if type(item) is not int:
+                            nested = True
+                            break
+                if tagged_positions is None:
+                    tagged_positions = [position]
+                else:
+                    tagged_positions.append(position)
+            elif arg_type is _Tensor and arg.dim() == 0:
+                if scalar_positions is None:
+                    scalar_positions = [position]
+                else:
+                    scalar_positions.append(position)
+            else:
+                nested = True
+            if nested:
+                break
+            position += 1
+        if nested:
+            key, spec_args, local_args, spec_kwargs, local_kwargs = _read_nested(func, args, {})
+        else:
+            if scalar_positions is not None:
+                mesh = _find_mesh(args)
+                if mesh is None:
+                    raise RuntimeError(f"{func}: DTensor dispatch was called without any DTensor argument")
+                for position in scalar_positions:
+                    spec_args[position] = _replicated_spec_for_plain_tensor(func, args[position], mesh)
+            if tagged_positions is not None:
+                keep_floats = float_values_matter(func)
+                key_parts = spec_args.copy()
+                for position in tagged_positions:
+                    key_parts[position] = key_part(spec_args[position], keep_floats)
+                key = (func, *key_parts)
+            else:
+                # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
+                key = (func, *spec_args)
+    try:
+        found = DECISIONS.get(key)
+    except TypeError:
+        # Symbolic (SymInt) sizes while torch.compile traces: unhashable, so decided afresh (free in eager).
+        found = None
+    if found is None:
+        DISPATCH_LOOKUPS[1] += 1  # a miss
+        decided = decide_on_miss(func, key, args, kwargs or {}, tuple(spec_args), spec_kwargs)
+        if isinstance(decided, Handled):
+            return decided.result
+        prepared = decided
+    else:
+        prepared = found
         DISPATCH_LOOKUPS[0] += 1  # a hit
-    if prepared.simple:
-        # wrap_local_tensor's construction, inlined from the decision's precomputed shape and stride: this line
-        # runs for nearly every op of a training step and the call costs ~0.2 µs (bench_dispatch_overhead).
+    if prepared.simple and not local_kwargs:
+        # The common hit: run and wrap one tensor (wrap_result's WRAP_TENSOR branch, inlined: it runs for
+        # nearly every op of a training step and the call costs ~0.2 µs, bench_dispatch_overhead).
         result = prepared.call(*local_args)  # type: ignore[misc]
         wrapped = _make_wrapper_subclass(
             DTensor,
@@ -351,24 +315,50 @@ def torch_dispatch(
         if _moved_view_copies and prepared.views_first_argument and _is_moved_view(args[0]):
             _mark_moved_view(wrapped)
         return wrapped
+    return _execute(prepared, args, kwargs or _NO_KWARGS, spec_args, local_args, spec_kwargs, local_kwargs)
+
+
+_NO_KWARGS: dict[str, Any] = {}
+
+
+def _execute(
+    prepared: OpDecision,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    spec_args: list[Any],
+    local_args: list[Any],
+    spec_kwargs: dict[str, Any],
+    local_kwargs: dict[str, Any],
+) -> Any:
+    """Stage (c) for every decision but the simple one: moved-view check, redistribution of the inputs
+    whose target differs, argument overrides, the local call (through the random plan if any), wrapping."""
     if _moved_view_copies and prepared.written:
-        _refuse_writes_into_moved_views(prepared, args, {})
+        _refuse_writes_into_moved_views(prepared, args, kwargs)
     if prepared.needs_redistribute:
-        slot = 0
-        input_specs = prepared.input_specs
-        _check_input_count(prepared, sum(1 for spec in spec_args if isinstance(spec, DTensorSpec)))
-        for position, spec in enumerate(spec_args):
-            if isinstance(spec, DTensorSpec):
-                target = input_specs[slot]
-                if target != spec:
-                    _refuse_mutated_redistribute(prepared, position, spec, target)
-                    local_args[position] = redistribute_local_tensor(local_args[position], spec, target)
-                slot += 1
-    for where, value in prepared.local_arg_overrides:
-        local_args[where] = value  # type: ignore[index]
+        # Slots in flattened order: positional args (into lists), then kwargs.
+        slots: list[tuple[Any, Any, DTensorSpec[DeviceMesh], int | str]] = []
+        for position, spec_value in enumerate(spec_args):
+            _collect_slots(spec_value, local_args, position, position, slots)
+        for name, spec_value in spec_kwargs.items():
+            _collect_slots(spec_value, local_kwargs, name, name, slots)
+        _check_input_count(prepared, len(slots))
+        for (container, index, current, location), target in zip(slots, prepared.input_specs):
+            if target != current:
+                _refuse_mutated_redistribute(prepared, location, current, target)
+                container[index] = redistribute_local_tensor(container[index], current, target)
+    if prepared.local_arg_overrides:
+        if local_kwargs is _NO_KWARGS:
+            local_kwargs = {}
+        for where, value in prepared.local_arg_overrides:
+            if isinstance(where, int):
+                local_args[where] = value
+            else:
+                local_kwargs[where] = value
     if prepared.random_plan is not None:
-        return _finish(prepared, run_random_op(prepared.random_plan, prepared.call, local_args, {}), args, {})  # type: ignore[arg-type]
-    return _finish(prepared, prepared.call(*local_args), args, {})  # type: ignore[misc]
+        result = run_random_op(prepared.random_plan, prepared.call, local_args, local_kwargs)  # type: ignore[arg-type]
+    else:
+        result = prepared.call(*local_args, **local_kwargs)  # type: ignore[misc]
+    return _finish(prepared, result, args, kwargs)
 
 
 class _ArgConverter:
@@ -429,7 +419,11 @@ def _collect_slots(
             _collect_slots(item, local_items, item_index, location, slots)
 
 
-def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _read_nested(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], list[Any], list[Any], dict[str, Any], dict[str, Any]]:
+    """The call read whatever its arguments hold (kwargs, tensor lists, plain tensors): its key, specs
+    and local values, positional then keyword (``_decision_cache.call_key``'s key)."""
     mesh = _find_mesh(args)
     if mesh is None:
         mesh = _find_mesh(kwargs.values())
@@ -454,41 +448,4 @@ def _dispatch_general(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs
         local_kwargs[name] = local_value
         key_parts.append(name)
         key_parts.append(key_value)
-    key = tuple(key_parts)
-    try:
-        prepared = DECISIONS.get(key)
-    except TypeError:
-        prepared = None
-    if prepared is None:
-        DISPATCH_LOOKUPS[1] += 1  # a miss
-        handled = _ask_on_miss(func, args, kwargs)
-        if handled is not NotImplemented:
-            return handled
-        prepared = _decide(func, key, tuple(spec_args), spec_kwargs)
-    else:
-        DISPATCH_LOOKUPS[0] += 1  # a hit
-
-    if _moved_view_copies and prepared.written:
-        _refuse_writes_into_moved_views(prepared, args, kwargs)
-    if prepared.needs_redistribute:
-        # Slots in flattened order: positional args (into lists), then kwargs.
-        slots: list[tuple[Any, Any, DTensorSpec[DeviceMesh], int | str]] = []
-        for position, spec_value in enumerate(spec_args):
-            _collect_slots(spec_value, local_args, position, position, slots)
-        for name, spec_value in spec_kwargs.items():
-            _collect_slots(spec_value, local_kwargs, name, name, slots)
-        _check_input_count(prepared, len(slots))
-        for (container, index, current, location), target in zip(slots, prepared.input_specs):
-            if target != current:
-                _refuse_mutated_redistribute(prepared, location, current, target)
-                container[index] = redistribute_local_tensor(container[index], current, target)
-    for where, value in prepared.local_arg_overrides:
-        if isinstance(where, int):
-            local_args[where] = value
-        else:
-            local_kwargs[where] = value
-    if prepared.random_plan is not None:
-        result = run_random_op(prepared.random_plan, prepared.call, local_args, local_kwargs)  # type: ignore[arg-type]
-    else:
-        result = prepared.call(*local_args, **local_kwargs)  # type: ignore[misc]
-    return _finish(prepared, result, args, kwargs)
+    return tuple(key_parts), spec_args, local_args, spec_kwargs, local_kwargs

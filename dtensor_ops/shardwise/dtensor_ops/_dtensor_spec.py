@@ -1,5 +1,11 @@
-"""PyTorch's ``torch.distributed.tensor._dtensor_spec`` names, from shardwise.placement."""
+"""PyTorch's ``torch.distributed.tensor._dtensor_spec``, at the same path: this module is ``_torch_compat.dtensor_spec``.
 
-from shardwise.placement import DTensorSpec, TensorMeta
+Importing it binds that module under this name too, so attributes, identity and monkeypatching are
+those of the one module that holds the names (see ``_torch_compat/__init__.py``).
+"""
 
-__all__ = ["DTensorSpec", "TensorMeta"]
+import sys
+
+from ._torch_compat import dtensor_spec
+
+sys.modules[__name__] = dtensor_spec

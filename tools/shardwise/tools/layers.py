@@ -51,18 +51,33 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_wrapper",
             "_strided_specs",
             "_extensions",
-            "_fastpath",
         ),
     ),
     ("planner", ("_redistribute_plan",)),
-    ("rules", ("_ops", "_op_schema")),
-    ("propagation", ("_sharding_prop",)),
+    ("rules", ("_ops",)),
+    ("propagation", ("_propagation", "_decision_pipeline")),
     ("collectives", ("_collectives",)),
     ("redistribution", ("_redistribute", "_src_data", "_strided_redistribute")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
-    ("API and factories", ("_api", "_factories", "experimental", "random", "debug", "_dtensor_spec", "_collective_utils", "_utils")),
+    ("API and factories", ("_api", "_factories", "experimental", "random", "debug")),
+    # PyTorch's semi-private surface: _torch_compat, and the modules at PyTorch's paths that are it.
+    (
+        "PyTorch compat",
+        (
+            "_torch_compat",
+            "_op_schema",
+            "_sharding_prop",
+            "_collective_utils",
+            "_utils",
+            "_dtensor_spec",
+            "_ops._view_ops",
+            "_ops.utils",
+            "_ops.single_dim_strategy",
+            "_ops._embedding_ops",
+        ),
+    ),
     ("wiring", ("",)),  # the package __init__
 )
 
@@ -201,11 +216,18 @@ def _dtensor_ops_layer(module: str) -> int | None:
     if module != prefix and not module.startswith(prefix + "."):
         return None
     relative = module[len(prefix) + 1 :]
-    top = relative.split(".")[0]
+    # The most specific member naming the module (or a package above it) gives its layer:
+    # "_ops.utils" (PyTorch compat) before "_ops" (rules).
+    best_index, best_length = -1, -1
     for index, (_, members) in enumerate(DTENSOR_OPS_LAYERS):
-        if top in members:
-            return index
-    return -1
+        for member in members:
+            if member == "":
+                matches = relative == ""
+            else:
+                matches = relative == member or relative.startswith(member + ".")
+            if matches and len(member) > best_length:
+                best_index, best_length = index, len(member)
+    return best_index
 
 
 def product_import_graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:

@@ -23,7 +23,7 @@ from shardwise.placement import DTensorSpec
 
 from .._dtensor import DTensor
 from .._op_handlers import OpHandler
-from .._sharding_prop import propagate_op_sharding
+from .._decision_pipeline import propagate_op_sharding
 
 __all__ = ["INPLACE_VIEW_HANDLERS"]
 

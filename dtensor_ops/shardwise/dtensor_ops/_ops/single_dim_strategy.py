@@ -1,26 +1,11 @@
-"""PyTorch's ``torch.distributed.tensor._ops.single_dim_strategy`` names: one-mesh-dim strategies.
+"""PyTorch's ``torch.distributed.tensor._ops.single_dim_strategy``, at the same path: this module is ``_torch_compat.single_dim_strategy``.
 
-A single-dim strategy function ``(op, args_meta, kwargs_meta) -> rows`` sees every tensor as its global
-``TensorMeta`` and lists the shardings valid on ONE mesh dim: each row the placements of the outputs,
-then of every tensor input, with ``_ShardingPlaceholder(dim)`` for "sharded on ``dim`` the way the inputs
-are".  Registered with :func:`register_single_dim_strategy`, it is expanded over every mesh dim and
-chosen like a registered op strategy (see ``shardwise.dtensor_ops._op_schema``).
+Importing it binds that module under this name too, so attributes, identity and monkeypatching are
+those of the one module that holds the names (see ``_torch_compat/__init__.py``).
 """
 
-from __future__ import annotations
+import sys
 
-from .._op_schema import (
-    SingleDimStrategyFunc,
-    _ShardingPlaceholder,
-    _SingleDimStrategyInfo,
-    expand_single_dim_strategy,
-    register_single_dim_strategy,
-)
+from .._torch_compat import single_dim_strategy
 
-__all__ = [
-    "SingleDimStrategyFunc",
-    "_ShardingPlaceholder",
-    "_SingleDimStrategyInfo",
-    "expand_single_dim_strategy",
-    "register_single_dim_strategy",
-]
+sys.modules[__name__] = single_dim_strategy

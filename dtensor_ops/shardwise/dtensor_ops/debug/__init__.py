@@ -21,42 +21,39 @@ def _get_python_sharding_prop_cache_info() -> Any:
     Dispatch consults the propagator only when its own lookup misses, so these count propagator
     calls, not dispatch's fast path (as in PyTorch).
     """
-    from .._sharding_prop import sharding_propagator
+    from .._decision_cache import propagation_cache_info
 
-    return sharding_propagator.propagate_op_sharding.cache_info()
+    return propagation_cache_info()
 
 
 def _clear_python_sharding_prop_cache() -> None:
     """Forget every cached sharding decision (the propagator and dispatch share one cache here)."""
-    from .._sharding_prop import sharding_propagator
+    from .._decision_cache import clear_decisions
 
-    sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_decisions()
 
 
 def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
     """(hits, misses) of DTensor dispatch's decision cache since the last clear (PyTorch's debug helper).
 
-    Every op dispatched on DTensors looks its decision up once: a hit is served by the C++ fast path
-    or the Python path (both counted), a miss is decided (or handed to an op handler).  Calls of
+    Every op dispatched on DTensors looks its decision up once: a hit is executed, a miss is decided
+    by the decision pipeline (or handed to an op handler).  Calls of
     ``ShardingPropagator.propagate_op_sharding`` made outside dispatch are not counted here (see
     :func:`_get_python_sharding_prop_cache_info`).  Reset by :func:`_clear_fast_path_sharding_prop_cache`
     and :func:`_clear_sharding_prop_cache`.  Counted per process: ranks run as threads share them.
     """
     from .._decision_cache import DISPATCH_LOOKUPS
-    from .._fastpath import cpp_hit_count
 
-    return DISPATCH_LOOKUPS[0] + cpp_hit_count(), DISPATCH_LOOKUPS[1]
+    return DISPATCH_LOOKUPS[0], DISPATCH_LOOKUPS[1]
 
 
 def _clear_fast_path_sharding_prop_cache() -> None:
     """Forget every cached sharding decision (one cache serves dispatch and the propagator here) and
     start :func:`_get_fast_path_sharding_prop_cache_stats` from (0, 0)."""
     from .._decision_cache import DECISIONS, DISPATCH_LOOKUPS
-    from .._fastpath import reset_cpp_hit_count
 
     DECISIONS.clear()
     DISPATCH_LOOKUPS[0] = DISPATCH_LOOKUPS[1] = 0
-    reset_cpp_hit_count()
 
 
 def _clear_sharding_prop_cache() -> None:

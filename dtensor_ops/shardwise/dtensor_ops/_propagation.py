@@ -1,0 +1,437 @@
+"""The rule engine: one op call decided by its sharding rule (a layer of the decision pipeline).
+
+Given the op's :class:`ShardingRule` and the call with every DTensor replaced by its spec,
+:func:`decide_with_rule` returns a plain-data :class:`OpDecision`:
+
+1. the call is sorted out (:func:`_prepare_call`): which DTensors the rule sees, which ones the op
+   writes (they must stay where they are), the outputs' global metadata (the rule's ``output_meta``,
+   else the op run once on meta tensors);
+2. a rule in *strategy* mode lists its valid strategies for ONE mesh dim; the n-D candidates are
+   their product over the mesh dims, filtered by the rule's exactness check, and the chosen one
+   needs the fewest bytes moved per rank to redistribute the inputs, then the fewest placements
+   changed, then comes first in enumeration order (deterministic on every rank); a rule in
+   *combined* mode chooses the n-D placements itself and is checked;
+3. the decision is completed with the local argument overrides, local kernel and random plan the
+   rule asks for (per simulated rank under torch's LocalTensorMode).
+
+What asks the engine, and in which order with the other deciders, is ``_decision_pipeline``.
+Pure: no collectives, no cache (the pipeline caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
+
+from ._decision import ArgPosition, OpDecision, OutputSpecs
+from ._ops import OneDimStrategy, OpCall, ShardingRule
+from ._random import plan_random_draw
+from ._redistribute_plan import redistribute_cost_bytes
+from ._rules import DecideFn, ShardingPropagationError
+from ._schema import schema_facts
+from ._simulated_kernels import local_arg_overrides_for_each_simulated_rank, local_kernel_for_each_simulated_rank
+
+__all__ = [
+    "ShardingPropagationError",
+    "collect_specs",
+    "decide_with_rule",
+    "describe_inputs",
+    "run_on_meta",
+]
+
+# --------------------------------------------------------------------------- decision
+
+
+def _describe_placements(spec: DTensorSpec[Any]) -> str:
+    if len(spec.placements) == 1:
+        return repr(spec.placements[0])
+    return "(" + ", ".join(repr(placement) for placement in spec.placements) + ")"
+
+
+def describe_inputs(specs: Sequence[DTensorSpec[Any]]) -> str:
+    return ", ".join(_describe_placements(spec) for spec in specs)
+
+
+def collect_specs(
+    op: torch._ops.OpOverload,
+    value: object,
+    position: ArgPosition,
+    specs: list[DTensorSpec[Any]],
+    positions: list[ArgPosition],
+) -> None:
+    if isinstance(value, DTensorSpec):
+        specs.append(value)
+        positions.append(position)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            collect_specs(op, item, position, specs, positions)
+    elif isinstance(value, torch.Tensor) and value.dim() > 0:
+        raise TypeError(
+            f"{op}: argument {position!r} is a plain torch.Tensor of shape {tuple(value.shape)} mixed with "
+            "DTensors; only 0-dim plain tensors (scalars) may be mixed in. Convert it with "
+            "distribute_tensor or DTensor.from_local first."
+        )
+
+
+def _meta_tensor(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="meta")
+
+
+def _to_meta(value: object) -> object:
+    if isinstance(value, DTensorSpec):
+        meta = value.tensor_meta
+        assert meta is not None
+        return _meta_tensor(meta.shape, meta.stride, meta.dtype)
+    if isinstance(value, torch.Tensor):
+        return _meta_tensor(value.shape, value.stride(), value.dtype)
+    if isinstance(value, list):
+        return [_to_meta(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_to_meta(item) for item in value)
+    return value
+
+
+def _tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)
+
+
+STRUCTURE_SINGLE, STRUCTURE_SEQUENCE, STRUCTURE_NONE = "single", "sequence", "none"
+
+
+def run_on_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[str, tuple[TensorMeta | None, ...]]:
+    """Global output metadata: the op run once on meta tensors of the inputs' global shapes."""
+    meta_args = [_to_meta(arg) for arg in args]
+    meta_kwargs = {name: _to_meta(value) for name, value in kwargs.items()}
+    if "device" in meta_kwargs:
+        meta_kwargs["device"] = torch.device("meta")  # never allocate the global tensor for real
+    if meta_kwargs.get("pin_memory"):
+        meta_kwargs["pin_memory"] = False
+    result = op(*meta_args, **meta_kwargs)
+    if isinstance(result, torch.Tensor):
+        return STRUCTURE_SINGLE, (_tensor_meta(result),)
+    if isinstance(result, (list, tuple)):
+        return STRUCTURE_SEQUENCE, tuple(_tensor_meta(item) if isinstance(item, torch.Tensor) else None for item in result)
+    return STRUCTURE_NONE, ()
+
+
+def _check_inputs(op: torch._ops.OpOverload, specs: Sequence[DTensorSpec[Any]]) -> None:
+    mesh = specs[0].mesh
+    for index, spec in enumerate(specs):
+        if spec.tensor_meta is None:
+            raise ValueError(f"{op}: the spec of DTensor argument {index} has no tensor_meta ({spec}); it is required")
+        if spec.mesh != mesh:
+            raise ValueError(
+                f"{op}: DTensor arguments live on different device meshes ({mesh!r} and {spec.mesh!r}); "
+                "expected all of them on the same mesh"
+            )
+
+
+def _check_strategy_shapes(
+    op: torch._ops.OpOverload, rule: ShardingRule, strategies: Sequence[OneDimStrategy], inputs: int, outputs: int
+) -> None:
+    for strategy in strategies:
+        if len(strategy.inputs) != inputs or len(strategy.outputs) != outputs:
+            raise AssertionError(
+                f"the {rule.family!r} rule gave {op} a strategy for {len(strategy.inputs)} inputs and "
+                f"{len(strategy.outputs)} outputs; the call has {inputs} DTensor inputs and {outputs} outputs"
+            )
+
+
+def _fits_written_tensors(
+    strategy: OneDimStrategy,
+    mesh_dim: int,
+    kept_inputs: Mapping[int, DTensorSpec[Any]],
+    kept_outputs: Mapping[int, DTensorSpec[Any]],
+) -> bool:
+    for index, spec in kept_inputs.items():
+        if strategy.inputs[index] != spec.placements[mesh_dim]:
+            return False
+    for index, spec in kept_outputs.items():
+        if strategy.outputs[index] != spec.placements[mesh_dim]:
+            return False
+    return True
+
+
+def _placements_of_output(combo: Sequence[OneDimStrategy], index: int) -> tuple[Placement, ...] | None:
+    placements: list[Placement] = []
+    for strategy in combo:
+        placement = strategy.outputs[index]
+        if placement is None:
+            if placements:
+                raise AssertionError(f"output {index} is a tensor on some mesh dims and not on others: {combo}")
+            return None
+        placements.append(placement)
+    return tuple(placements)
+
+
+def _prepare_call(
+    op: torch._ops.OpOverload,
+    rule: ShardingRule,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    specs: tuple[DTensorSpec[Any], ...],
+    positions: tuple[ArgPosition, ...],
+    decide: DecideFn,
+) -> OpCall:
+    """The call sorted out: its rule inputs, which DTensors the op writes, its output metadata."""
+    facts = schema_facts(op)
+    is_out_arg = tuple(position in facts.out_names for position in positions)
+    rule_specs = tuple(spec for spec, is_out in zip(specs, is_out_arg) if not is_out)
+    rule_positions = tuple(position for position, is_out in zip(positions, is_out_arg) if not is_out)
+    output_metas: tuple[TensorMeta | None, ...]
+    if not rule.tensor_outputs:
+        structure, output_metas = STRUCTURE_NONE, ()
+    elif rule.output_meta is None and rule.combined_decision is not None:
+        structure, output_metas = STRUCTURE_SEQUENCE, ()  # the combined decision gives them (see ShardingRule)
+    else:
+        computed = None if rule.output_meta is None else rule.output_meta(op, args, kwargs)
+        if isinstance(computed, TensorMeta):
+            structure, output_metas = STRUCTURE_SINGLE, (computed,)
+        elif computed is not None:  # several outputs (None for a non-tensor one)
+            structure, output_metas = STRUCTURE_SEQUENCE, computed
+        else:
+            structure, output_metas = run_on_meta(op, args, kwargs)
+    kept_inputs: dict[int, DTensorSpec[Any]] = {}
+    kept_outputs: dict[int, DTensorSpec[Any]] = {}
+    if facts.writes_first_argument:
+        # Every tensor of the written argument stays put: one for add_, a whole list for _foreach_add_.
+        for index, position in enumerate(rule_positions):
+            if position == 0:
+                kept_inputs[index] = rule_specs[index]
+        if output_metas:  # _foreach_add_ and friends return nothing
+            kept_outputs[0] = rule_specs[0]
+    for spec, position in zip(specs, positions):
+        if position in facts.out_names:
+            kept_outputs[facts.out_names.index(str(position))] = spec
+    return OpCall(
+        op=op,
+        args=tuple(args),
+        kwargs=dict(kwargs),
+        input_specs=rule_specs,
+        input_positions=rule_positions,
+        output_metas=output_metas,
+        partial_reduce_ops=frozenset(),
+        decide=decide,
+        all_specs=specs,
+        is_out_arg=is_out_arg,
+        structure=structure,
+        kept_inputs=kept_inputs,
+        kept_outputs=kept_outputs,
+        inplace=facts.writes_first_argument,
+    )
+
+
+def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall) -> list[list[OneDimStrategy]]:
+    """The rule's one-dim strategies for each mesh dim, less those that would move a written tensor."""
+    input_ndims = tuple(len(spec.shape) for spec in call.input_specs)
+    output_ndims = tuple(None if meta is None else len(meta.shape) for meta in call.output_metas)
+    # The rule is asked once per distinct set of Partial kinds found on a mesh dim (usually once).
+    asked: dict[frozenset[str], Sequence[OneDimStrategy]] = {}
+    per_mesh_dim = []
+    for mesh_dim in range(len(call.all_specs[0].placements)):
+        partials_here = frozenset(
+            placement.reduce_op
+            for spec in call.all_specs
+            if isinstance(placement := spec.placements[mesh_dim], Partial)
+        )
+        strategies = asked.get(partials_here)
+        if strategies is None:
+            assert rule.one_dim_strategies is not None, "rules without one_dim_strategies decide combined"
+            strategies = rule.one_dim_strategies(dataclasses.replace(call, partial_reduce_ops=partials_here))
+            _check_strategy_shapes(op, rule, strategies, len(call.input_specs), len(call.output_metas))
+            asked[partials_here] = strategies
+        fitting = [
+            s
+            for s in strategies
+            if _fits_written_tensors(s, mesh_dim, call.kept_inputs, call.kept_outputs)
+            and _shards_existing_dims(s, input_ndims, output_ndims)
+        ]
+        if not fitting:
+            written = ", ".join(
+                f"{'self' if index == 0 and call.inplace else 'out'}: {_describe_placements(spec)}"
+                for index, spec in call.kept_outputs.items()
+            )
+            raise ShardingPropagationError(
+                f"{op} cannot write its result into a DTensor with placements ({written}) on mesh dim {mesh_dim}: "
+                f"every sharding strategy of the {rule.family!r} rule would need it redistributed "
+                f"(inputs: {describe_inputs(call.all_specs)}): in-place operations that require placement changes "
+                "are not supported. Redistribute it first or use the out-of-place op."
+            )
+        per_mesh_dim.append(fitting)
+    return per_mesh_dim
+
+
+def _shards_existing_dims(
+    strategy: OneDimStrategy, input_ndims: Sequence[int], output_ndims: Sequence[int | None]
+) -> bool:
+    """Whether every Shard of the strategy names a dim its tensor has (a rule written for n-D inputs may
+    offer Shard(0) to a 0-dim argument; such a strategy cannot be run, so it is not a candidate)."""
+    for placement, ndim in zip(strategy.inputs, input_ndims):
+        if isinstance(placement, Shard) and not -ndim <= placement.dim < ndim:
+            return False
+    for output_placement, output_ndim in zip(strategy.outputs, output_ndims):
+        if isinstance(output_placement, Shard) and output_ndim is not None and not -output_ndim <= output_placement.dim < output_ndim:
+            return False
+    return True
+
+
+def _cheapest_combination(
+    op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
+) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
+    """Input and output placements of the exact n-D combination with the cheapest input redistribution.
+
+    Ranked by (bytes moved per rank, placements changed, enumeration order): free
+    local steps still lose to no step at all, and equal candidates resolve the same
+    way on every rank.
+    """
+    rule_specs = call.input_specs
+    best_rank: tuple[float, int, int] | None = None
+    best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
+    costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
+    for order, combo in enumerate(itertools.product(*per_mesh_dim)):
+        inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
+        outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
+        if rule.is_valid is not None and not rule.is_valid(call, inputs_nd, outputs_nd):
+            continue
+        moved = 0.0
+        changed = 0
+        for index, target in enumerate(inputs_nd):
+            current = rule_specs[index].placements
+            if target == current:
+                continue
+            cost = costs.get((index, target))
+            if cost is None:
+                cost = _redistribute_cost(rule_specs[index], target)
+                costs[(index, target)] = cost
+            moved += cost
+            changed += sum(1 for have, want in zip(current, target) if have != want)
+        rank = (moved, changed, order)
+        if best_rank is None or rank < best_rank:
+            best_rank, best = rank, (inputs_nd, outputs_nd)
+    if best_rank is None:
+        raise ShardingPropagationError(
+            f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({describe_inputs(call.all_specs)})"
+        )
+    return best
+
+
+def _check_combined_decision(
+    op: torch._ops.OpOverload,
+    rule: ShardingRule,
+    call: OpCall,
+    inputs: Sequence[tuple[Placement, ...]],
+    outputs: Sequence[tuple[Placement, ...] | None],
+) -> None:
+    """A combined decision covers every input and output, and leaves written tensors where they are."""
+    if len(inputs) != len(call.input_specs) or len(outputs) != len(call.output_metas):
+        raise AssertionError(
+            f"the {rule.family!r} rule decided {len(inputs)} inputs and {len(outputs)} outputs for {op}; "
+            f"the call has {len(call.input_specs)} DTensor inputs and {len(call.output_metas)} outputs"
+        )
+    for index, spec in call.kept_inputs.items():
+        if inputs[index] != spec.placements:
+            raise ShardingPropagationError(
+                f"{op} cannot keep the DTensor it writes (input {index}) at placements "
+                f"{_describe_placements(spec)}: the {rule.family!r} rule needs {inputs[index]} "
+                f"(inputs: {describe_inputs(call.all_specs)}). Redistribute it first or use the out-of-place op."
+            )
+    for index, spec in call.kept_outputs.items():
+        if outputs[index] != spec.placements:
+            raise ShardingPropagationError(
+                f"{op} cannot write its output {index} into a DTensor with placements "
+                f"{_describe_placements(spec)}: the {rule.family!r} rule produces {outputs[index]} "
+                f"(inputs: {describe_inputs(call.all_specs)})"
+            )
+
+
+def decide_with_rule(
+    op: torch._ops.OpOverload,
+    rule: ShardingRule,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    specs: tuple[DTensorSpec[Any], ...],
+    positions: tuple[ArgPosition, ...],
+    decide: DecideFn,
+) -> OpDecision:
+    """``rule``'s decision for ``op(*args, **kwargs)`` (DTensors given as specs; ``specs``/``positions``:
+    every one of them in flattened argument order, from :func:`collect_specs`).  ``decide``: the
+    pipeline's cached decision for other calls (what rules composed of per-element decisions ask)."""
+    _check_inputs(op, specs)
+    mesh = specs[0].mesh
+
+    call = _prepare_call(op, rule, args, kwargs, specs, positions, decide)
+    if rule.combined_decision is not None:
+        best_inputs, best_outputs, given_metas = rule.combined_decision(call)
+        if rule.tensor_outputs and rule.output_meta is None:
+            if given_metas is None:
+                raise AssertionError(
+                    f"the {rule.family!r} rule has no output_meta, so its combined decision for {op} must give the "
+                    "outputs' metadata"
+                )
+            call = dataclasses.replace(call, output_metas=tuple(given_metas))
+        _check_combined_decision(op, rule, call, best_inputs, best_outputs)
+    else:
+        best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
+
+    rule_targets = iter(
+        spec if spec.placements == target else spec.with_placements(target)
+        for spec, target in zip(call.input_specs, best_inputs)
+    )
+    input_targets = tuple(spec if is_out else next(rule_targets) for spec, is_out in zip(specs, call.is_out_arg))
+
+    flat_outputs: list[DTensorSpec[Any] | None] = []
+    for index, (meta, placements) in enumerate(zip(call.output_metas, best_outputs)):
+        if meta is None or placements is None:
+            flat_outputs.append(None)
+        elif index in call.kept_outputs:
+            kept = call.kept_outputs[index]
+            if kept.tensor_meta is not None and kept.tensor_meta.shape != meta.shape:
+                raise ValueError(
+                    f"{op}: the written DTensor has global shape {tuple(kept.tensor_meta.shape)} but the result "
+                    f"has shape {tuple(meta.shape)}; resizing a DTensor in place is not supported"
+                )
+            flat_outputs.append(kept)
+        else:
+            flat_outputs.append(DTensorSpec(mesh, placements, meta))
+    output_specs: OutputSpecs
+    if call.structure == STRUCTURE_SINGLE:
+        output_specs = flat_outputs[0]
+    elif call.structure == STRUCTURE_SEQUENCE:
+        output_specs = tuple(flat_outputs)
+    else:
+        output_specs = None
+
+    overrides: tuple[tuple[ArgPosition, object], ...] = ()
+    if rule.local_arg_overrides is not None:
+        # Per simulated rank under torch's LocalTensorMode: a local size may depend on the coordinate.
+        overrides = local_arg_overrides_for_each_simulated_rank(
+            functools.partial(rule.local_arg_overrides, call, tuple(flat_outputs))
+        )
+    local_kernel = None
+    if rule.local_kernel is not None:
+        # Made per simulated rank under torch's LocalTensorMode: a kernel may depend on the coordinate.
+        local_kernel = local_kernel_for_each_simulated_rank(
+            functools.partial(rule.local_kernel, call, best_inputs, tuple(flat_outputs)), getattr(op, "_op", op)
+        )
+    return OpDecision(
+        output_specs=output_specs,
+        input_specs=input_targets,
+        needs_redistribute=any(target is not spec for target, spec in zip(input_targets, specs)),
+        local_arg_overrides=overrides,
+        local_kernel=local_kernel,
+        random_plan=plan_random_draw(op, rule.random, output_specs, input_targets),
+        op=op,
+    )
+
+
+def _redistribute_cost(spec: DTensorSpec[Any], target: tuple[Placement, ...]) -> float:
+    """Bytes per rank the redistribute planner's cheapest plan moves (the planner caches it)."""
+    return float(redistribute_cost_bytes(spec, spec.with_placements(target)))
