@@ -53,7 +53,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_extensions",
         ),
     ),
-    ("planner", ("_redistribute_plan",)),
+    ("planner", ("_cost_model", "_redistribute_plan")),
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline")),
     ("collectives", ("_collectives",)),
