@@ -37,8 +37,9 @@ def count_group_constructions() -> Iterator[GroupConstructions]:
     counts = GroupConstructions()
     original = c10d._new_process_group_helper
 
-    def counting(group_size: Any, group_rank: Any, global_ranks: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(group_size, group_rank, global_ranks, *args, **kwargs)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        global_ranks = args[2]  # (group_size, group_rank, global_ranks_in_group, ...)
         counts.ranks.append(list(global_ranks))
         group = result[0] if isinstance(result, tuple) else result
         if isinstance(group, dist.ProcessGroup):
