@@ -13,8 +13,8 @@ import torch
 
 import shardwise.dtensor_ops._dispatch as dispatch
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
-from shardwise.dtensor_ops._caches import clear_all_caches, rank_local_caches, registered_caches
-from shardwise.dtensor_ops._decision_cache import DECISIONS, call_key, decision_cache_size
+from shardwise.dtensor_ops._caches import RANK_CACHES, SHARED_CACHES, RankCaches, SharedCaches, clear_all_caches
+from shardwise.dtensor_ops._decision_cache import call_key, decision_cache_size
 from shardwise.dtensor_ops._op_handlers import custom_op_handlers, handlers_for, register_op_handler, unregister_op_handler
 from shardwise.dtensor_ops._schema import schema_facts
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
@@ -65,7 +65,7 @@ def test_fast_and_general_path_keys_are_the_key_builders_keys(
     assert len(recorded_misses) >= len(calls)
     for key, op, spec_args, spec_kwargs in recorded_misses:
         assert key == call_key(op, spec_args, spec_kwargs), op
-        assert DECISIONS.get(key) is not None, op
+        assert RANK_CACHES.decisions.get(key) is not None, op
 
 
 def test_float_values_of_value_blind_ops_share_one_entry_and_ints_do_not() -> None:
@@ -83,24 +83,22 @@ def test_foreach_elements_are_decided_through_the_same_cache() -> None:
     clear_all_caches()
     params = [on_fake_mesh(torch.ones(3)), on_fake_mesh(torch.ones(2, 2), Shard(0))]
     torch._foreach_add_(params, [on_fake_mesh(torch.ones(3)), on_fake_mesh(torch.ones(2, 2), Shard(0))])
-    ops = {key[0] for key in DECISIONS}  # type: ignore[index]
+    ops = {key[0] for key in RANK_CACHES.decisions}  # type: ignore[index]
     assert aten._foreach_add_.List in ops and aten.add_.Tensor in ops
     assert torch.equal(params[0].to_local(), torch.full((3,), 2.0))
 
 
-def test_one_function_clears_every_registered_cache() -> None:
+def test_one_function_clears_every_cache_of_the_two_cache_objects() -> None:
     x = on_fake_mesh(torch.arange(8.0))
     x.view(2, 4)
-    assert decision_cache_size() > 0
-    registered = {(entry.module, entry.attribute) for entry in registered_caches()}
-    assert ("shardwise.dtensor_ops._decision_cache", "DECISIONS") in registered
-    assert ("shardwise.dtensor_ops._redistribute", "_programs") in registered
-    assert ("shardwise.dtensor_ops._redistribute_plan", "_plans_by_specs") in registered
+    assert decision_cache_size() > 0 and SHARED_CACHES.schema_facts
     # Decisions and programs hold this rank's local sizes; the plan of a (source, target) pair does not.
-    assert ("shardwise.dtensor_ops._decision_cache", "DECISIONS") in rank_local_caches()
-    assert ("shardwise.dtensor_ops._redistribute_plan", "_plans_by_specs") not in rank_local_caches()
+    assert {"decisions", "programs"} <= set(RankCaches.fields())
+    assert {"plans_by_specs", "schema_facts"} <= set(SharedCaches.__slots__)
     clear_all_caches()
     assert decision_cache_size() == 0
+    assert not any(getattr(RANK_CACHES, name) for name in RankCaches.fields())
+    assert not any(getattr(SHARED_CACHES, name) for name in SharedCaches.__slots__)
 
 
 def test_one_schema_analysis_answers_what_propagation_and_dispatch_ask() -> None:

@@ -324,27 +324,24 @@ def test_thread_worlds_do_not_nest() -> None:
 
 
 def test_isolated_rank_state_gives_each_thread_its_own_caches_and_restores_them() -> None:
-    import shardwise.dtensor_ops._redistribute as redistribute
+    from shardwise.dtensor_ops._caches import RANK_CACHES
 
-    original: Any = redistribute._programs
+    original: Any = RANK_CACHES.programs
+    original_decisions: Any = RANK_CACHES.decisions
     with isolated_rank_state() as swapped:
-        assert "shardwise.dtensor_ops._redistribute._programs" in swapped
+        assert "RANK_CACHES.programs" in swapped and "RANK_CACHES.decisions" in swapped
         assert "shardwise.mesh._process_groups._registry" in swapped
-        per_thread: Any = redistribute._programs
+        per_thread: Any = RANK_CACHES.programs
         per_thread["key"] = "main"
         seen_in_thread: list[bool] = []
         thread = threading.Thread(target=lambda: seen_in_thread.append("key" in per_thread))
         thread.start()
         thread.join()
         assert seen_in_thread == [False] and per_thread["key"] == "main"
-        # The one decision cache is read under its own name by the modules that imported it: all are swapped.
-        import shardwise.dtensor_ops._decision_cache as decision_cache
-        import shardwise.dtensor_ops._dispatch as dispatch
-
-        assert "shardwise.dtensor_ops._decision_cache.DECISIONS" in swapped
-        assert dispatch.DECISIONS is decision_cache.DECISIONS and type(dispatch.DECISIONS) is not dict
-    assert redistribute._programs is original and "key" not in original
-    assert type(dispatch.DECISIONS) is dict and dispatch.DECISIONS is decision_cache.DECISIONS
+        # Every reader goes through the one object, so swapping its fields is all it takes.
+        assert type(RANK_CACHES.decisions) is not dict
+    assert RANK_CACHES.programs is original and "key" not in original
+    assert RANK_CACHES.decisions is original_decisions and type(RANK_CACHES.decisions) is dict
 
 
 # ------------------------------------------------------------------------------ PyTorch's assertions and decorators

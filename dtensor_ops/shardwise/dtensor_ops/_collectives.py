@@ -19,7 +19,6 @@ complex: those travel as bytes / real pairs).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +26,8 @@ from torch.utils._pytree import tree_map_only
 
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import chunk_sizes
+
+from ._options import ENVIRONMENT_OVERRIDES, current_options
 
 __all__ = [
     "AsyncCollectiveTensor",
@@ -130,17 +131,18 @@ def launch_all_to_all_exact(
 # to every other) at a fraction of the latency (4 gloo ranks on 2 cores: ~1.4 ms against ~3.6 ms for an
 # all-gather and ~5-7 ms for a reduce-scatter).  It changes which collective CommDebugMode counts
 # (all_to_all_single instead of PyTorch's reduce_scatter_tensor / all_gather_into_tensor), so it is off
-# unless SHARDWISE_GLOO_ALL_TO_ALL=1, read when a redistribution program is compiled.
+# unless the ``gloo_all_to_all`` option is on (``_options``; SHARDWISE_GLOO_ALL_TO_ALL=1), asked when a
+# redistribution program is compiled.
 
-ONE_ROUND_SWITCH = "SHARDWISE_GLOO_ALL_TO_ALL"
+ONE_ROUND_SWITCH = ENVIRONMENT_OVERRIDES["gloo_all_to_all"]
 
 
 def one_round_collectives(mesh: Any, mesh_dim: int) -> bool:
     """Whether redistribution runs ``mesh_dim``'s reduce-scatters and all-gathers as one all-to-all each.
 
-    Only when ``SHARDWISE_GLOO_ALL_TO_ALL=1`` and the mesh dim's process group is a gloo group.
+    Only when the ``gloo_all_to_all`` option is on and the mesh dim's process group is a gloo group.
     """
-    if os.environ.get(ONE_ROUND_SWITCH, "0") != "1":
+    if not current_options().gloo_all_to_all:
         return False
     get_group = getattr(mesh, "get_group", None)
     if get_group is None:

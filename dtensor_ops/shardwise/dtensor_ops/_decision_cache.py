@@ -28,12 +28,11 @@ import torch
 
 from shardwise.placement import DTensorSpec
 
-from ._caches import register_cache
+from ._caches import RANK_CACHES, SHARED_CACHES
 from ._decision import OpDecision
 from ._rules import rule_for
 
 __all__ = [
-    "DECISIONS",
     "DISPATCH_LOOKUPS",
     "KWARGS_MARK",
     "MAX_CACHED_DECISIONS",
@@ -41,7 +40,6 @@ __all__ = [
     "call_key",
     "decision_cache_size",
     "float_values_matter",
-    "PROPAGATION_COUNTS",
     "PropagationCacheInfo",
     "clear_decisions",
     "propagation_cache_info",
@@ -52,17 +50,13 @@ __all__ = [
 
 MAX_CACHED_DECISIONS = 1 << 16
 
-DECISIONS: dict[Hashable, OpDecision] = register_cache({}, module=__name__, attribute="DECISIONS", rank_local=True)
 
-# [hits, misses] of dispatch's lookups in DECISIONS.  debug._get_fast_path_sharding_prop_cache_stats
+# [hits, misses] of dispatch's lookups in RANK_CACHES.decisions.  debug._get_fast_path_sharding_prop_cache_stats
 # reports them and the debug clear functions zero them.  Process-wide (rank threads share the counts):
 # a list bumped in place costs a few tens of ns per op, a per-rank mapping would cost a lookup.
 DISPATCH_LOOKUPS: list[int] = [0, 0]
 
-# {"hits", "misses"} of the decision pipeline's own entries: a dispatch miss it decides, a direct
-# propagate_op_sharding call (what PyTorch's ShardingPropagator cache_info counts).  Rank-local, like
-# the decisions it counts; off the hot path.
-PROPAGATION_COUNTS: dict[str, int] = register_cache({}, module=__name__, attribute="PROPAGATION_COUNTS", rank_local=True)
+
 
 # Non-tensor argument types whose value is its own key part.
 SELF_KEYED_TYPES: frozenset[type] = frozenset(
@@ -81,18 +75,15 @@ class _KwargsMark:
 
 KWARGS_MARK = _KwargsMark()
 
-_FLOAT_VALUES_MATTER: dict[torch._ops.OpOverload, bool] = register_cache(
-    {}, module=__name__, attribute="_FLOAT_VALUES_MATTER", rank_local=False
-)
 
 
 def float_values_matter(op: torch._ops.OpOverload) -> bool:
     """Whether ``op``'s decision may depend on the values of its float arguments (not only their type)."""
-    matters = _FLOAT_VALUES_MATTER.get(op)
+    matters = SHARED_CACHES.float_values_matter.get(op)
     if matters is None:
         rule = rule_for(op)
         matters = rule is None or rule.scalar_values_matter
-        _FLOAT_VALUES_MATTER[op] = matters
+        SHARED_CACHES.float_values_matter[op] = matters
     return matters
 
 
@@ -133,7 +124,7 @@ def lookup_decision(key: Hashable) -> OpDecision | None:
     """The cached decision under ``key``, or None (also when ``key`` holds symbolic sizes, which do not hash:
     torch.compile tracing with dynamic shapes decides such calls afresh, which costs nothing in eager)."""
     try:
-        return DECISIONS.get(key)
+        return RANK_CACHES.decisions.get(key)
     except TypeError:
         if not _has_symbolic_value(key):
             raise TypeError(f"an argument is not hashable, so its sharding decision cannot be cached: {key!r}") from None
@@ -153,16 +144,17 @@ def _has_symbolic_value(key_part: object) -> bool:
 
 
 def remember_decision(key: Hashable, decision: OpDecision) -> None:
-    if len(DECISIONS) >= MAX_CACHED_DECISIONS:
-        DECISIONS.clear()
+    decisions = RANK_CACHES.decisions
+    if len(decisions) >= MAX_CACHED_DECISIONS:
+        decisions.clear()
     try:
-        DECISIONS[key] = decision
+        decisions[key] = decision
     except TypeError:
         pass  # an argument we cannot hash: decide every time rather than fail
 
 
 def decision_cache_size() -> int:
-    return len(DECISIONS)
+    return len(RANK_CACHES.decisions)
 
 
 class PropagationCacheInfo(NamedTuple):
@@ -175,12 +167,15 @@ class PropagationCacheInfo(NamedTuple):
 
 
 def propagation_cache_info() -> PropagationCacheInfo:
+    """(hits, misses) of the decision pipeline's entries: a dispatch miss it decides, a direct
+    ``propagate_op_sharding`` call (what PyTorch's ``ShardingPropagator.cache_info`` counts)."""
+    counts = RANK_CACHES.propagation_counts
     return PropagationCacheInfo(
-        PROPAGATION_COUNTS.get("hits", 0), PROPAGATION_COUNTS.get("misses", 0), MAX_CACHED_DECISIONS, len(DECISIONS)
+        counts.get("hits", 0), counts.get("misses", 0), MAX_CACHED_DECISIONS, len(RANK_CACHES.decisions)
     )
 
 
 def clear_decisions() -> None:
     """Forget every cached decision and the pipeline's counts (dispatch's counts: see ``debug``)."""
-    DECISIONS.clear()
-    PROPAGATION_COUNTS.clear()
+    RANK_CACHES.decisions.clear()
+    RANK_CACHES.propagation_counts.clear()

@@ -42,7 +42,8 @@ import torch
 from shardwise.placement import DTensorSpec
 
 from ._decision import ArgPosition, OpDecision
-from ._decision_cache import PROPAGATION_COUNTS, call_key, lookup_decision, remember_decision
+from ._caches import RANK_CACHES
+from ._decision_cache import call_key, lookup_decision, remember_decision
 from ._op_handlers import HANDLERS_BY_OP_ID, UNKEYED_HANDLERS_BY_OP_ID, OpHandler
 from ._ops import rule_for
 from ._ops.fallback import replicate_fallback_rule
@@ -259,4 +260,5 @@ def propagate_op_sharding(
 
 
 def _count(outcome: str) -> None:
-    PROPAGATION_COUNTS[outcome] = PROPAGATION_COUNTS.get(outcome, 0) + 1
+    counts = RANK_CACHES.propagation_counts
+    counts[outcome] = counts.get(outcome, 0) + 1

@@ -29,9 +29,9 @@ import torch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
-from ._caches import register_cache
+from ._caches import RANK_CACHES, SHARED_CACHES
 from ._decision import WRAP_INPLACE, WRAP_NESTED, WRAP_OUT, WRAP_PASSTHROUGH, WRAP_TENSOR, OpDecision
-from ._decision_cache import DECISIONS, DISPATCH_LOOKUPS, KWARGS_MARK, SELF_KEYED_TYPES, float_values_matter, key_part
+from ._decision_cache import DISPATCH_LOOKUPS, KWARGS_MARK, SELF_KEYED_TYPES, float_values_matter, key_part
 from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
@@ -47,9 +47,6 @@ _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _TYPE_TAGGED_TYPES: frozenset[type] = frozenset({float, bool, complex})
 
 
-_scalar_spec_cache: dict[tuple[DeviceMesh, torch.dtype], DTensorSpec[DeviceMesh]] = register_cache(
-    {}, module=__name__, attribute="_scalar_spec_cache", rank_local=False
-)
 
 
 def _replicated_spec_for_plain_tensor(
@@ -58,10 +55,10 @@ def _replicated_spec_for_plain_tensor(
     if tensor.ndim == 0:
         # Python scalars reach aten as 0-dim "wrapped number" tensors: always fine, always replicated.
         cache_key = (mesh, tensor.dtype)
-        spec = _scalar_spec_cache.get(cache_key)
+        spec = SHARED_CACHES.scalar_specs.get(cache_key)
         if spec is None:
             spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta(torch.Size(()), (), tensor.dtype))
-            _scalar_spec_cache[cache_key] = spec
+            SHARED_CACHES.scalar_specs[cache_key] = spec
         return spec
     if not is_implicit_replication_enabled():
         if tensor.numel() == 1:
@@ -283,7 +280,7 @@ def torch_dispatch(
                 # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
                 key = (func, *spec_args)
     try:
-        found = DECISIONS.get(key)
+        found = RANK_CACHES.decisions.get(key)
     except TypeError:
         # Symbolic (SymInt) sizes while torch.compile traces: unhashable, so decided afresh (free in eager).
         found = None

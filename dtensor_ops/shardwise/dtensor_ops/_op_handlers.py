@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from ._decision_cache import DECISIONS
+from ._caches import RANK_CACHES
 
 __all__ = [
     "OpHandler",
@@ -83,8 +83,9 @@ def register_op_handler(op: torch._ops.OpOverload, handler: OpHandler, *, declin
         raise TypeError(f"register_op_handler({op}): the handler must be callable, got {handler!r}")
     if declines_by_key:
         # Decisions cached for this op before now were never shown to the handler.
-        for key in [key for key in DECISIONS if isinstance(key, tuple) and key and key[0] is op]:
-            del DECISIONS[key]
+        decisions = RANK_CACHES.decisions
+        for key in [key for key in decisions if isinstance(key, tuple) and key and key[0] is op]:
+            del decisions[key]
     _store(op, (_Registration(handler, declines_by_key), *_REGISTRATIONS.get(op, ())))
 
 

@@ -43,7 +43,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.mesh import _simulation as simulation
 from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
 
-from ._caches import register_cache
+from ._caches import SHARED_CACHES
 from ._decision import OpDecision, OutputSpecs, RandomPlan
 from ._rules import RandomDraw, registered_ops, rule_for
 from ._schema import schema_facts
@@ -234,17 +234,14 @@ def shard_seed(base: int, shard_index: int) -> int:
 
 
 # One reusable 0-dim tensor per device receives the draw: allocating it per op costs more than the draw.
-_draw_carriers: dict[torch.device, torch.Tensor] = register_cache(
-    {}, module=__name__, attribute="_draw_carriers", rank_local=False
-)
 
 
 def _draw_u32(generator: torch.Generator) -> int:
     device = generator.device
-    carrier = _draw_carriers.get(device)
+    carrier: torch.Tensor | None = SHARED_CACHES.draw_carriers.get(device)
     if carrier is None:
         carrier = torch.empty((), dtype=torch.int64, device=device)
-        _draw_carriers[device] = carrier
+        SHARED_CACHES.draw_carriers[device] = carrier
     carrier.random_(0, _U32, generator=generator)
     return int(carrier)
 

@@ -51,7 +51,7 @@ from shardwise.placement import (
 
 from shardwise.mesh import _simulation as simulation
 
-from ._caches import register_cache
+from ._caches import RANK_CACHES, SHARED_CACHES
 from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
 from ._collectives import (
     AsyncCollectiveTensor,
@@ -222,9 +222,6 @@ class _Program:
     joint_groups: tuple[tuple[tuple[int, ...], tuple[str, tuple[int, ...]]], ...] = ()
 
 
-_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any]], _Program] = register_cache(
-    {}, module=__name__, attribute="_programs", rank_local=True
-)
 
 
 def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[RedistributeStep, ...]) -> _Program:
@@ -673,19 +670,20 @@ class _Continuation:
 
 def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
     key = (src, dst)
+    programs = RANK_CACHES.programs
     try:
-        program = _programs.get(key)
+        program: _Program | None = programs.get(key)
     except TypeError:
         # Symbolic (SymInt) shapes while torch.compile traces: built for this trace, never cached.
         return _compile_program(src, dst, plan_redistribute(src, dst))
     if program is not None and program.mesh is not src.mesh and _same_groups(program, src.mesh):
         program = dataclasses.replace(program, mesh=src.mesh)
-        _programs[key] = program
+        programs[key] = program
     if program is None or program.mesh is not src.mesh:
         program = _compile_program(src, dst, plan_redistribute(src, dst))
-        if len(_programs) >= _MAX_PROGRAMS:
-            _programs.clear()
-        _programs[key] = program
+        if len(programs) >= _MAX_PROGRAMS:
+            programs.clear()
+        programs[key] = program
     return program
 
 
@@ -721,7 +719,7 @@ def redistribute_local_tensor(
     if view is not None:
         return _redistribute_one_simulated_rank(local, src, dst, view)
     try:
-        program = _programs.get((src, dst))
+        program = RANK_CACHES.programs.get((src, dst))
     except TypeError:
         program = None  # symbolic shapes (torch.compile): _program_for builds it uncached
     if program is None and involves_strided_shard(src, dst):
@@ -754,20 +752,18 @@ def redistribute_local_tensor(
 # -- every rank simulated in this process (torch's LocalTensorMode) ---------------------------
 
 # One program per simulated rank, compiled with that rank pinned (see shardwise.mesh._simulation).
-_simulated_programs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any], int], _Program] = register_cache(
-    {}, module=__name__, attribute="_simulated_programs", rank_local=False
-)
 
 
 def _simulated_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int) -> _Program:
     key = (src, dst, rank)
-    program = _simulated_programs.get(key)
+    programs = SHARED_CACHES.simulated_programs
+    program: _Program | None = programs.get(key)
     if program is None or program.mesh is not src.mesh:
         with simulation.as_simulated_rank(rank):
             program = _compile_program(src, dst, plan_redistribute(src, dst))
-        if len(_simulated_programs) >= _MAX_PROGRAMS:
-            _simulated_programs.clear()
-        _simulated_programs[key] = program
+        if len(programs) >= _MAX_PROGRAMS:
+            programs.clear()
+        programs[key] = program
     return program
 
 

@@ -109,7 +109,7 @@ from shardwise.placement import (
     compute_local_shape_and_global_offset,
 )
 
-from ._caches import register_cache
+from ._caches import SHARED_CACHES
 
 __all__ = [
     "StepKind",
@@ -890,12 +890,6 @@ def lower_bound_bytes_per_rank(
 _MAX_CACHE_ENTRIES = 8192
 
 _ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements, bool]
-_plans_by_problem: dict[_ProblemKey, tuple[RedistributeStep, ...]] = register_cache(
-    {}, module=__name__, attribute="_plans_by_problem", rank_local=False
-)
-_plans_by_specs: dict[tuple[DTensorSpec[Any], DTensorSpec[Any], bool], tuple[RedistributeStep, ...]] = register_cache(
-    {}, module=__name__, attribute="_plans_by_specs", rank_local=False
-)
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
@@ -948,7 +942,7 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     joint = mesh_supports_joint_steps(src.mesh)
     key = (src, dst, joint)
     try:
-        plan = _plans_by_specs.get(key)
+        plan = SHARED_CACHES.plans_by_specs.get(key)
     except TypeError:
         return _plan_for_symbolic_shape(src, dst)
     if plan is not None:
@@ -958,13 +952,13 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     mesh_shape = tuple(src.mesh.shape)
     itemsize = src.tensor_meta.dtype.itemsize
     problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements, joint)
-    plan = _plans_by_problem.get(problem)
+    plan = SHARED_CACHES.plans_by_problem.get(problem)
     if plan is None:
         plan = find_cheapest_plan(
             global_shape, mesh_shape, src.placements, dst.placements, itemsize, allow_joint_steps=joint
         )
-        _remember(_plans_by_problem, problem, plan)
-    _remember(_plans_by_specs, key, plan)
+        _remember(SHARED_CACHES.plans_by_problem, problem, plan)
+    _remember(SHARED_CACHES.plans_by_specs, key, plan)
     return plan
 
 

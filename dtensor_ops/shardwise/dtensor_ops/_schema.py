@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._caches import register_cache
+from ._caches import SHARED_CACHES
 
 __all__ = ["SchemaFacts", "schema_facts"]
 
@@ -39,16 +39,13 @@ class SchemaFacts:
     returns_view_of_first_argument: bool
 
 
-_SCHEMA_FACTS: dict[torch._ops.OpOverload, SchemaFacts] = register_cache(
-    {}, module=__name__, attribute="_SCHEMA_FACTS", rank_local=False
-)
 
 
 def schema_facts(op: torch._ops.OpOverload) -> SchemaFacts:
-    facts = _SCHEMA_FACTS.get(op)
+    facts: SchemaFacts | None = SHARED_CACHES.schema_facts.get(op)
     if facts is None:
         facts = _analyse(op)
-        _SCHEMA_FACTS[op] = facts
+        SHARED_CACHES.schema_facts[op] = facts
     return facts
 
 

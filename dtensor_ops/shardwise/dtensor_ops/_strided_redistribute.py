@@ -40,7 +40,7 @@ from shardwise.placement import (
     select_local_shard,
 )
 
-from ._caches import register_cache
+from ._caches import RANK_CACHES
 from ._collectives import launch_all_gather, mesh_dim_group_name, wait
 
 __all__ = ["involves_strided_shard", "redistribute_with_strided_shards"]
@@ -103,9 +103,6 @@ class _OneDimGather:
 
 
 # (src, dst, coordinate) -> the gather, or None when the fast path does not apply.
-_one_dim_gathers: dict[Any, _OneDimGather | None] = register_cache(
-    {}, module=__name__, attribute="_one_dim_gathers", rank_local=True
-)
 
 
 def _one_dim_gather(src: DTensorSpec[Any], dst: DTensorSpec[Any], coordinate: tuple[int, ...]) -> _OneDimGather | None:
@@ -146,10 +143,11 @@ def _gather_one_strided_mesh_dim(
     if coordinate is None:
         return None
     key = (src, dst, tuple(coordinate))
+    gathers = RANK_CACHES.one_dim_gathers
     try:
-        plan = _one_dim_gathers[key]
+        plan = gathers[key]
     except KeyError:
-        plan = _one_dim_gathers[key] = _one_dim_gather(src, dst, tuple(coordinate))
+        plan = gathers[key] = _one_dim_gather(src, dst, tuple(coordinate))
     except TypeError:
         return None  # symbolic shapes: not hashable, take the general path
     if plan is None:

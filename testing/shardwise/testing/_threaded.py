@@ -7,10 +7,10 @@ groups are registered per thread so that ``torch.ops._c10d_functional`` collecti
 rank's own group by name.
 
 Sharing a process has a cost: state that a real rank keeps for itself in module globals would
-be shared by every rank thread. The globals of the shardwise stack that hold per-rank data are
-the mesh's process-group registry and every cache dtensor_ops registers as rank-local (its cache
-registry, ``shardwise.dtensor_ops._caches``); while a thread world runs, each of them is swapped
-for a per-thread copy (see ``isolated_rank_state``). Torch's random generator is process-wide too: ranks drawing
+be shared by every rank thread. The shardwise stack keeps per-rank data in two objects: the
+mesh's process-group registry and dtensor_ops's ``RANK_CACHES`` (``shardwise.dtensor_ops._caches``);
+while a thread world runs, the registry and each field of ``RANK_CACHES`` are swapped for
+per-thread copies (see ``isolated_rank_state``). Torch's random generator is process-wide too: ranks drawing
 random numbers at the same time get interleaved draws, unlike separate processes.
 """
 
@@ -46,15 +46,9 @@ _THREADED_BACKEND = "threaded"
 # What torch's threaded process group raises in the ranks it wakes up after another rank failed.
 _TERMINATION_MESSAGE = "Test termination event occurs."
 
-# Process groups of mesh dims, per default process group: each rank thread has its own.
-_MESH_RANK_LOCAL_STATE: tuple[tuple[str, str], ...] = (("shardwise.mesh._process_groups", "_registry"),)
-
-
-def _rank_local_state() -> tuple[tuple[str, str], ...]:
-    """(module, attribute) of every module global holding data computed for this process's rank."""
-    from shardwise.dtensor_ops._caches import rank_local_caches
-
-    return _MESH_RANK_LOCAL_STATE + rank_local_caches()
+# The mesh's process-group registry (one object, read through its module's global by that module only):
+# each rank thread has its own groups.
+_MESH_REGISTRY = ("shardwise.mesh._process_groups", "_registry")
 
 
 class _PerThreadMapping(MutableMapping[Any, Any]):
@@ -117,50 +111,29 @@ class _PerThreadObject:
         setattr(self._instance(), name, value)
 
 
-def _per_thread_replacement(value: object) -> object:
-    if isinstance(value, dict):
-        return _PerThreadMapping()
-    value_type = type(value)
-    return _PerThreadObject(value_type)
-
-
 @contextmanager
 def isolated_rank_state() -> Iterator[list[str]]:
-    """Give every thread its own copy of the stack's per-rank module globals while inside.
+    """Give every thread its own per-rank state while inside: each field of dtensor_ops's
+    ``RANK_CACHES`` object (its decisions, programs, ...) and the mesh's process-group registry.
 
-    Yields the ``module.attribute`` names that were swapped; restores the originals on exit.
+    Yields the names of what was swapped; restores the originals on exit.
     """
-    swapped: list[tuple[types.ModuleType, str, object]] = []
+    from shardwise.dtensor_ops._caches import RANK_CACHES, RankCaches
+
+    swapped: list[tuple[object, str, object]] = []
     try:
-        for module_name, attribute in _rank_local_state():
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
-            if not hasattr(module, attribute):
-                continue
-            original = getattr(module, attribute)
-            replacement = _per_thread_replacement(original)
-            # Modules that imported the object by name (`from ._decision_cache import DECISIONS`) read their
-            # own global: every shardwise module global bound to it is swapped.
-            for holder, name in _globals_bound_to(original):
-                setattr(holder, name, replacement)
-                swapped.append((holder, name, original))
-        yield [f"{module.__name__}.{attribute}" for module, attribute, _ in swapped]
+        for field in RankCaches.fields():
+            swapped.append((RANK_CACHES, field, getattr(RANK_CACHES, field)))
+            setattr(RANK_CACHES, field, _PerThreadMapping())
+        module_name, attribute = _MESH_REGISTRY
+        module = importlib.import_module(module_name)
+        registry = getattr(module, attribute)
+        swapped.append((module, attribute, registry))
+        setattr(module, attribute, _PerThreadObject(type(registry)))
+        yield [f"RANK_CACHES.{field}" for field in RankCaches.fields()] + [f"{module_name}.{attribute}"]
     finally:
-        for module, attribute, original in reversed(swapped):
-            setattr(module, attribute, original)
-
-
-def _globals_bound_to(value: object) -> list[tuple[types.ModuleType, str]]:
-    found: list[tuple[types.ModuleType, str]] = []
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.startswith("shardwise."):
-            continue
-        for name, bound in list(vars(module).items()):
-            if bound is value:
-                found.append((module, name))
-    return found
+        for holder, attribute, original in reversed(swapped):
+            setattr(holder, attribute, original)
 
 
 # ---------------------------------------------------------------------------------- the world

@@ -51,6 +51,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_wrapper",
             "_strided_specs",
             "_extensions",
+            "_options",
         ),
     ),
     ("planner", ("_cost_model", "_redistribute_plan")),

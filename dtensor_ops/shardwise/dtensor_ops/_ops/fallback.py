@@ -22,7 +22,7 @@ import torch
 
 from shardwise.placement import DTensorSpec, Replicate
 
-from .. import _decision_cache
+from .._caches import RANK_CACHES
 from .._redistribute_plan import redistribute_cost_bytes
 from .._rules import ShardingRule, rule_for
 from .replicated import REPLICATED_RULE
@@ -56,7 +56,7 @@ def replicate_fallback_enabled() -> bool:
 
 def _forget_fallback_decisions() -> None:
     """Drop cached decisions the fallback made, so that turning it off brings the error back."""
-    decisions = _decision_cache.DECISIONS
+    decisions = RANK_CACHES.decisions
     stale = [key for key, decision in list(decisions.items()) if decision.op is not None and rule_for(decision.op) is None]
     for key in stale:
         decisions.pop(key, None)

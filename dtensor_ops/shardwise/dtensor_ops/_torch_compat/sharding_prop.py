@@ -2,7 +2,7 @@
 
 ``ShardingPropagator`` (reached as ``sharding_propagator``) is a view of the engine, not a second
 one: its ``propagate_op_sharding`` is the pipeline's cached propagation (the one decision cache,
-its counters ``PROPAGATION_COUNTS``), its ``register_*`` methods make PyTorch-style strategy
+its counts), its ``register_*`` methods make PyTorch-style strategy
 functions into :class:`ShardingRule` s of the one rule registry, and ``OpSchema``/``OutputSharding``
 forms convert to and from :class:`OpDecision`.
 """

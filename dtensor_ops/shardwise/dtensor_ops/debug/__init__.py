@@ -50,9 +50,10 @@ def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
 def _clear_fast_path_sharding_prop_cache() -> None:
     """Forget every cached sharding decision (one cache serves dispatch and the propagator here) and
     start :func:`_get_fast_path_sharding_prop_cache_stats` from (0, 0)."""
-    from .._decision_cache import DECISIONS, DISPATCH_LOOKUPS
+    from .._caches import RANK_CACHES
+    from .._decision_cache import DISPATCH_LOOKUPS
 
-    DECISIONS.clear()
+    RANK_CACHES.decisions.clear()
     DISPATCH_LOOKUPS[0] = DISPATCH_LOOKUPS[1] = 0
 
 

@@ -1,0 +1,81 @@
+"""dtensor_ops's configuration, read in one place: one options object, with environment overrides.
+
+=====================  ==============================  =======  ==============================================
+option                 environment override            default  what it changes
+=====================  ==============================  =======  ==============================================
+``gloo_all_to_all``    ``SHARDWISE_GLOO_ALL_TO_ALL=1``  off      redistribution runs each reduce-scatter and
+                                                                all-gather on a gloo group as one all-to-all
+                                                                (same bytes, lower latency on gloo; CommDebugMode
+                                                                then counts all-to-alls, not PyTorch's kinds)
+=====================  ==============================  =======  ==============================================
+
+:func:`current_options` answers what is in force: the options given to :func:`use_options`
+(innermost ``with`` block of this thread) if any, else :data:`DEFAULT_OPTIONS` with the environment
+overrides applied, read when asked (so a variable set before a redistribution is first planned
+takes effect).  Readers ask when they compile something they cache (a redistribution program),
+never per op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+__all__ = ["DEFAULT_OPTIONS", "ENVIRONMENT_OVERRIDES", "Options", "current_options", "use_options"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Process-level switches of dtensor_ops (see the module docstring for each)."""
+
+    gloo_all_to_all: bool = False
+
+
+DEFAULT_OPTIONS = Options()
+
+# option name -> the environment variable that overrides it ("1" on, "0" or unset: the default).
+ENVIRONMENT_OVERRIDES: Mapping[str, str] = {"gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL"}
+
+_scoped = threading.local()
+
+
+def _from_environment(environ: Mapping[str, str]) -> Options:
+    changes: dict[str, bool] = {}
+    for name, variable in ENVIRONMENT_OVERRIDES.items():
+        value = environ.get(variable)
+        if value is None or value.strip() == "":
+            continue
+        if value.strip() not in ("0", "1"):
+            raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off) for option {name!r}")
+        changes[name] = value.strip() == "1"
+    return dataclasses.replace(DEFAULT_OPTIONS, **changes)
+
+
+def current_options() -> Options:
+    """The options in force on this thread (see the module docstring)."""
+    stack: list[Options] | None = getattr(_scoped, "stack", None)
+    if stack:
+        return stack[-1]
+    return _from_environment(os.environ)
+
+
+@contextlib.contextmanager
+def use_options(options: Options | None = None, **changes: bool) -> Iterator[Options]:
+    """Run the block with ``options`` (or the current ones with ``changes``) in force on this thread.
+
+    Cached redistribution programs keep the options they were compiled with: clear the caches
+    (``_caches.clear_all_caches``) when switching options for specs already redistributed.
+    """
+    chosen = dataclasses.replace(options or current_options(), **changes)
+    stack: list[Options] | None = getattr(_scoped, "stack", None)
+    if stack is None:
+        stack = _scoped.stack = []
+    stack.append(chosen)
+    try:
+        yield chosen
+    finally:
+        stack.pop()
