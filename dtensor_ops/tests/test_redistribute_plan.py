@@ -33,8 +33,9 @@ from shardwise.mesh import MeshError
 from shardwise.dtensor_ops._redistribute import (
     _compile_program,
     _finish,
-    _launch,
+    _issue,
     _run_local,
+    _send_buffer,
     gradient_placements,
     grad_target_spec,
     plan_redistribute,
@@ -180,7 +181,7 @@ def simulate(
                 continue
             recorder.calls.clear()
             for member in group:
-                _launch(values[member], steps[member])
+                _issue(_send_buffer(values[member], steps[member]), steps[member])
             kind_names = {call[0] for call in recorder.calls}
             assert len(recorder.calls) == len(group) and len(kind_names) == 1
             step_kinds.add(recorder.calls[0][0])

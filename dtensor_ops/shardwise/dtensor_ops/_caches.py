@@ -19,7 +19,21 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-__all__ = ["RANK_CACHES", "SHARED_CACHES", "RankCaches", "SharedCaches", "clear_all_caches"]
+import torch
+
+from shardwise.placement import DTensorSpec
+
+__all__ = [
+    "RANK_CACHES",
+    "SHARED_CACHES",
+    "SYMBOLIC",
+    "RankCaches",
+    "SharedCaches",
+    "clear_all_caches",
+    "has_symbolic_value",
+    "lookup",
+    "store",
+]
 
 
 class RankCaches:
@@ -87,3 +101,54 @@ def clear_all_caches() -> None:
     """Forget every cached decision, plan, program and schema fact of dtensor_ops."""
     RANK_CACHES.clear()
     SHARED_CACHES.clear()
+
+
+class _Symbolic:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SYMBOLIC"
+
+
+# What lookup() answers for a key holding symbolic sizes (SymInt/SymFloat/SymBool: torch.compile tracing with
+# dynamic shapes), which cannot be hashed: the caller decides, plans or compiles afresh and caches nothing.
+SYMBOLIC = _Symbolic()
+
+
+def lookup(cache: dict[Any, Any], key: Hashable, default: Any = None) -> Any:
+    """``cache.get(key, default)``, or :data:`SYMBOLIC` when ``key`` holds symbolic sizes.
+
+    The one rule for keys that cannot be hashed: symbolic ones are decided afresh (free in eager, where
+    there are none); any other unhashable key is a bug and raises, naming it.  Dispatch's per-op lookup
+    applies the same rule inline (a call costs more than the lookup there).
+    """
+    try:
+        return cache.get(key, default)
+    except TypeError:
+        if has_symbolic_value(key):
+            return SYMBOLIC
+        raise TypeError(f"a cache key is not hashable (an argument that cannot be cached?): {key!r}") from None
+
+
+def store(cache: dict[Any, Any], key: Hashable, value: Any, limit: int) -> None:
+    """``cache[key] = value``, the cache emptied first when it holds ``limit`` entries (a training loop uses
+    a handful of layouts, so eviction order does not matter); a key that cannot be hashed (symbolic sizes,
+    or an argument dispatch could not key) is not stored: its call is decided afresh each time."""
+    if len(cache) >= limit:
+        cache.clear()
+    try:
+        cache[key] = value
+    except TypeError:
+        pass
+
+
+def has_symbolic_value(value: object) -> bool:
+    """Whether ``value`` holds a SymInt/SymFloat/SymBool (directly, in a spec's metadata, in a list or tuple)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, DTensorSpec):
+        meta = value.tensor_meta
+        return meta is not None and has_symbolic_value((*meta.shape, *meta.stride))
+    if isinstance(value, (tuple, list)):
+        return any(has_symbolic_value(item) for item in value)
+    return False

@@ -28,7 +28,7 @@ import torch
 
 from shardwise.placement import DTensorSpec
 
-from ._caches import RANK_CACHES, SHARED_CACHES
+from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._decision import OpDecision
 from ._rules import rule_for
 
@@ -123,34 +123,12 @@ def call_key(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str
 def lookup_decision(key: Hashable) -> OpDecision | None:
     """The cached decision under ``key``, or None (also when ``key`` holds symbolic sizes, which do not hash:
     torch.compile tracing with dynamic shapes decides such calls afresh, which costs nothing in eager)."""
-    try:
-        return RANK_CACHES.decisions.get(key)
-    except TypeError:
-        if not _has_symbolic_value(key):
-            raise TypeError(f"an argument is not hashable, so its sharding decision cannot be cached: {key!r}") from None
-        return None
-
-
-def _has_symbolic_value(key_part: object) -> bool:
-    """Whether a cache key holds a SymInt/SymFloat/SymBool (directly, in a spec's metadata or in a list)."""
-    if isinstance(key_part, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if isinstance(key_part, DTensorSpec):
-        meta = key_part.tensor_meta
-        return meta is not None and _has_symbolic_value((*meta.shape, *meta.stride))
-    if isinstance(key_part, (tuple, list)):
-        return any(_has_symbolic_value(item) for item in key_part)
-    return False
+    found = lookup(RANK_CACHES.decisions, key)
+    return None if found is SYMBOLIC else found
 
 
 def remember_decision(key: Hashable, decision: OpDecision) -> None:
-    decisions = RANK_CACHES.decisions
-    if len(decisions) >= MAX_CACHED_DECISIONS:
-        decisions.clear()
-    try:
-        decisions[key] = decision
-    except TypeError:
-        pass  # an argument we cannot hash: decide every time rather than fail
+    store(RANK_CACHES.decisions, key, decision, MAX_CACHED_DECISIONS)
 
 
 def decision_cache_size() -> int:

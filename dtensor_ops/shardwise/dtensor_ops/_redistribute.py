@@ -1,15 +1,17 @@
 """Redistribution: move a DTensor's local shard from one placement tuple to another.
 
-Three layers, kept apart so that a C++ fast path can take over the first two:
+Three layers:
 
 1. ``_redistribute_plan.plan_redistribute`` — the cheapest plan, plain data, cached by
    ``(source spec, target spec)`` and by the underlying problem
    ``(mesh shape, global shape, item size, placements)``.
 2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
    and trims worked out once, cached by ``(source spec, target spec)``.  Plain data too.
-3. Execution: a loop over the program's steps issuing ``torch.ops._c10d_functional``
-   collectives and local tensor ops.  A call that hits the cache does one dict lookup,
-   one shape check and then only the tensor work.
+3. Execution (:func:`_run_steps`, the one executor): a loop over the program's steps issuing
+   ``torch.ops._c10d_functional`` collectives and local tensor ops, for this rank or, under
+   torch's LocalTensorMode, for every simulated rank (each runs its own program on its piece,
+   each collective is issued once for all of them).  A call that hits the cache does one dict
+   lookup, one shape check and then only the tensor work.
 
 Uneven shards: before a collective every rank pads its piece to the group's largest
 piece (torch.chunk puts the largest pieces first, so once the pieces are concatenated
@@ -51,7 +53,7 @@ from shardwise.placement import (
 
 from shardwise.mesh import _simulation as simulation
 
-from ._caches import RANK_CACHES, SHARED_CACHES
+from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
 from ._collectives import (
     AsyncCollectiveTensor,
@@ -178,13 +180,13 @@ class _JointLayout:
 class _ExecStep:
     """One plan step with everything this rank needs to run it, precomputed.
 
-    ``from_dim`` is the tensor dim a step un-shards (all-gather, all-to-all, S->P) and
-    ``to_dim`` the one it shards (chunk, reduce-scatter, all-to-all); -1 when unused.
-    ``piece`` is the padded piece size along ``from_dim`` (all-gather, all-to-all) or
-    ``to_dim`` (reduce-scatter), ``to_piece`` the padded piece along ``to_dim`` of an
-    all-to-all; ``joined`` the real size along ``from_dim`` after un-sharding and
-    ``kept`` this rank's real size along ``to_dim`` after sharding; ``offset`` where this
-    rank's piece starts (chunk: in its current extent, S->P: in the parent block).
+    Each field means one thing for every kind (0 or -1 where a kind has no such dim):
+    ``from_dim`` is the tensor dim a step un-shards (all-gather, all-to-all, S->P) and ``to_dim``
+    the one it shards (chunk, reduce-scatter, all-to-all).  Along ``from_dim``: ``from_piece`` is
+    the padded piece every member sends, ``joined`` the real size once un-sharded and
+    ``from_offset`` where this rank's piece starts in it.  Along ``to_dim``: ``to_piece`` is the
+    padded piece each member receives, ``kept`` this rank's real size once sharded and
+    ``to_offset`` where this rank's piece starts in the current extent.
     """
 
     kind: StepKind
@@ -194,11 +196,12 @@ class _ExecStep:
     reduce_op: str
     from_dim: int
     to_dim: int
-    piece: int
+    from_piece: int
     to_piece: int
     joined: int
     kept: int
-    offset: int
+    from_offset: int
+    to_offset: int
     sends_nothing: bool
     shape_before: tuple[int, ...]
     shape_after: tuple[int, ...]
@@ -266,29 +269,25 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
             if isinstance(before, Partial)
             else after.reduce_op if isinstance(after, Partial) else ""
         )
-        piece = to_piece = joined = kept = offset = 0
+        from_piece = to_piece = joined = kept = from_offset = to_offset = 0
         if from_dim >= 0 and step.kind is not StepKind.RELABEL:
             pieces = shard_sizes_along_mesh_dim(
                 global_shape, mesh_shape, coordinate, before_state, mesh_dim=mesh_dim, tensor_dim=from_dim
             )
-            piece = max(pieces)
+            from_piece = max(pieces)
             joined = sum(pieces)
-            offset = sum(pieces[:index_in_group])
+            from_offset = sum(pieces[:index_in_group])
             assert joined == shape_after[from_dim], (pieces, shape_after, step)
         if to_dim >= 0 and step.kind is not StepKind.RELABEL:
             extent = shape_before[to_dim]
             to_piece = -(-extent // group_size)
-            kept, chunk_offset = chunk_size_and_offset(extent, group_size, index_in_group)
+            kept, to_offset = chunk_size_and_offset(extent, group_size, index_in_group)
             assert kept == shape_after[to_dim], (extent, shape_after, step)
-            if step.kind is StepKind.REDUCE_SCATTER:
-                piece = to_piece
-            if step.kind is StepKind.LOCAL_CHUNK:
-                offset = chunk_offset
         # Every member of the group sends the same padded shape, so all of them agree on
         # skipping a collective that would move nothing.
         sent = list(shape_before)
         if step.kind in (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL):
-            sent[from_dim] = piece
+            sent[from_dim] = from_piece
         if step.kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL):
             sent[to_dim] = to_piece * group_size
         sends_nothing = math.prod(sent) == 0
@@ -301,11 +300,12 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
                 reduce_op=reduce_op,
                 from_dim=from_dim,
                 to_dim=to_dim,
-                piece=piece,
+                from_piece=from_piece,
                 to_piece=to_piece,
                 joined=joined,
                 kept=kept,
-                offset=offset,
+                from_offset=from_offset,
+                to_offset=to_offset,
                 sends_nothing=sends_nothing,
                 shape_before=shape_before,
                 shape_after=shape_after,
@@ -434,11 +434,12 @@ def _compile_joint_step(
         reduce_op=reduce_op,
         from_dim=-1,
         to_dim=-1,
-        piece=0,
+        from_piece=0,
         to_piece=0,
         joined=0,
         kept=0,
-        offset=0,
+        from_offset=0,
+        to_offset=0,
         sends_nothing=not moves_anything,
         shape_before=mine_before[0],
         shape_after=mine_after[0],
@@ -484,15 +485,6 @@ def _cut(tensor: torch.Tensor, region: _Region) -> torch.Tensor:
     for dim, (start, size) in enumerate(zip(*region)):
         tensor = tensor.narrow(dim, start, size)
     return tensor
-
-
-def _launch_joint(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
-    buffer = _joint_send_buffer(local, step, layout)
-    if step.kind is not StepKind.JOINT_REDUCE_SCATTER:
-        return launch_all_to_all_exact(buffer, layout.output_splits, layout.input_splits, step.group_name)
-    if step.one_round:
-        return launch_reduce_scatter_one_round(buffer, step.group_size, step.group_name)
-    return launch_reduce_scatter(buffer, step.reduce_op, step.group_size, step.group_name)
 
 
 def _joint_send_buffer(local: torch.Tensor, step: _ExecStep, layout: _JointLayout) -> torch.Tensor:
@@ -547,43 +539,52 @@ def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _Join
     return value.contiguous()
 
 
-def _launch(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
-    """Pad and lay out ``local`` for the step's collective and start it (unwaited)."""
-    if step.joint is not None:
-        return _launch_joint(local, step, step.joint)
-    return _issue(_send_buffer(local, step), step)
-
-
 def _send_buffer(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
-    """``local`` padded and laid out for a one-dim step's collective (no communication)."""
+    """``local`` padded and laid out for the step's collective (no communication)."""
+    if step.joint is not None:
+        return _joint_send_buffer(local, step, step.joint)
     kind, group_size = step.kind, step.group_size
     if kind is StepKind.ALL_REDUCE:
         return local
     if kind is StepKind.ALL_GATHER:
-        return pad_dim(local, step.from_dim, step.piece)
+        return pad_dim(local, step.from_dim, step.from_piece)
     if kind is StepKind.REDUCE_SCATTER:
         to_dim = step.to_dim
-        padded = pad_dim(local, to_dim, step.piece * group_size)
+        padded = pad_dim(local, to_dim, step.to_piece * group_size)
         if to_dim != 0:
             # Put the group's pieces outermost so that member i's piece is dim-0 block i.
-            padded = padded.unflatten(to_dim, (group_size, step.piece)).movedim(to_dim, 0).flatten(0, 1)
+            padded = padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
         return padded
     # all-to-all: block i (this rank's piece of to_dim i) goes to member i
     to_dim = step.to_dim
-    padded = pad_dim(pad_dim(local, step.from_dim, step.piece), to_dim, step.to_piece * group_size)
+    padded = pad_dim(pad_dim(local, step.from_dim, step.from_piece), to_dim, step.to_piece * group_size)
     return padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
 
 
-def _issue(buffer: torch.Tensor, step: _ExecStep) -> torch.Tensor:
-    """Start a one-dim step's collective on its send buffer (unwaited)."""
+def _issue(
+    buffer: torch.Tensor,
+    step: _ExecStep,
+    input_splits: Sequence[int | torch.SymInt] = (),
+    output_splits: Sequence[int | torch.SymInt] = (),
+) -> torch.Tensor:
+    """Start the step's collective on its send buffer (unwaited).  A joint all-to-all sends
+    ``input_splits`` and receives ``output_splits`` elements per member (its layout's, unless given)."""
     kind, group_size = step.kind, step.group_size
+    if kind in (StepKind.JOINT_ALL_TO_ALL, StepKind.JOINT_ALL_TO_ALL_REDUCE):
+        assert step.joint is not None
+        return launch_all_to_all_exact(
+            buffer,
+            output_splits or step.joint.output_splits,  # type: ignore[arg-type]
+            input_splits or step.joint.input_splits,  # type: ignore[arg-type]
+            step.group_name,
+        )
     if kind is StepKind.ALL_REDUCE:
         return launch_all_reduce(buffer, step.reduce_op, step.group_name)
     if kind is StepKind.ALL_GATHER:
         if step.one_round:
             return launch_all_gather_one_round(buffer, group_size, step.group_name)
         return launch_all_gather(buffer, group_size, step.group_name)
-    if kind is StepKind.REDUCE_SCATTER:
+    if kind in (StepKind.REDUCE_SCATTER, StepKind.JOINT_REDUCE_SCATTER):
         if step.one_round:
             return launch_reduce_scatter_one_round(buffer, group_size, step.group_name)
         return launch_reduce_scatter(buffer, step.reduce_op, group_size, step.group_name)
@@ -609,7 +610,7 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         from_dim = step.from_dim
         if from_dim != 0:
             piece_shape = list(step.shape_before)
-            piece_shape[from_dim] = step.piece
+            piece_shape[from_dim] = step.from_piece
             received = received.unflatten(0, (group_size, piece_shape[0])).movedim(0, from_dim).flatten(
                 from_dim, from_dim + 1
             )
@@ -617,7 +618,7 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     # all-to-all: block i came from member i and holds its piece of from_dim
     from_dim, to_dim = step.from_dim, step.to_dim
     block_shape = list(step.shape_before)
-    block_shape[from_dim] = step.piece
+    block_shape[from_dim] = step.from_piece
     block_shape[to_dim] = step.to_piece
     joined = received.unflatten(0, (group_size, block_shape[0])).movedim(0, from_dim).flatten(from_dim, from_dim + 1)
     return joined.narrow(from_dim, 0, step.joined).narrow(to_dim, 0, step.kept).contiguous()
@@ -626,7 +627,7 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
 def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     kind = step.kind
     if kind is StepKind.LOCAL_CHUNK:
-        return local.narrow(step.to_dim, step.offset, step.kept).contiguous()
+        return local.narrow(step.to_dim, step.to_offset, step.kept).contiguous()
     if kind is StepKind.LOCAL_PARTIAL:
         # avg/max/min of identical values is that value; sum needs it exactly once.
         if step.reduce_op == "sum" and step.index_in_group != 0:
@@ -638,19 +639,11 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         parent = local.new_full(parent_shape, _reduction_identity(local.dtype, step.reduce_op))
         # avg divides the sum of contributions by the group size: contribute size * shard.
         contribution = local * step.group_size if step.reduce_op == "avg" else local
-        parent.narrow(step.from_dim, step.offset, local.size(step.from_dim)).copy_(contribution)
+        parent.narrow(step.from_dim, step.from_offset, local.size(step.from_dim)).copy_(contribution)
         return parent
     if kind is StepKind.RELABEL:
         return local
     raise AssertionError(f"{kind} is not a local step")
-
-
-def _run_step(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
-    if not step.kind.is_collective:
-        return _run_local(local, step)
-    if step.sends_nothing:
-        return local.new_empty(step.shape_after)
-    return _finish(wait(_launch(local, step)), step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -671,9 +664,8 @@ class _Continuation:
 def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
     key = (src, dst)
     programs = RANK_CACHES.programs
-    try:
-        program: _Program | None = programs.get(key)
-    except TypeError:
+    program: _Program | None = lookup(programs, key)
+    if program is SYMBOLIC:
         # Symbolic (SymInt) shapes while torch.compile traces: built for this trace, never cached.
         return _compile_program(src, dst, plan_redistribute(src, dst))
     if program is not None and program.mesh is not src.mesh and _same_groups(program, src.mesh):
@@ -681,9 +673,7 @@ def _program_for(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> _Program:
         programs[key] = program
     if program is None or program.mesh is not src.mesh:
         program = _compile_program(src, dst, plan_redistribute(src, dst))
-        if len(programs) >= _MAX_PROGRAMS:
-            programs.clear()
-        programs[key] = program
+        store(programs, key, program, _MAX_PROGRAMS)
     return program
 
 
@@ -691,6 +681,127 @@ def _same_groups(program: _Program, mesh: Any) -> bool:
     if program.group_names and program.group_names != mesh_group_names(mesh):
         return False
     return all(mesh._joint_group(dims) == group for dims, group in program.joint_groups)
+
+
+class _ThisRank:
+    """The executor's view of the ranks it runs a program for: this process's own rank.
+
+    :class:`_SimulatedRanks` is the other view (every rank torch's LocalTensorMode simulates).
+    Both hold one piece per rank; the executor runs the same program steps on each and issues
+    each collective once through the view.
+    """
+
+    ranks: tuple[int, ...] = (0,)
+
+    def pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        return [local]
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return pieces[0]
+
+    def local_work(self) -> Any:
+        return _NO_CONTEXT
+
+    def issue(self, buffers: list[torch.Tensor], steps: list[_ExecStep]) -> torch.Tensor:
+        return _issue(buffers[0], steps[0])
+
+    def received(self, waited: torch.Tensor) -> list[torch.Tensor]:
+        return [waited]
+
+
+class _SimulatedRanks:
+    """Every rank simulated in this process: pieces are a ``LocalTensor``'s per-rank tensors, a
+    collective is issued once on the ``LocalTensor`` of every rank's send buffer (per-rank sizes as
+    ``LocalIntNode`` SymInts) and the mode performs it for every group of the mesh dim."""
+
+    def __init__(self, ranks: frozenset[int]) -> None:
+        self.rank_set = ranks
+        self.ranks = tuple(sorted(ranks))
+
+    def pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        with simulation.mode_disabled():
+            by_rank = simulation.local_tensor_pieces(wait_local_tensor(local), self.rank_set)
+        return [by_rank[rank] for rank in self.ranks]
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return cast(torch.Tensor, simulation.join_rank_values(dict(zip(self.ranks, pieces))))
+
+    def local_work(self) -> Any:
+        return simulation.mode_disabled()
+
+    def issue(self, buffers: list[torch.Tensor], steps: list[_ExecStep]) -> torch.Tensor:
+        with simulation.mode_disabled():
+            joined = self.join(buffers)
+        step = steps[0]
+        if step.joint is not None and step.kind is not StepKind.JOINT_REDUCE_SCATTER:
+            members = range(step.group_size)
+            input_splits = [self._per_rank(steps, lambda s, m=m: s.joint.input_splits[m]) for m in members]
+            output_splits = [self._per_rank(steps, lambda s, m=m: s.joint.output_splits[m]) for m in members]
+            return _issue(joined, step, input_splits, output_splits)
+        return _issue(joined, step)
+
+    def received(self, waited: torch.Tensor) -> list[torch.Tensor]:
+        return self.pieces(waited)
+
+    def _per_rank(self, steps: list[_ExecStep], value: Any) -> int | torch.SymInt:
+        return simulation.per_rank_int({rank: value(step) for rank, step in zip(self.ranks, steps)})
+
+
+class _NoContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CONTEXT = _NoContext()
+_THIS_RANK = _ThisRank()
+_Ranks = _ThisRank | _SimulatedRanks
+
+
+def _run_steps(ranks: _Ranks, programs: list[_Program], pieces: list[torch.Tensor], stop: int) -> list[torch.Tensor]:
+    """Steps ``[0, stop)`` of every rank's program on its piece: the one executor.
+
+    Local steps run per rank; a collective step pads and lays out each rank's send buffer, is issued
+    once through ``ranks`` and waited, and each rank finishes (trims, regroups, scales) its result.
+    A collective that moves nothing anywhere is skipped by every rank alike.
+    """
+    for index in range(stop):
+        steps = [program.steps[index] for program in programs]
+        with ranks.local_work():
+            if not steps[0].kind.is_collective:
+                pieces = [_run_local(piece, step) for piece, step in zip(pieces, steps)]
+                continue
+            if all(step.sends_nothing for step in steps):
+                pieces = [piece.new_empty(step.shape_after) for piece, step in zip(pieces, steps)]
+                continue
+            buffers = [_send_buffer(piece, step) for piece, step in zip(pieces, steps)]
+        received = ranks.received(wait(ranks.issue(buffers, steps)))
+        with ranks.local_work():
+            pieces = [
+                piece.new_empty(step.shape_after) if step.sends_nothing else _finish(result, step)
+                for piece, result, step in zip(pieces, received, steps)
+            ]
+    return pieces
+
+
+def _check_local_shapes(
+    ranks: _Ranks, programs: list[_Program], pieces: list[torch.Tensor], src: DTensorSpec[Any], dst: DTensorSpec[Any]
+) -> None:
+    for rank, program, piece in zip(ranks.ranks, programs, pieces):
+        if piece.shape == program.src_local_shape:
+            continue
+        if isinstance(ranks, _SimulatedRanks):
+            where = f"simulated rank {rank}"
+        else:
+            coordinate = src.mesh.get_coordinate()
+            where = f"the rank at mesh coordinate {tuple(coordinate) if coordinate is not None else None}"
+        raise ValueError(
+            f"redistribute {src} -> {dst}: the local tensor has shape {tuple(piece.shape)} but {where} holds a "
+            f"shard of shape {program.src_local_shape} for placements {src.placements} of global shape "
+            f"{check_redistribute_specs(src, dst)}"
+        )
 
 
 def redistribute_local_tensor(
@@ -707,163 +818,82 @@ def redistribute_local_tensor(
     before any collective when the specs disagree (mesh, global shape, missing
     tensor_meta) or ``local`` does not have this rank's shard shape for ``src``.
 
+    Under torch's LocalTensorMode (every rank simulated here) the same executor runs every simulated
+    rank's program on its piece of the ``LocalTensor``, synchronously (``async_op`` has nothing to
+    overlap); inside ``run_for_each_simulated_rank`` it runs that rank's program (local steps only).
+
     ``async_op=True`` may return an :class:`AsyncCollectiveTensor` whose last collective
     is still in flight; it finishes on first use (or ``.wait()``).  The result may share
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
     view = simulation.simulated_view()
-    if isinstance(view, frozenset):
-        # Every rank simulated in this process (torch's LocalTensorMode): see _redistribute_simulated.
-        return _redistribute_simulated(local, src, dst, view)
-    if view is not None:
-        return _redistribute_one_simulated_rank(local, src, dst, view)
-    try:
-        program = RANK_CACHES.programs.get((src, dst))
-    except TypeError:
-        program = None  # symbolic shapes (torch.compile): _program_for builds it uncached
-    if program is None and involves_strided_shard(src, dst):
-        # FSDP-over-TP layouts: through the whole tensor (see _strided_redistribute), synchronously.
-        return redistribute_with_strided_shards(local, src, dst, redistribute_local_tensor)
-    if program is None or program.mesh is not src.mesh:
-        program = _program_for(src, dst)
-    if not program.participating:
-        return local.new_empty(program.dst_local_shape)
-    if local.shape != program.src_local_shape:
-        coordinate = src.mesh.get_coordinate()
-        raise ValueError(
-            f"redistribute {src} -> {dst}: the local tensor has shape {tuple(local.shape)} but the rank at mesh "
-            f"coordinate {tuple(coordinate) if coordinate is not None else None} holds a shard of shape "
-            f"{program.src_local_shape} for placements {src.placements} of global shape "
-            f"{check_redistribute_specs(src, dst)}"
+    if view is None:
+        program = lookup(RANK_CACHES.programs, (src, dst))
+        if program is SYMBOLIC:
+            program = None  # symbolic shapes (torch.compile): _program_for builds it uncached
+        if program is None and involves_strided_shard(src, dst):
+            # FSDP-over-TP layouts: through the whole tensor (see _strided_redistribute), synchronously.
+            return redistribute_with_strided_shards(local, src, dst, redistribute_local_tensor)
+        if program is None or program.mesh is not src.mesh:
+            program = _program_for(src, dst)
+        if not program.participating:
+            return local.new_empty(program.dst_local_shape)
+        if local.shape != program.src_local_shape:
+            _check_local_shapes(_THIS_RANK, [program], [local], src, dst)
+        last = program.last_collective
+        if not async_op or last < 0:
+            return _run_steps(_THIS_RANK, [program], [local], len(program.steps))[0]
+        (local,) = _run_steps(_THIS_RANK, [program], [local], last)
+        pending = _issue(_send_buffer(local, program.steps[last]), program.steps[last])
+        return AsyncCollectiveTensor(pending, _Continuation(program, last), program.dst_local_shape)
+    if isinstance(view, int):
+        # One simulated rank, inside run_for_each_simulated_rank: ranks cannot communicate there.
+        one = _simulated_program(src, dst, view)
+        if any(step.kind.is_collective for step in one.steps):
+            raise RuntimeError(
+                f"redistribute {src} -> {dst} needs a collective, but it was called for one simulated rank ({view}) "
+                "inside run_for_each_simulated_rank, where ranks cannot communicate; call it outside"
+            )
+        if not one.participating:
+            return local.new_empty(one.dst_local_shape)
+        return _run_steps(_THIS_RANK, [one], [local], len(one.steps))[0]
+    ranks = _SimulatedRanks(view)
+    if involves_strided_shard(src, dst):
+        # Through the whole tensor, the same program for every rank (see _strided_redistribute).
+        with simulation.mode_disabled():
+            every_rank = ranks.join(ranks.pieces(local))
+        return redistribute_with_strided_shards(every_rank, src, dst, redistribute_local_tensor)
+    programs = [_simulated_program(src, dst, rank) for rank in ranks.ranks]
+    taking_part = [rank for rank, program in zip(ranks.ranks, programs) if program.participating]
+    if len(taking_part) not in (0, len(ranks.ranks)):
+        raise NotImplementedError(
+            f"redistribute over {src.mesh!r} under LocalTensorMode: simulated ranks "
+            f"{sorted(set(ranks.ranks) - set(taking_part))} are outside the mesh; simulate a world that the mesh covers"
         )
-    steps = program.steps
-    if not async_op or program.last_collective < 0:
-        for step in steps:
-            local = _run_step(local, step)
-        return local
-    last = program.last_collective
-    for step in steps[:last]:
-        local = _run_step(local, step)
-    pending = _launch(local, steps[last])
-    return AsyncCollectiveTensor(pending, _Continuation(program, last), program.dst_local_shape)
+    pieces = ranks.pieces(local)
+    with simulation.mode_disabled():
+        if not taking_part:
+            return ranks.join([piece.new_empty(program.dst_local_shape) for piece, program in zip(pieces, programs)])
+        _check_local_shapes(ranks, programs, pieces, src, dst)
+    pieces = _run_steps(ranks, programs, pieces, len(programs[0].steps))
+    with simulation.mode_disabled():
+        return ranks.join(pieces)
 
 
 # -- every rank simulated in this process (torch's LocalTensorMode) ---------------------------
 
-# One program per simulated rank, compiled with that rank pinned (see shardwise.mesh._simulation).
-
 
 def _simulated_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int) -> _Program:
+    """Simulated ``rank``'s program, compiled with that rank pinned (see shardwise.mesh._simulation)."""
     key = (src, dst, rank)
     programs = SHARED_CACHES.simulated_programs
     program: _Program | None = programs.get(key)
     if program is None or program.mesh is not src.mesh:
         with simulation.as_simulated_rank(rank):
             program = _compile_program(src, dst, plan_redistribute(src, dst))
-        if len(programs) >= _MAX_PROGRAMS:
-            programs.clear()
-        programs[key] = program
+        store(programs, key, program, _MAX_PROGRAMS)
     return program
-
-
-def _redistribute_simulated(
-    local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any], ranks: frozenset[int]
-) -> torch.Tensor:
-    """``redistribute_local_tensor`` for every simulated rank at once (a ``LocalTensor`` in and out).
-
-    Each rank runs its own program (its sizes, offsets and trims) on its own piece; a collective
-    step is issued once, on the ``LocalTensor`` of every rank's send buffer, and the mode performs
-    it for every group of the mesh dim. Runs synchronously (``async_op`` has nothing to overlap).
-    """
-    if involves_strided_shard(src, dst):
-        # Through the whole tensor, the same program for every rank (see _strided_redistribute).
-        with simulation.mode_disabled():
-            every_rank = simulation.join_rank_values(simulation.local_tensor_pieces(wait_local_tensor(local), ranks))
-        return redistribute_with_strided_shards(every_rank, src, dst, redistribute_local_tensor)
-    rank_list = sorted(ranks)
-    programs = {rank: _simulated_program(src, dst, rank) for rank in rank_list}
-    taking_part = [rank for rank in rank_list if programs[rank].participating]
-    if len(taking_part) not in (0, len(rank_list)):
-        raise NotImplementedError(
-            f"redistribute over {src.mesh!r} under LocalTensorMode: simulated ranks "
-            f"{sorted(set(rank_list) - set(taking_part))} are outside the mesh; simulate a world that the mesh covers"
-        )
-    with simulation.mode_disabled():
-        pieces = simulation.local_tensor_pieces(wait_local_tensor(local), ranks)
-        if not taking_part:
-            return simulation.join_rank_values(
-                {rank: pieces[rank].new_empty(programs[rank].dst_local_shape) for rank in rank_list}
-            )
-        for rank in rank_list:
-            if pieces[rank].shape != programs[rank].src_local_shape:
-                raise ValueError(
-                    f"redistribute {src} -> {dst}: the local tensor of simulated rank {rank} has shape "
-                    f"{tuple(pieces[rank].shape)} but that rank holds a shard of shape {programs[rank].src_local_shape} "
-                    f"for placements {src.placements} of global shape {check_redistribute_specs(src, dst)}"
-                )
-    for index in range(len(programs[rank_list[0]].steps)):
-        steps = {rank: programs[rank].steps[index] for rank in rank_list}
-        with simulation.mode_disabled():
-            if not steps[rank_list[0]].kind.is_collective:
-                pieces = {rank: _run_local(pieces[rank], steps[rank]) for rank in rank_list}
-                continue
-            if all(step.sends_nothing for step in steps.values()):
-                pieces = {rank: pieces[rank].new_empty(steps[rank].shape_after) for rank in rank_list}
-                continue
-            buffers = simulation.join_rank_values(
-                {
-                    rank: _send_buffer(pieces[rank], step)
-                    if step.joint is None
-                    else _joint_send_buffer(pieces[rank], step, step.joint)
-                    for rank, step in steps.items()
-                }
-            )
-        received = wait(_issue_simulated(buffers, steps))
-        with simulation.mode_disabled():
-            received_pieces = simulation.local_tensor_pieces(received, ranks)
-            pieces = {
-                rank: pieces[rank].new_empty(step.shape_after)
-                if step.sends_nothing
-                else _finish(received_pieces[rank], step)
-                for rank, step in steps.items()
-            }
-    return simulation.join_rank_values(pieces)
-
-
-def _redistribute_one_simulated_rank(
-    local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int
-) -> torch.Tensor:
-    """One simulated rank's redistribution, inside ``run_for_each_simulated_rank``: local steps only."""
-    program = _simulated_program(src, dst, rank)
-    if any(step.kind.is_collective for step in program.steps):
-        raise RuntimeError(
-            f"redistribute {src} -> {dst} needs a collective, but it was called for one simulated rank ({rank}) "
-            "inside run_for_each_simulated_rank, where ranks cannot communicate; call it outside"
-        )
-    if not program.participating:
-        return local.new_empty(program.dst_local_shape)
-    for step in program.steps:
-        local = _run_local(local, step)
-    return local
-
-
-def _issue_simulated(buffers: torch.Tensor, steps: dict[int, _ExecStep]) -> torch.Tensor:
-    """One step's collective for every simulated rank; sizes that differ by rank go as ``LocalIntNode`` SymInts."""
-    step = next(iter(steps.values()))
-    if step.kind is StepKind.JOINT_REDUCE_SCATTER:
-        return launch_reduce_scatter(buffers, step.reduce_op, step.group_size, step.group_name)
-    if step.kind in (StepKind.JOINT_ALL_TO_ALL, StepKind.JOINT_ALL_TO_ALL_REDUCE):
-        input_splits, output_splits = [], []
-        for member in range(step.group_size):
-            input_splits.append(
-                simulation.per_rank_int({rank: s.joint.input_splits[member] for rank, s in steps.items() if s.joint})
-            )
-            output_splits.append(
-                simulation.per_rank_int({rank: s.joint.output_splits[member] for rank, s in steps.items() if s.joint})
-            )
-        return launch_all_to_all_exact(buffers, output_splits, input_splits, step.group_name)  # type: ignore[arg-type]
-    return _issue(buffers, step)
 
 
 class Redistribute:

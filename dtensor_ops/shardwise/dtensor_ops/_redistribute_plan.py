@@ -109,7 +109,7 @@ from shardwise.placement import (
     compute_local_shape_and_global_offset,
 )
 
-from ._caches import SHARED_CACHES
+from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
 
 __all__ = [
     "StepKind",
@@ -885,17 +885,10 @@ def lower_bound_bytes_per_rank(
 
 # -- plans for specs (cached) ---------------------------------------------------------------------
 
-# Caches are dicts cleared when full: a hit must stay a plain dict lookup, and a
-# training loop uses a handful of layouts, so eviction order does not matter.
+# Caches are dicts cleared when full (_caches.store): a hit must stay a plain dict lookup.
 _MAX_CACHE_ENTRIES = 8192
 
 _ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements, bool]
-
-
-def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(cache) >= _MAX_CACHE_ENTRIES:
-        cache.clear()
-    cache[key] = value
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -941,9 +934,8 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     """
     joint = mesh_supports_joint_steps(src.mesh)
     key = (src, dst, joint)
-    try:
-        plan = SHARED_CACHES.plans_by_specs.get(key)
-    except TypeError:
+    plan = lookup(SHARED_CACHES.plans_by_specs, key)
+    if plan is SYMBOLIC:
         return _plan_for_symbolic_shape(src, dst)
     if plan is not None:
         return plan
@@ -957,8 +949,8 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
         plan = find_cheapest_plan(
             global_shape, mesh_shape, src.placements, dst.placements, itemsize, allow_joint_steps=joint
         )
-        _remember(SHARED_CACHES.plans_by_problem, problem, plan)
-    _remember(SHARED_CACHES.plans_by_specs, key, plan)
+        store(SHARED_CACHES.plans_by_problem, problem, plan, _MAX_CACHE_ENTRIES)
+    store(SHARED_CACHES.plans_by_specs, key, plan, _MAX_CACHE_ENTRIES)
     return plan
 
 

@@ -40,7 +40,10 @@ from shardwise.placement import (
     select_local_shard,
 )
 
-from ._caches import RANK_CACHES
+from ._caches import RANK_CACHES, SYMBOLIC, lookup
+
+# lookup()'s answer for a key not computed yet (None is a computed answer: no one-dim gather serves it).
+_NOT_YET = object()
 from ._collectives import launch_all_gather, mesh_dim_group_name, wait
 
 __all__ = ["involves_strided_shard", "redistribute_with_strided_shards"]
@@ -144,12 +147,11 @@ def _gather_one_strided_mesh_dim(
         return None
     key = (src, dst, tuple(coordinate))
     gathers = RANK_CACHES.one_dim_gathers
-    try:
-        plan = gathers[key]
-    except KeyError:
-        plan = gathers[key] = _one_dim_gather(src, dst, tuple(coordinate))
-    except TypeError:
+    plan = lookup(gathers, key, _NOT_YET)
+    if plan is SYMBOLIC:
         return None  # symbolic shapes: not hashable, take the general path
+    if plan is _NOT_YET:
+        plan = gathers[key] = _one_dim_gather(src, dst, tuple(coordinate))
     if plan is None:
         return None
     largest = max(plan.sizes)
