@@ -291,10 +291,25 @@ def kernel_by_name(name: str) -> BlockKernel:
         raise ValueError(f"unknown ring attention kernel {name!r}; expected one of {sorted(_KERNELS)}") from None
 
 
+@torch._dynamo.assume_constant_result
+def _traced_sdp_choice(
+    shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device, is_causal: bool, scale: float
+) -> int:
+    # Under torch.compile the choice is a constant of the trace: asked once, on fresh contiguous tensors
+    # of the same shapes (dynamo cannot put an op answering an int into the graph).
+    query, key, value = (torch.empty(shape, dtype=dtype, device=device) for shape in shapes)
+    grouped = shapes[0][1] != shapes[1][1]
+    return int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=grouped))
+
+
 def choose_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: float) -> BlockKernel:
     """The kernel ``F.scaled_dot_product_attention`` would run on these local tensors (honours ``sdpa_kernel``)."""
-    grouped = query.size(1) != key.size(1)
-    choice = int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=grouped))
+    if torch.compiler.is_compiling():
+        shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        choice = _traced_sdp_choice(shapes, query.dtype, query.device, is_causal, scale)
+    else:
+        grouped = query.size(1) != key.size(1)
+        choice = int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=grouped))
     if query.device.type == "cpu":
         return _KERNELS["flash_cpu"] if choice == _FLASH else _KERNELS["math"]
     by_choice = {_FLASH: "flash", _EFFICIENT: "efficient", _CUDNN: "cudnn"}

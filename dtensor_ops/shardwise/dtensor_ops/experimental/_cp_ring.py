@@ -286,5 +286,11 @@ class _RingAttentionFunction(torch.autograd.Function):
 
 def ring_attention(spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Differentiable ring attention of this rank's ``(B, H, L, D)`` pieces (checked by the caller)."""
+    # Self-attention on one tensor passes it three times; dynamo traces an autograd.Function only
+    # with distinct inputs, and a view is a distinct tensor whose gradient flows to the same place.
+    if key is query:
+        key = key.view_as(key)
+    if value is query or value is key:
+        value = value.view_as(value)
     out: torch.Tensor = _RingAttentionFunction.apply(query, key, value, spec)
     return out
