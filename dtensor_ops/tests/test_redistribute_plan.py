@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-import shardwise.dtensor_ops._redistribute as redistribute_module
+import shardwise.dtensor_ops._redistribution as redistribute_module
 from redistribute_helpers import (
     PLACEMENTS_1D,
     Coordinate,
@@ -30,7 +30,7 @@ from redistribute_helpers import (
 from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor, wait_local_tensor
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.mesh import MeshError
-from shardwise.dtensor_ops._redistribute import (
+from shardwise.dtensor_ops._redistribution import (
     _compile_program,
     _finish,
     _issue,

@@ -25,7 +25,7 @@ from shardwise.placement import (
 )
 
 from ._placement_args import normalize_placements, resolve_device_mesh
-from ._redistribute import gradient_placements, redistribute_local_tensor
+from ._redistribution import gradient_placements, redistribute_local_tensor
 from ._src_data import check_and_sync_from_local
 from ._wrapper import wrap_local_tensor
 

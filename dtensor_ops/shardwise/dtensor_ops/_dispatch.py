@@ -1,22 +1,17 @@
-"""``__torch_dispatch__`` for DTensor, in three separate stages.
+"""``__torch_dispatch__`` for DTensor: one path, in three separate stages.
 
-(a) **Key.**  The op, the input specs (DTensors replaced by their ``_spec``) and
-    the non-tensor arguments form a hashable key.  Specs and placements cache
-    their hash, so building the key costs a tuple.
-(b) **Decision.**  On a key miss, ``propagate_op_sharding`` (the sharding-rule
-    engine) returns a plain-data :class:`OpDecision`, complete with what dispatch
-    derives from the op schema; it lives in the one decision cache
-    (``_decision_cache``) under the key.
-(c) **Execution.**  Inputs whose target spec differs are redistributed, the op
-    runs on the local tensors and the outputs are wrapped with the output specs.
-
-Ops with a registered op handler (``_op_handlers``) go to it first.  The common case
-(positional DTensors, Python scalars, ints, strings, dtypes and lists of ints; no
-kwargs) takes a flat fast path without pytree, recursion or per-call closures; a cache
-hit there costs two list copies, one key tuple, one dict lookup, the local op and one
-wrapper.  Everything else takes the general path, which handles nested lists of
-tensors, kwargs (``out=``), plain tensors (0-dim ones always, others under
-``implicit_replication``).  Both build their keys with ``_decision_cache.key_part``.
+(a) **Read.**  The op, the input specs (DTensors replaced by their ``_spec``) and the non-tensor
+    arguments form a hashable key (``_decision_cache.call_key``'s); the local tensors are collected
+    alongside.  A flat loop reads the common call (positional DTensors, Python scalars, ints,
+    strings, dtypes, floats, bools, int lists: no pytree, no recursion, no per-call closure);
+    :func:`_read_nested` reads the rest (kwargs such as ``out=``, tensor lists, plain tensors: 0-dim
+    ones always, others under ``implicit_replication``).
+(b) **Decision.**  One lookup in the one decision cache; on a miss the decision pipeline
+    (``_decision_pipeline.decide_on_miss``) asks its deciders in order and stores the plain-data
+    :class:`OpDecision` once.  Handlers (``_op_handlers``) answer with the op's result instead.
+(c) **Execution.**  A simple decision runs the op on the locals and wraps one tensor (inline: nearly
+    every op of a training step); any other goes through :func:`_execute` (redistribution of the
+    inputs whose target differs, argument overrides, the random plan, wrapping).
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
 from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
 from ._random import run_random_op
-from ._redistribute import redistribute_local_tensor
+from ._redistribution import redistribute_local_tensor
 from ._wrapper import wrap_local_tensor
 
 __all__ = ["torch_dispatch"]

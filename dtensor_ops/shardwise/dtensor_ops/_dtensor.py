@@ -22,7 +22,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from . import _checkpoint, _conversions
-from ._redistribute import gradient_placements
+from ._redistribution import gradient_placements
 from ._wrapper import wrap_local_tensor
 
 __all__ = ["DTensor", "new_dtensor"]

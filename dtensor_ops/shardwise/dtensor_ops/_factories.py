@@ -38,7 +38,7 @@ from ._decision import RandomPlan
 from ._dtensor import DTensor, new_dtensor
 from ._placement_args import normalize_placements, resolve_device_mesh
 from ._random import plan_for_spec, run_in_shard_stream
-from ._redistribute import redistribute_local_tensor
+from ._redistribution import redistribute_local_tensor
 from ._src_data import agree_on_int
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]

@@ -1,4 +1,9 @@
-"""The one place a DTensor wrapper is built around a local tensor (no checks: the hot path of every op)."""
+"""The DTensor wrapper builder: a local tensor wrapped with a spec's global shape and stride (no checks).
+
+Every wrapper is built here except one inlined copy of these lines in ``_dispatch.torch_dispatch``'s
+simple-decision branch, which runs for nearly every op of a training step and reads the shape and
+stride the decision precomputed: the call itself would cost ~0.2 µs of ~8 µs (bench_dispatch_overhead).
+"""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline")),
     ("collectives", ("_collectives",)),
-    ("redistribution", ("_redistribute", "_src_data", "_strided_redistribute")),
+    ("redistribution", ("_redistribution", "_src_data", "_strided_redistribute")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
@@ -69,6 +69,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "_torch_compat",
             "_op_schema",
+            "_redistribute",
             "_sharding_prop",
             "_collective_utils",
             "_utils",
