@@ -140,7 +140,9 @@ def test_set_rotate_method() -> None:
     assert _cp_options.rotate_method == _RotateMethod.ALL_TO_ALL
     set_rotate_method("allgather")
     assert _cp_options.rotate_method == _RotateMethod.ALL_GATHER
-    with pytest.raises(NotImplementedError, match="'ring'.*expected one of \\['allgather', 'alltoall'\\]"):
+    set_rotate_method("ulysses")
+    assert _cp_options.rotate_method == _RotateMethod.ULYSSES
+    with pytest.raises(NotImplementedError, match="'ring'.*expected one of \\['allgather', 'alltoall', 'ulysses'\\]"):
         set_rotate_method("ring")
 
 
@@ -201,19 +203,23 @@ def _attention_case(
 
 
 def _expected_counts(rotate: str, world: int) -> tuple[dict[str, int], dict[str, int]]:
+    if rotate == "ulysses":  # q/k/v in, output back; the same two backward
+        return {ALL_TO_ALL: 2}, {ALL_TO_ALL: 4}
     if rotate == "alltoall":
         return {ALL_TO_ALL: world - 1}, {ALL_TO_ALL: 3 * world - 2}
     return {ALL_GATHER: 1}, {ALL_GATHER: 2, ALL_TO_ALL: world}
 
 
-def _sweep(lengths: tuple[int, ...], dtype: torch.dtype, tolerance: float) -> None:
+def _sweep(lengths: tuple[int, ...], dtype: torch.dtype, tolerance: float, rotations: tuple[str, ...] = ("alltoall", "allgather")) -> None:
     _reset_options()
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     failures = []
     for causal, balance, rotate, kernel, length, kv_heads in itertools.product(
-        (True, False), (True, False), ("alltoall", "allgather"), ("flash_cpu", "math"), lengths, (4, 2)
+        (True, False), (True, False), rotations, ("flash_cpu", "math"), lengths, (4, 2)
     ):
+        if rotate == "ulysses" and kv_heads % world:
+            continue  # refused (tested below)
         case = f"causal={causal} balance={balance} rotate={rotate} kernel={kernel} length={length} kv_heads={kv_heads}"
         errors, forward, total = _attention_case(
             mesh, causal=causal, balance=balance, rotate=rotate, kernel=kernel, length=length, kv_heads=kv_heads, dtype=dtype
@@ -234,6 +240,30 @@ def test_ring_attention_matches_sdpa_on_the_whole_sequence(world_size: int) -> N
 
 def _sweep_float32() -> None:
     _sweep((16, 13), torch.float32, 2e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ulysses_matches_sdpa_on_the_whole_sequence(world_size: int) -> None:
+    run_on_ranks(_sweep_ulysses, world_size=world_size, timeout=300)
+
+
+def _sweep_ulysses() -> None:
+    _sweep((16, 13), torch.float32, 2e-5, rotations=("ulysses",))
+
+
+@multi_rank
+def test_ulysses_refuses_heads_that_do_not_divide_by_the_mesh() -> None:
+    _reset_options()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    set_rotate_method("ulysses")
+    query = torch.randn(1, 6, 16, 4)
+
+    def six_heads() -> None:
+        with context_parallel(mesh, buffers=[query], buffer_seq_dims=[2]):
+            F.scaled_dot_product_attention(query, query, query, is_causal=True)
+
+    _expect_error_everywhere(mesh, ValueError, "6 query and 6 key/value heads must both divide by the 4", six_heads)
 
 
 @multi_rank

@@ -45,6 +45,7 @@ from ._cp_layout import (
     head_tail_layout,
 )
 from ._cp_ring import RingSpec, ring_attention
+from ._cp_ulysses import ulysses_attention
 
 __all__ = [
     "_CausalBehavior",
@@ -75,9 +76,11 @@ class _CausalBehavior(Enum):
 class _RotateMethod(Enum):
     ALL_TO_ALL = auto()
     ALL_GATHER = auto()
+    # Beyond PyTorch: no ring; all-to-all from sequence- to head-sharded, local attention, and back.
+    ULYSSES = auto()
 
 
-_ROTATE_METHOD_NAMES = {_RotateMethod.ALL_TO_ALL: "alltoall", _RotateMethod.ALL_GATHER: "allgather"}
+_ROTATE_METHOD_NAMES = {_RotateMethod.ALL_TO_ALL: "alltoall", _RotateMethod.ALL_GATHER: "allgather", _RotateMethod.ULYSSES: "ulysses"}
 
 
 @dataclass
@@ -92,7 +95,10 @@ _cp_options = _ContextParallelOptions()
 
 
 def set_rotate_method(rotate_method: str) -> None:
-    """How key/value blocks travel: ``"allgather"`` (one all-gather, the default) or ``"alltoall"`` (a ring)."""
+    """How attention crosses ranks: ``"allgather"`` (key/value blocks gathered once, the default),
+    ``"alltoall"`` (key/value blocks handed around a ring) or ``"ulysses"`` (beyond PyTorch: one all-to-all
+    from sequence- to head-sharded, attention on whole sequences of ``heads / W`` heads, one all-to-all
+    back; needs query and key/value heads divisible by the mesh size)."""
     for method, name in _ROTATE_METHOD_NAMES.items():
         if rotate_method == name:
             _cp_options.rotate_method = method
@@ -375,6 +381,15 @@ def _ring_spec(
         )
     if is_causal and query_layout != kv_layout:
         raise ValueError(f"{where}: is_causal=True needs queries and keys laid out alike over the ranks")
+    if _cp_options.rotate_method == _RotateMethod.ULYSSES:
+        if query_heads % world_size or kv_heads % world_size:
+            raise ValueError(
+                f"{where} with set_rotate_method('ulysses'): {query_heads} query and {kv_heads} key/value heads must both "
+                f"divide by the {world_size} context-parallel ranks (each rank attends heads / {world_size} heads); "
+                "use 'alltoall' or 'allgather' otherwise"
+            )
+        if query_layout != kv_layout:
+            raise ValueError(f"{where} with set_rotate_method('ulysses'): queries and keys must have the same length")
     resolved_scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[3])
     return RingSpec(
         group_name=group_name,
@@ -407,6 +422,14 @@ def _plain_tensor_attention(mesh: DeviceMesh, args: tuple[Any, ...], kwargs: dic
         _collectives.mesh_dim_group_name(mesh, 0), rank, world_size, query, key, value,
         query_layout, kv_layout, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     )  # fmt: skip
+    return _attend(spec, query, key, value)
+
+
+def _attend(spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if spec.rotate_method == "ulysses":
+        return ulysses_attention(
+            spec.group_name, spec.rank, spec.world_size, spec.query_layout, query, key, value, spec.is_causal, spec.scale
+        )
     return ring_attention(spec, query, key, value)
 
 
@@ -451,7 +474,7 @@ def _dtensor_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.T
         _collectives.mesh_dim_group_name(mesh, cp_dim), mesh.get_local_rank(cp_dim), world_size,
         local_query, local_key, local_value, query_layout, kv_layout, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     )  # fmt: skip
-    local_out = ring_attention(spec, local_query, local_key, local_value)
+    local_out = _attend(spec, local_query, local_key, local_value)
     global_shape = (*query.shape[:3], value.shape[3])
     return DTensor.from_local(
         local_out, mesh, query.placements, run_check=False, shape=global_shape,

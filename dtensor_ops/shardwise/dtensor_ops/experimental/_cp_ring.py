@@ -46,7 +46,7 @@ class RingSpec:
     scale: float
     query_heads_per_kv_head: int
     kernel: BlockKernel
-    rotate_method: str  # "alltoall" | "allgather"
+    rotate_method: str  # "alltoall" | "allgather" ("ulysses" calls go to _cp_ulysses instead)
 
 
 @dataclass(frozen=True)
