@@ -5,8 +5,9 @@ A benchmark, not a test (these machines are noisy). Run from the repo root:
     PYTHONPATH=mesh:placement:dtensor_ops:testing:tools python -m shardwise.tools.bench_mesh_build [repetitions]
 
 Each repetition gets a fresh default process group, builds each mesh cold (no group exists yet)
-and then again warm, and records per rank the wall time and the c10d ``new_group`` calls (all
-calls, and those creating a group the rank is in). A mesh is ready when its slowest rank is, so
+and then again warm, and records per rank the wall time and the c10d group constructions
+(``distributed_c10d._new_process_group_helper`` calls, where both ``new_group`` and shardwise's
+member-only creation end: all calls, and those creating a group the rank is in). A mesh is ready when its slowest rank is, so
 times are the max over ranks; the table shows the median over repetitions. PyTorch's DeviceMesh
 is imported here only as the point of comparison.
 """
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.device_mesh as torch_device_mesh
-from shardwise.testing._group_calls import count_new_group_calls
+import torch.distributed.distributed_c10d as c10d
 
 from shardwise.mesh import init_device_mesh
 from shardwise.testing import run_on_ranks
@@ -31,15 +32,28 @@ Record = dict[str, tuple[float, int, int]]
 
 def _timed(build: Callable[[], Any]) -> tuple[float, int, int]:
     dist.barrier()
-    with count_new_group_calls() as calls:
+    calls = created = 0
+    original = c10d._new_process_group_helper
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls, created
+        result = original(*args, **kwargs)
+        calls += 1
+        created += isinstance(result[0], dist.ProcessGroup)
+        return result
+
+    c10d._new_process_group_helper = counting
+    try:
         start = time.perf_counter()
         build()
         elapsed = time.perf_counter() - start
-    return elapsed, calls.calls, calls.created
+    finally:
+        c10d._new_process_group_helper = original
+    return elapsed, calls, created
 
 
 def _build_own_groups_with_local_synchronization() -> None:
-    # The alternative we rejected (see _process_groups.py): each rank creates only its own groups.
+    # c10d's own member-only option, which can hang after asymmetric histories (see _process_groups.py).
     rank = dist.get_rank()
     row, column = divmod(rank, 2)
     dist.new_group([column, column + 2], use_local_synchronization=True)
@@ -62,7 +76,7 @@ def _measure(shardwise_first: bool) -> Record:
         record[f"{implementation} 2x2 cold"] = _timed(lambda: build("cpu", (2, 2), ("dp", "tp")))
         record[f"{implementation} 2x2 warm"] = _timed(lambda: build("cpu", (2, 2), ("dp", "tp")))
         record[f"{implementation} 1-D of 4"] = _timed(lambda: build("cpu", (4,), ("world",)))
-    record["2x2 groups via use_local_synchronization (rejected)"] = _timed(_build_own_groups_with_local_synchronization)
+    record["2x2 groups via c10d use_local_synchronization (not used)"] = _timed(_build_own_groups_with_local_synchronization)
     return record
 
 
@@ -76,12 +90,12 @@ def main() -> None:
             rows.setdefault(key, []).append(
                 (slowest, [record[key][1] for record in per_rank], [record[key][2] for record in per_rank])
             )
-    print(f"{'mesh (4 gloo ranks)':<52} {'median ms':>9} {'new_group calls/rank':>21} {'groups joined/rank':>19}")
+    print(f"{'mesh (4 gloo ranks)':<52} {'median ms':>9} {'c10d constructions/rank':>23} {'groups joined/rank':>19}")
     for key, samples in rows.items():
         median_ms = statistics.median(sample[0] for sample in samples) * 1e3
         calls = sorted({tuple(sample[1]) for sample in samples})
         created = sorted({tuple(sample[2]) for sample in samples})
-        print(f"{key:<52} {median_ms:>9.2f} {str(calls[0] if len(calls) == 1 else calls):>21} "
+        print(f"{key:<52} {median_ms:>9.2f} {str(calls[0] if len(calls) == 1 else calls):>23} "
               f"{str(created[0] if len(created) == 1 else created):>19}")
 
 
