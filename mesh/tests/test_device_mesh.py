@@ -505,3 +505,30 @@ def test_groups_are_created_by_their_members_only_whatever_each_rank_did_before(
         assert _sum_of_ranks_over(user_group) == 4
     names = _names_on_every_rank(joint_name)
     assert names[0] is None and len(set(names[1:])) == 1
+
+
+@multi_rank
+def test_device_bound_worlds_create_groups_world_ordered_and_joint_groups_at_construction() -> None:
+    # A default group bound to a device (NCCL with device_id) splits every communicator from the
+    # world's, so there every rank calls c10d for every sub-group. gloo cannot bind a device; the
+    # mode is forced here to keep that path exercised.
+    from shardwise.mesh import _process_groups as process_groups
+
+    rank = dist.get_rank()
+    original = process_groups.member_only_creation
+    setattr(process_groups, "member_only_creation", lambda: False)
+    try:
+        with count_new_group_calls() as calls:
+            mesh = DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("a", "b"))
+        # 2 sub-groups per dim, every rank calling for all 4 (the joint group is the world's ranks).
+        assert calls.calls == 4 and calls.created == 2
+        assert set(mesh._joint_groups) == {(0, 1)}
+        a, b = mesh.get_coordinate()  # type: ignore[misc]
+        assert _gather_ranks_over(mesh.get_group_name("b"), 2) == [[3, 2], [1, 0]][a]
+        assert dist.get_rank(mesh.get_group("a")) == a and dist.get_rank(mesh.get_group("b")) == b
+        with count_new_group_calls() as calls:
+            outside = DeviceMesh("cpu", [0, 2], mesh_dim_names=("x",))
+        assert calls.calls == 1 and calls.created == (1 if rank in (0, 2) else 0)
+        assert (outside.get_coordinate() is None) == (rank in (1, 3))
+    finally:
+        setattr(process_groups, "member_only_creation", original)
