@@ -280,6 +280,18 @@ def test_ring_attention_bfloat16_merges_in_float32() -> None:
 
 
 @multi_rank
+def test_ring_attention_float64_stays_float64() -> None:
+    _reset_options()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for kernel in ("flash_cpu", "math"):
+        errors, _, _ = _attention_case(
+            mesh, causal=True, balance=True, rotate="alltoall", kernel=kernel, length=22, kv_heads=2, dtype=torch.float64
+        )
+        # Merging in float32 would leave ~1e-7.
+        assert max(errors) < 1e-13, (kernel, errors)
+
+
+@multi_rank
 def test_forward_only_under_no_grad_counts_w_minus_1() -> None:
     _reset_options()
     world = dist.get_world_size()

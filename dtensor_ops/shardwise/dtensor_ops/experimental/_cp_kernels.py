@@ -17,9 +17,14 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["BlockKernel", "choose_kernel", "kernel_by_name"]
+__all__ = ["BlockKernel", "accumulation_dtype", "choose_kernel", "kernel_by_name"]
 
 aten = torch.ops.aten
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half and single precision; float64 inputs keep float64 (rounding them to float32 would lose digits)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 # torch._fused_sdp_choice's answers (torch.nn.attention.SDPBackend values).
 _MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
@@ -34,7 +39,7 @@ class BlockKernel(ABC):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of softmax(q k^T * scale [+ causal mask]) v; ``lse`` float32 ``(B, H, Lq)``."""
+        """``(out, lse)`` of softmax(q k^T * scale [+ causal mask]) v; ``lse`` ``(B, H, Lq)`` in the accumulation dtype."""
 
     @abstractmethod
     def backward(
@@ -57,12 +62,13 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 class MathKernel(BlockKernel):
-    """Explicit float32 matmuls: any dtype, any device; what ``sdpa_kernel(SDPBackend.MATH)`` asks for."""
+    """Explicit matmuls in float32 (float64 for float64 inputs): any device; what ``sdpa_kernel(SDPBackend.MATH)`` asks for."""
 
     name = "math"
 
     def _scores(self, query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-        scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale
+        accumulate = accumulation_dtype(query.dtype)
+        scores = torch.matmul(query.to(accumulate), key.to(accumulate).transpose(-2, -1)) * scale
         if causal:
             scores = scores.masked_fill(_causal_mask(query.size(-2), key.size(-2), query.device), float("-inf"))
         return scores
@@ -73,7 +79,7 @@ class MathKernel(BlockKernel):
         scores = self._scores(query, key, causal, scale)
         lse = torch.logsumexp(scores, dim=-1)
         probabilities = torch.exp(scores - lse.unsqueeze(-1))
-        return torch.matmul(probabilities, value.float()), lse
+        return torch.matmul(probabilities, value.to(probabilities.dtype)), lse
 
     def backward(
         self,
@@ -86,15 +92,16 @@ class MathKernel(BlockKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        grad_out32 = grad_out.float()
-        probabilities = torch.exp(self._scores(query, key, causal, scale) - lse.float().unsqueeze(-1))
-        grad_value = torch.matmul(probabilities.transpose(-2, -1), grad_out32)
-        grad_probabilities = torch.matmul(grad_out32, value.float().transpose(-2, -1))
+        accumulate = accumulation_dtype(query.dtype)
+        grad_out_wide = grad_out.to(accumulate)
+        probabilities = torch.exp(self._scores(query, key, causal, scale) - lse.to(accumulate).unsqueeze(-1))
+        grad_value = torch.matmul(probabilities.transpose(-2, -1), grad_out_wide)
+        grad_probabilities = torch.matmul(grad_out_wide, value.to(accumulate).transpose(-2, -1))
         # Softmax backward with the *global* row normaliser: sum_j p_ij dp_ij over all blocks is rowsum(dout * out).
-        row_dot = (grad_out32 * out.float()).sum(-1, keepdim=True)
+        row_dot = (grad_out_wide * out.to(accumulate)).sum(-1, keepdim=True)
         grad_scores = probabilities * (grad_probabilities - row_dot) * scale
-        grad_query = torch.matmul(grad_scores, key.float())
-        grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.float())
+        grad_query = torch.matmul(grad_scores, key.to(accumulate))
+        grad_key = torch.matmul(grad_scores.transpose(-2, -1), query.to(accumulate))
         return grad_query, grad_key, grad_value
 
 
@@ -109,7 +116,7 @@ class CpuFlashKernel(BlockKernel):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
             query.contiguous(), key.contiguous(), value.contiguous(), 0.0, causal, scale=scale
         )
-        return out, lse.float()
+        return out, lse.to(accumulation_dtype(query.dtype))
 
     def backward(
         self,
@@ -122,13 +129,14 @@ class CpuFlashKernel(BlockKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The kernel's log-sum-exp is float32, float64 for float64 inputs: hand it back in that dtype.
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out.to(query.dtype).contiguous(),
             query.contiguous(),
             key.contiguous(),
             value.contiguous(),
             out.to(query.dtype).contiguous(),
-            lse.float().contiguous(),
+            lse.to(accumulation_dtype(query.dtype)).contiguous(),
             0.0,
             causal,
             scale=scale,

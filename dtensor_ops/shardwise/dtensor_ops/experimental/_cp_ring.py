@@ -4,7 +4,8 @@ Every rank holds its queries and one block of keys/values (per :class:`SequenceL
 steps each rank meets every key/value block: step ``i`` uses the block of rank ``(r - i) mod W``,
 handed on around the ring (all-to-all rotation: one ``all_to_all_single`` per step, launched before
 the step's compute so it can overlap; all-gather rotation: one ``all_gather_into_tensor`` up front).
-Partial outputs are merged with their log-sum-exp in float32, whatever the input dtype.
+Partial outputs are merged with their log-sum-exp in float32 whatever the input dtype (float64
+inputs keep float64), and gradients accumulate and travel in the same dtype.
 
 Backward runs the same ring with the final output and log-sum-exp: each block's gradient comes
 from the kernel's own backward; query gradients stay home, key/value gradients travel with the
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import _collectives
-from ._cp_kernels import BlockKernel
+from ._cp_kernels import BlockKernel, accumulation_dtype
 from ._cp_layout import SequenceLayout
 
 __all__ = ["BlockCall", "RingSpec", "block_calls", "ring_attention", "ring_forward", "ring_backward"]
@@ -189,7 +190,7 @@ def _merge(
     old_lse = lse_acc[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
     # Rows seen for the first time have old_lse = -inf: their old weight exp(-inf) is 0.
-    out_acc[:, :, rows] = out_acc[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(
+    out_acc[:, :, rows] = out_acc[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out.to(out_acc.dtype) * torch.exp(
         block_lse - new_lse
     ).unsqueeze(-1)
     lse_acc[:, :, rows] = new_lse
@@ -198,10 +199,11 @@ def _merge(
 def ring_forward(
     spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's attention output (query dtype) and float32 log-sum-exp ``(B, H, Lq)``."""
+    """This rank's attention output (query dtype) and log-sum-exp ``(B, H, Lq)`` (float32; float64 for float64 inputs)."""
     batch, heads, q_len, _ = query.shape
-    out_acc = torch.zeros(batch, heads, q_len, value.shape[3], dtype=torch.float32, device=query.device)
-    lse_acc = torch.full((batch, heads, q_len), float("-inf"), dtype=torch.float32, device=query.device)
+    accumulate = accumulation_dtype(query.dtype)
+    out_acc = torch.zeros(batch, heads, q_len, value.shape[3], dtype=accumulate, device=query.device)
+    lse_acc = torch.full((batch, heads, q_len), float("-inf"), dtype=accumulate, device=query.device)
     ring = _KeyValueRing(spec, key, value)
     groups = spec.query_heads_per_kv_head
     for step in range(spec.world_size):
@@ -229,15 +231,16 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this rank's pieces, in their input dtypes."""
     shapes = _BlockShapes(spec, key, value)
-    grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    accumulate = accumulation_dtype(query.dtype)
+    grad_query = torch.zeros(query.shape, dtype=accumulate, device=query.device)
     ring = _KeyValueRing(spec, key, value)
     groups = spec.query_heads_per_kv_head
     pending: torch.Tensor | None = None
     for step in range(spec.world_size):
         source = (spec.rank - step) % spec.world_size
         block_key, block_value = ring.block(step)
-        grad_key = torch.zeros(shapes.key[source], dtype=torch.float32, device=key.device)
-        grad_value = torch.zeros(shapes.value[source], dtype=torch.float32, device=value.device)
+        grad_key = torch.zeros(shapes.key[source], dtype=accumulate, device=key.device)
+        grad_value = torch.zeros(shapes.value[source], dtype=accumulate, device=value.device)
         for call in block_calls(spec, source):
             rows = slice(call.q_start, call.q_stop)
             columns = slice(call.kv_start, call.kv_stop)
@@ -251,9 +254,9 @@ def ring_backward(
                 call.causal,
                 spec.scale,
             )
-            grad_query[:, :, rows] += block_grad_query.float()
-            grad_key[:, :, columns] += _sum_head_groups(block_grad_key.float(), groups)
-            grad_value[:, :, columns] += _sum_head_groups(block_grad_value.float(), groups)
+            grad_query[:, :, rows] += block_grad_query.to(accumulate)
+            grad_key[:, :, columns] += _sum_head_groups(block_grad_key.to(accumulate), groups)
+            grad_value[:, :, columns] += _sum_head_groups(block_grad_value.to(accumulate), groups)
         if spec.world_size == 1:
             return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
         if pending is not None:
