@@ -41,14 +41,14 @@ from shardwise.placement import (
 )
 
 from ._caches import RANK_CACHES, SYMBOLIC, lookup
-
-# lookup()'s answer for a key not computed yet (None is a computed answer: no one-dim gather serves it).
-_NOT_YET = object()
 from ._collectives import launch_all_gather, mesh_dim_group_name, wait
 
 __all__ = ["involves_strided_shard", "redistribute_with_strided_shards"]
 
 Redistribute = Callable[[torch.Tensor, DTensorSpec[Any], DTensorSpec[Any]], torch.Tensor]
+
+# lookup()'s answer for a key not computed yet (None is a computed answer: no one-dim gather serves it).
+_NOT_YET = object()
 
 
 def involves_strided_shard(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> bool:
