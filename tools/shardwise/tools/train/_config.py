@@ -15,6 +15,8 @@ DEFAULT_OUTPUT_FOLDER = "shardwise_train_out"
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float64", "float32")
+MODELS = ("transformer", "llama")
+DEFAULT_WORLD_SIZE = 4
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # Default parity tolerances per training dtype.  The two runs reduce in different orders, so
@@ -52,6 +54,9 @@ class TrainConfig:
     seed: int = 0
     tp: int = 4
     dp: int = 1
+    cp: int = 1  # context parallel: each sequence sharded over cp ranks, ring attention (--model llama)
+    model: str = "transformer"  # "transformer" (the toy Transformer) or "llama" (the model zoo's Llama)
+    n_kv_heads: int = 0  # --model llama: key/value heads (0: as many as --n-heads)
     seq_parallel: bool = True
     loss_parallel: bool = True
     optimizer: str = "adamw"
@@ -73,7 +78,23 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.cp
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh's dims, outermost first: dp and cp where used, tp always."""
+        dims = [("dp", self.dp)] if self.dp > 1 else []
+        dims += [("cp", self.cp)] if self.cp > 1 else []
+        return (*dims, ("tp", self.tp))
+
+    @property
+    def uses_seq_parallel(self) -> bool:
+        # Llama's plan keeps activations replicated between its tensor-parallel layers.
+        return self.seq_parallel and self.model == "transformer"
+
+    @property
+    def uses_loss_parallel(self) -> bool:
+        return self.loss_parallel and self.model == "transformer"
 
     @property
     def nproc_per_node(self) -> int:
@@ -133,6 +154,7 @@ class TrainConfig:
             "--steps": self.steps,
             "--tp": self.tp,
             "--dp": self.dp,
+            "--cp": self.cp,
             "--nnodes": self.nnodes,
             "--log-every": self.log_every,
         }
@@ -150,6 +172,23 @@ class TrainConfig:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad_norm < 0:
             raise ConfigError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model {self.model!r}: expected one of {', '.join(MODELS)}")
+        if self.cp > 1 and self.model != "llama":
+            raise ConfigError(
+                f"--cp {self.cp} needs --model llama: context parallelism shards each sequence and runs causal "
+                "F.scaled_dot_product_attention as ring attention, which the Llama model uses (the toy Transformer "
+                "attends with an explicit mask)"
+            )
+        if self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"--n-kv-heads {self.n_kv_heads} must divide --n-heads {self.n_heads} (0: as many as --n-heads)")
+        if self.model == "llama" and (self.n_kv_heads or self.n_heads) % self.tp:
+            raise ConfigError(
+                f"--n-kv-heads {self.n_kv_heads or self.n_heads} must be a multiple of --tp {self.tp}: tensor parallelism "
+                "gives each rank whole key/value heads"
+            )
+        if self.model == "llama" and (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"--model llama: the head dim --dim / --n-heads = {self.dim // self.n_heads} must be even (rotary pairs)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.rtol < 0 or self.atol < 0:
@@ -163,7 +202,7 @@ class TrainConfig:
                 f"--n-heads {self.n_heads} must be a multiple of --tp {self.tp}: tensor parallelism gives each rank "
                 "whole attention heads"
             )
-        if self.seq_parallel and self.seq_len % self.tp != 0:
+        if self.uses_seq_parallel and self.seq_len % self.tp != 0:
             raise ConfigError(
                 f"--seq-len {self.seq_len} must be a multiple of --tp {self.tp} with --seq-parallel: each rank holds "
                 "an equal piece of the sequence (or use --no-seq-parallel)"
@@ -178,7 +217,7 @@ class TrainConfig:
             raise ConfigError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}")
         if self.world_size % self.nnodes != 0:
             raise ConfigError(
-                f"--nnodes {self.nnodes} must divide the world size --tp x --dp = {self.world_size}: "
+                f"--nnodes {self.nnodes} must divide the world size --tp x --dp x --cp = {self.world_size}: "
                 "every machine runs the same number of ranks"
             )
         if not 0 <= self.node_rank < self.nnodes:
@@ -207,10 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = parser.add_argument_group("model and data (the vocabulary is the corpus' characters)")
+    model.add_argument(
+        "--model", choices=MODELS, default=defaults.model,
+        help="transformer: the toy Transformer (learned positions); llama: the model zoo's Llama (rotary "
+        "embeddings, grouped-query attention, SwiGLU, RMSNorm; feed-forward 3 x --dim), needed by --cp",
+    )
     model.add_argument("--dim", type=int, default=defaults.dim, help="model width")
     model.add_argument("--n-layers", type=int, default=defaults.n_layers, help="Transformer blocks")
     model.add_argument("--n-heads", type=int, default=defaults.n_heads, help="attention heads (a multiple of --tp)")
-    model.add_argument("--seq-len", type=int, default=defaults.seq_len, help="characters per sequence")
+    model.add_argument(
+        "--n-kv-heads", type=int, default=defaults.n_kv_heads,
+        help="--model llama: key/value heads, grouped-query attention (0: as many as --n-heads)",
+    )
+    model.add_argument("--seq-len", type=int, default=defaults.seq_len, help="characters per sequence (any length with --cp)")
     model.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
     model.add_argument("--seed", type=int, default=defaults.seed, help="initialisation and data seed")
 
@@ -229,8 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--log-every", type=int, default=defaults.log_every, help="print progress every N steps")
 
     parallel = parser.add_argument_group("parallelism")
-    parallel.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (mesh dim 'tp')")
+    parallel.add_argument(
+        "--tp", type=int, default=None,
+        help=f"tensor-parallel ranks (mesh dim 'tp'); default {defaults.tp}, or with --cp what fills "
+        f"{DEFAULT_WORLD_SIZE} ranks (--dp 2 --cp 2: 1)",
+    )
     parallel.add_argument("--dp", type=int, default=defaults.dp, help="data-parallel ranks: FSDP (shardwise.fsdp_ext) over a (dp, tp) mesh")
+    parallel.add_argument(
+        "--cp", type=int, default=defaults.cp,
+        help="context-parallel ranks (mesh dim 'cp', needs --model llama): every sequence is sharded over them "
+        "(head-tail load balanced, rotary positions permuted alike) and attention runs as ring attention; "
+        "the loss is each rank's tokens' share, summed over cp once",
+    )
     parallel.add_argument(
         "--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel,
         help="shard norms and residuals on the sequence dim between the tensor-parallel layers",
@@ -295,10 +353,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _default_tp(dp: int, cp: int) -> int:
+    """4 without --cp (as before); with --cp, what fills 4 ranks together with --dp and --cp (at least 1)."""
+    if cp <= 1:
+        return TrainConfig.tp
+    return max(1, DEFAULT_WORLD_SIZE // max(1, dp * cp))
+
+
 def parse_config(argv: Sequence[str] | None) -> TrainConfig:
     """Parses and validates; bad values exit through argparse with status 2 and a message naming the flag."""
     parser = build_parser()
     namespace = parser.parse_args(argv)
+    if namespace.tp is None:
+        namespace.tp = _default_tp(namespace.dp, namespace.cp)
     config = TrainConfig(**vars(namespace))
     try:
         config.validate()

@@ -15,7 +15,16 @@ from shardwise.dtensor_ops.debug import CommDebugMode
 
 from ._data import CharCorpus
 
-__all__ = ["PHASES", "StepRecord", "train_loop", "comm_counts_by_name", "language_model_loss", "reduce_partial_gradients", "clip_gradients"]
+__all__ = [
+    "PHASES",
+    "StepRecord",
+    "train_loop",
+    "comm_counts_by_name",
+    "language_model_loss",
+    "reduce_partial_gradients",
+    "clip_gradients",
+    "sum_gradients_over",
+]
 
 # A step's collectives are counted separately in each of these phases.
 PHASES = ("forward", "backward", "optimizer")
@@ -128,6 +137,7 @@ def train_loop(
     data_parallel: tuple[int, int, Any] | None = None,
     first_step: int = 1,
     compile_backend: str | None = None,
+    context_parallel_mesh: Any = None,
 ) -> list[StepRecord]:
     """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
 
@@ -142,13 +152,25 @@ def train_loop(
     ``data_parallel``: ``(dp rank, dp size, dp process group)``: this rank trains on its equal
     share of each batch (FSDP averages the gradients over dp), and the recorded loss is the mean
     of the ranks' losses (one all-reduce per step, after the step, for the log only).
+    ``context_parallel_mesh``: the 1-D cp mesh: every sequence is sharded over it by
+    ``context_parallel`` (head-tail balanced; inputs, targets and the rotary positions alike) and
+    forward and backward run inside it, so attention is ring attention.  Each rank's loss is its
+    tokens' share of the mean (their cross-entropy sum over the tokens of the whole sequences),
+    so the cp ranks' gradients add up to the gradient: they are summed over cp in one all-reduce
+    before the optimizer, and the recorded loss is the sum of the cp ranks' losses (so each
+    token is counted once, in the loss and in tokens/s).
     """
     model.train()
 
-    def forward_and_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return language_model_loss(model(inputs), targets, dtype)
+    def forward_and_loss(
+        inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None, denominator: int
+    ) -> torch.Tensor:
+        if positions is None:
+            return language_model_loss(model(inputs), targets, dtype)
+        logits = model(inputs, positions).to(dtype)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / denominator
 
-    step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = forward_and_loss
+    step_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor] = forward_and_loss
     if compile_backend is not None:
         step_loss = torch.compile(forward_and_loss, backend=compile_backend, fullgraph=True)
     records: list[StepRecord] = []
@@ -163,12 +185,25 @@ def train_loop(
         collectives: dict[str, dict[str, int]] | None = {} if counting else None
         _synchronize(device)
         started = time.perf_counter()
-        with loss_context():
+        positions: torch.Tensor | None = None
+        sharding: ContextManager[object] = contextlib.nullcontext()
+        denominator = targets.numel()  # this rank's sequences, whole: what its cp share is a share of
+        if context_parallel_mesh is not None:
+            from shardwise.dtensor_ops.experimental import context_parallel
+
+            positions = torch.arange(seq_len, device=device)
+            buffers = [inputs, targets, positions]
+            sharding = context_parallel(
+                context_parallel_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)
+            )
+        with sharding, loss_context():
             with _phase_counter("forward", collectives):
-                loss = step_loss(inputs, targets)
+                loss = step_loss(inputs, targets, positions, denominator)
             with _phase_counter("backward", collectives):
                 loss.backward()
         with _phase_counter("optimizer", collectives):
+            if context_parallel_mesh is not None:
+                sum_gradients_over(model, context_parallel_mesh.get_group())
             reduce_partial_gradients(model)
             if clip_grad_norm > 0:
                 clip_gradients(list(model.parameters()), clip_grad_norm)
@@ -176,6 +211,8 @@ def train_loop(
             optimizer.zero_grad(set_to_none=True)
         # .item() of a replicated DTensor reads the local value: no collective.
         loss_value = float(loss.item())
+        if context_parallel_mesh is not None:
+            loss_value = _mean_over_group(loss_value, 1, context_parallel_mesh.get_group(), device)  # the sum
         if data_parallel is not None:
             loss_value = _mean_over_group(loss_value, data_parallel[1], data_parallel[2], device)
         _synchronize(device)
@@ -183,6 +220,31 @@ def train_loop(
         records.append(record)
         on_step(record)
     return records
+
+
+def sum_gradients_over(model: nn.Module, group: Any) -> None:
+    """Adds up every parameter's (local) gradient over ``group`` in one all-reduce of one flat buffer.
+
+    Under context parallelism the weights are replicated over cp and each cp rank's gradient is
+    its tokens' contribution; FSDP's reduce-scatter has already averaged over dp, and a
+    tensor-parallel gradient's local tensor is this rank's shard, the same shard on every cp rank.
+    """
+    import torch.distributed as dist
+
+    locals_: list[torch.Tensor] = []
+    for parameter in model.parameters():
+        gradient = parameter.grad
+        if gradient is None:
+            continue
+        locals_.append(cast(Any, gradient)._local_tensor if isinstance(gradient, DTensor) else gradient)
+    if not locals_:
+        return
+    flat = torch.cat([local.reshape(-1) for local in locals_])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for local in locals_:
+        local.copy_(flat[offset : offset + local.numel()].view_as(local))
+        offset += local.numel()
 
 
 def _mean_over_group(value: float, group_size: int, group: Any, device: torch.device) -> float:

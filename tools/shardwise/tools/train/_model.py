@@ -1,4 +1,4 @@
-"""The model: the toy Transformer of ``shardwise.testing`` and its tensor-parallel plan."""
+"""The models: the toy Transformer and the Llama of ``shardwise.testing``, with their tensor-parallel plans."""
 
 from __future__ import annotations
 
@@ -8,11 +8,20 @@ import torch
 import torch.nn as nn
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh
-from shardwise.testing import ModelArgs, Transformer
+from shardwise.testing import Llama, LlamaArgs, ModelArgs, Transformer
 
 from ._config import TrainConfig
 
-__all__ = ["model_args", "build_model", "parallelize_transformer", "fully_shard_transformer", "build_optimizer"]
+__all__ = [
+    "model_args",
+    "build_model",
+    "build_llama",
+    "build_any_model",
+    "parallelize_transformer",
+    "parallelize_llama",
+    "fully_shard_transformer",
+    "build_optimizer",
+]
 
 
 def model_args(config: TrainConfig, vocab_size: int) -> ModelArgs:
@@ -59,6 +68,42 @@ def _init_small_weights(model: Transformer, n_layers: int) -> None:
                 module.bias.zero_()
 
 
+def llama_args(config: TrainConfig, vocab_size: int) -> LlamaArgs:
+    return LlamaArgs(
+        dim=config.dim,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads or None,
+        vocab_size=vocab_size,
+        ffn_hidden_dim=3 * config.dim,  # torchtitan's debugmodel ratio (256 -> 768)
+    )
+
+
+def build_llama(args: LlamaArgs, seed: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Llama:
+    """The same initial weights in every process that calls this with the same seed (GPT-2-style, as the Transformer)."""
+    torch.manual_seed(seed)
+    model = Llama(args)
+    residual_std = INIT_STD / (2 * args.n_layers) ** 0.5
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else INIT_STD
+                module.weight.normal_(0.0, std)
+    return model.to(device=device, dtype=dtype)
+
+
+def build_any_model(config: TrainConfig, vocab_size: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``--model``'s model with the run's seed."""
+    if config.model == "llama":
+        return build_llama(llama_args(config, vocab_size), config.seed, device, dtype)
+    return build_model(model_args(config, vocab_size), config.seed, device, dtype)
+
+
+def parallelize_llama(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """The model zoo's Llama plan (``Llama.parallelize``): heads and feed-forward units split over ``tp_mesh``."""
+    return Llama.parallelize(model, tp_mesh)
+
+
 def parallelize_transformer(
     model: Transformer, mesh: DeviceMesh, *, seq_parallel: bool, loss_parallel: bool
 ) -> Transformer:
@@ -75,7 +120,7 @@ def parallelize_transformer(
     return Transformer.parallelize(model, mesh, seq_parallel, loss_parallel=loss_parallel)
 
 
-def fully_shard_transformer(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
+def fully_shard_transformer(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """FSDP over the data-parallel mesh dim, one unit per block plus the root (after TP, as PyTorch requires).
 
     Each block's parameters are all-gathered in one collective before its forward and freed
@@ -84,7 +129,9 @@ def fully_shard_transformer(model: Transformer, dp_mesh: DeviceMesh) -> Transfor
     """
     from shardwise.fsdp_ext import fully_shard
 
-    for block in model.layers:
+    layers = model.layers
+    assert isinstance(layers, nn.ModuleList)  # Transformer and Llama keep their blocks there
+    for block in layers:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model

@@ -143,7 +143,7 @@ def summary_dict(
     return {
         "config": config.as_dict(),
         "world_size": world_size,
-        "mesh": {"shape": list(mesh_shape), "dim_names": ["dp", "tp"] if len(mesh_shape) == 2 else ["tp"]},
+        "mesh": {"shape": list(mesh_shape), "dim_names": [name for name, _ in config.mesh_dims]},
         "model": {"parameters": parameter_count, "vocab_size": vocab_size},
         "corpus_characters": corpus_characters,
         "steps": len(tp_records),

@@ -20,7 +20,16 @@ from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import ConfigError, TrainConfig
 from ._data import CharCorpus, load_default_corpus
 from ._loop import StepRecord, train_loop
-from ._model import build_model, build_optimizer, fully_shard_transformer, model_args, parallelize_transformer
+from ._model import (
+    build_any_model,
+    build_model,
+    build_optimizer,
+    fully_shard_transformer,
+    model_args,
+    parallelize_llama,
+    parallelize_transformer,
+)
+from shardwise.testing import Llama
 from ._parity import compare_runs
 from ._report import (
     PLOT_FILE_NAME,
@@ -108,7 +117,7 @@ def run_worker(config: TrainConfig) -> int:
     if world_size != config.world_size:
         # Every rank sees the same numbers and stops here, before any collective.
         raise ConfigError(
-            f"the launcher started {world_size} ranks, but --tp {config.tp} x --dp {config.dp} needs "
+            f"the launcher started {world_size} ranks, but --tp {config.tp} x --dp {config.dp} x --cp {config.cp} needs "
             f"{config.world_size}; start {config.world_size} ranks in total (nproc-per-node x nnodes)"
         )
     device = _device_for_rank(config, local_rank)
@@ -127,19 +136,20 @@ def run_worker(config: TrainConfig) -> int:
 def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: torch.device) -> int:
     is_reporter = rank == 0
     data_parallel = config.dp > 1
-    mesh: DeviceMesh = (
-        init_device_mesh(device.type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
-        if data_parallel
-        else init_device_mesh(device.type, (config.tp,), mesh_dim_names=("tp",))
-    )
+    names = tuple(name for name, _ in config.mesh_dims)
+    mesh: DeviceMesh = init_device_mesh(device.type, tuple(size for _, size in config.mesh_dims), mesh_dim_names=names)
+    tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
     corpus = load_default_corpus(vocab_multiple=config.tp)
-    args = model_args(config, corpus.vocab_size)
-    model = parallelize_transformer(
-        build_model(args, config.seed, device, _dtype(config)),
-        mesh["tp"] if data_parallel else mesh,
-        seq_parallel=config.seq_parallel,
-        loss_parallel=config.loss_parallel,
-    )
+    model: nn.Module
+    if config.model == "llama":
+        llama = build_any_model(config, corpus.vocab_size, device, _dtype(config))
+        assert isinstance(llama, Llama)
+        model = parallelize_llama(llama, tp_mesh) if config.tp > 1 else llama
+    else:
+        transformer = build_model(model_args(config, corpus.vocab_size), config.seed, device, _dtype(config))
+        model = parallelize_transformer(
+            transformer, tp_mesh, seq_parallel=config.uses_seq_parallel, loss_parallel=config.uses_loss_parallel
+        )
     if data_parallel:
         model = fully_shard_transformer(model, mesh["dp"])
     optimizer = build_optimizer(config, list(model.parameters()))
@@ -155,12 +165,14 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
     if is_reporter:
         _say(
             f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh "
-            f"{f'dp={config.dp} (FSDP) x ' if data_parallel else ''}tp={config.tp}; "
-            f"sequence parallel {'on' if config.seq_parallel else 'off'}, loss parallel "
-            f"{'on' if config.loss_parallel else 'off'}"
+            f"{f'dp={config.dp} (FSDP) x ' if data_parallel else ''}"
+            f"{f'cp={config.cp} (context parallel, ring attention) x ' if config.cp > 1 else ''}tp={config.tp}; "
+            f"sequence parallel {'on' if config.uses_seq_parallel else 'off'}, loss parallel "
+            f"{'on' if config.uses_loss_parallel else 'off'}"
         )
         _say(
-            f"model: Transformer dim={config.dim} layers={config.n_layers} heads={config.n_heads} "
+            f"model: {'Llama' if config.model == 'llama' else 'Transformer'} dim={config.dim} layers={config.n_layers} "
+            f"heads={config.n_heads}{f' kv_heads={config.n_kv_heads}' if config.model == 'llama' and config.n_kv_heads else ''} "
             f"vocab={corpus.vocab_size} ({len(corpus.characters)} characters); data: {len(corpus.text):,} characters, "
             f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, "
             f"{config.steps} steps"
@@ -175,8 +187,9 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         else:
             _say("collectives are counted with CommDebugMode on the first and the last step")
     loss_context: Callable[[], ContextManager[object]] = (
-        loss_parallel if config.loss_parallel else contextlib.nullcontext
+        loss_parallel if config.uses_loss_parallel else contextlib.nullcontext
     )
+    # Tokens per step count every token once, however many ranks share a sequence (cp) or a batch (dp).
     progress = _progress_printer("tp ", config.steps, config.tokens_per_step, config.log_every)
     tp_records = train_loop(
         model,
@@ -196,6 +209,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         first_step=first_step,
         on_step=progress if is_reporter else (lambda _: None),
         data_parallel=(mesh.get_local_rank("dp"), config.dp, mesh.get_group("dp")) if data_parallel else None,
+        context_parallel_mesh=mesh["cp"] if config.cp > 1 else None,
     )
     if config.checkpoint_dir:
         save_checkpoint(config.resolved_checkpoint_dir(), model, optimizer, config.optimizer, config.steps)
@@ -216,7 +230,7 @@ def _reference_and_report(
     tp_parameters: dict[str, torch.Tensor],
 ) -> int:
     _say("\nsingle-process reference: the same model, seed, data and steps with plain torch (no DTensor)")
-    reference_model = build_model(model_args(config, corpus.vocab_size), config.seed, device, _dtype(config))
+    reference_model = build_any_model(config, corpus.vocab_size, device, _dtype(config))
     reference_optimizer = build_optimizer(config, list(reference_model.parameters()))
     reference_records = train_loop(
         reference_model,
@@ -255,8 +269,10 @@ def _reference_and_report(
             [record.loss for record in tp_records],
             [record.loss for record in reference_records],
             title=(
-                f"shardwise {f'FSDP={config.dp} x ' if config.dp > 1 else ''}TP={config.tp}{' + SP' if config.seq_parallel else ''}"
-                f"{' + loss parallel' if config.loss_parallel else ''}: Transformer dim={config.dim}, "
+                f"shardwise {f'FSDP={config.dp} x ' if config.dp > 1 else ''}{f'CP={config.cp} x ' if config.cp > 1 else ''}"
+                f"TP={config.tp}{' + SP' if config.uses_seq_parallel else ''}"
+                f"{' + loss parallel' if config.uses_loss_parallel else ''}: "
+                f"{'Llama' if config.model == 'llama' else 'Transformer'} dim={config.dim}, "
                 f"{config.n_layers} layers, batch {config.batch_size}x{config.seq_len}, parity {parity.verdict}"
             ),
         )
@@ -268,7 +284,7 @@ def _reference_and_report(
     summary = summary_dict(
         config,
         world_size=world_size,
-        mesh_shape=(config.dp, config.tp) if config.dp > 1 else (config.tp,),
+        mesh_shape=tuple(size for _, size in config.mesh_dims),
         vocab_size=corpus.vocab_size,
         corpus_characters=len(corpus.text),
         parameter_count=_count_parameters(reference_parameters),
