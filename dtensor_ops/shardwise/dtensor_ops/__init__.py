@@ -15,6 +15,7 @@ import torch.utils._foreach_utils as foreach_utils
 from shardwise.mesh import DeviceMesh as DeviceMesh
 from shardwise.mesh import init_device_mesh as init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.placement._placements import install_mesh_dim_gather
 
 from ._api import distribute_module, distribute_tensor
 from ._dispatch import torch_dispatch
@@ -24,6 +25,7 @@ from ._factories import empty, full, ones, rand, randn, zeros
 from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
 from ._random import set_rng_state_sync
+from ._redistribution import gather_along_mesh_dim
 from .random import broadcast_first_rank_rng_state
 
 
@@ -47,6 +49,8 @@ def _wire() -> None:
     # OffsetBasedRNGTracker(run_state_sync=True) broadcasts the first rank's generator state; _random
     # sits below the collectives, so the broadcast is handed down to it from here.
     set_rng_state_sync(broadcast_first_rank_rng_state)
+    # Placements are pure layout; their PyTorch-style _to_replicate_tensor needs this layer's collective.
+    install_mesh_dim_gather(gather_along_mesh_dim)
 
 
 _wire()

@@ -32,6 +32,8 @@ from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
 from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
 from ._random import run_random_op
+from . import _explicit_redistribution as explicit_redistribution
+from ._redistribute_plan import redistribute_cost_bytes
 from ._redistribution import redistribute_local_tensor
 from ._wrapper import wrap_local_tensor
 
@@ -103,6 +105,13 @@ def _adopt_spec(op: torch._ops.OpOverload, target: DTensor, spec: DTensorSpec[De
             f"shape {tuple(target.shape)}; a DTensor written in place keeps its shape"
         )
     target._spec = spec
+
+
+def _check_explicit(prepared: OpDecision, location: int | str, current: DTensorSpec[DeviceMesh], target: DTensorSpec[DeviceMesh]) -> None:
+    explicit_redistribution.check_implicit_redistribution(
+        lambda: f"{prepared.op} needs input {location} moved from {current.placements} to {target.placements}",
+        lambda: redistribute_cost_bytes(current, target) > 0,
+    )
 
 
 def _refuse_mutated_redistribute(
@@ -337,6 +346,8 @@ def _execute(
         for (container, index, current, location), target in zip(slots, prepared.input_specs):
             if target != current:
                 _refuse_mutated_redistribute(prepared, location, current, target)
+                if explicit_redistribution.is_active():
+                    _check_explicit(prepared, location, current, target)
                 container[index] = redistribute_local_tensor(container[index], current, target)
     if prepared.local_arg_overrides:
         if local_kwargs is _NO_KWARGS:

@@ -932,6 +932,9 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     considered when the mesh has a process group for every set of its dims
     (``DeviceMesh._supports_joint_groups()``) and the shape is concrete.  Cached.
     """
+    if src.has_explicit_shard_order or dst.has_explicit_shard_order:
+        # Planned on the _StridedShard form of the same layouts (see shardwise.placement._shard_order).
+        return plan_redistribute(src.as_layout_spec(), dst.as_layout_spec())
     joint = mesh_supports_joint_steps(src.mesh)
     key = (src, dst, joint)
     plan = lookup(SHARED_CACHES.plans_by_specs, key)

@@ -45,8 +45,10 @@ from shardwise.placement import (
     Placement,
     Replicate,
     Shard,
+    TensorMeta,
     chunk_size_and_offset,
     compute_local_shape_and_global_offset,
+    contiguous_strides,
     pad_dim,
     shard_sizes_along_mesh_dim,
 )
@@ -826,6 +828,9 @@ def redistribute_local_tensor(
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
+    if src.has_explicit_shard_order or dst.has_explicit_shard_order:
+        # A shard order is a _StridedShard layout spelled another way: run that layout's redistribution.
+        return redistribute_local_tensor(local, src.as_layout_spec(), dst.as_layout_spec(), async_op=async_op)
     view = simulation.simulated_view()
     if view is None:
         program = lookup(RANK_CACHES.programs, (src, dst))
@@ -893,3 +898,19 @@ def _simulated_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], rank: int) 
             program = _compile_program(src, dst, plan_redistribute(src, dst))
         store(programs, key, program, _MAX_PROGRAMS)
     return program
+
+
+def gather_along_mesh_dim(
+    placement: Placement, local: torch.Tensor, mesh: Any, mesh_dim: int, logical_shape: Sequence[int]
+) -> torch.Tensor:
+    """The ``logical_shape`` extent that ``placement`` cut along ``mesh_dim``, from each rank's ``local`` piece.
+
+    The other mesh dims are read as replicating (each group along ``mesh_dim`` holds one extent),
+    so this is one redistribution of that extent from ``placement`` to ``Replicate`` on ``mesh_dim``.
+    """
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    placements[mesh_dim] = placement
+    shape = torch.Size(logical_shape)
+    meta = TensorMeta(shape, contiguous_strides(shape), local.dtype)
+    src = DTensorSpec(mesh, placements, meta)
+    return redistribute_local_tensor(local, src, src.with_placements([Replicate()] * mesh.ndim))

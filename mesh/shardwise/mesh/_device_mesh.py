@@ -632,7 +632,10 @@ def init_device_mesh(
     *,
     mesh_dim_names: tuple[str, ...] | None = None,
 ) -> DeviceMesh:
-    """A mesh of shape ``mesh_shape`` over the whole world, ranks laid out in row-major order.
+    """A mesh of shape ``mesh_shape`` over the world's first ``prod(mesh_shape)`` ranks (usually all), row-major.
+
+    Ranks beyond the mesh (a shape smaller than the world, as PyTorch allows) are outside it: their
+    ``get_coordinate()`` is None and DTensors on it hold empty local tensors there.
 
     Starts the default process group from the torchrun environment (env://) if none exists:
     gloo for "cpu", "cpu:gloo,cuda:nccl" for "cuda"; and for an accelerator sets this process's

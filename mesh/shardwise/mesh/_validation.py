@@ -185,13 +185,15 @@ def check_mesh_shape(mesh_shape: object) -> tuple[int, ...]:
 
 
 def check_world_size_matches(mesh_shape: tuple[int, ...], world_size: int) -> None:
-    """``init_device_mesh`` lays every rank of the world out once: the shape's product is the world."""
+    """``init_device_mesh`` lays out the first ``prod(mesh_shape)`` ranks of the world (all of it, usually).
+
+    A smaller shape leaves the other ranks outside the mesh, as PyTorch's does; a larger one is an error.
+    """
     numel = math.prod(mesh_shape)
-    if numel != world_size:
+    if numel > world_size:
         raise MeshError(
             f"mesh_shape {mesh_shape} has {numel} ranks but the world size is {world_size}; init_device_mesh "
-            f"needs the product of mesh_shape to equal the world size (use DeviceMesh(device_type, ranks) "
-            f"for a mesh over part of the world)"
+            f"needs the product of mesh_shape to be at most the world size"
         )
 
 

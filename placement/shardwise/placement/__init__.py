@@ -22,6 +22,7 @@ from ._layout import (
 )
 from ._mesh_protocol import MeshLike
 from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard
+from ._shard_order import ShardOrder, ShardOrderEntry
 from ._spec import DTensorSpec, TensorMeta
 
 # PyTorch code written before Partial became public imports it under this name.
@@ -36,6 +37,8 @@ __all__ = [
     "SUPPORTED_REDUCE_OPS",
     "TensorMeta",
     "DTensorSpec",
+    "ShardOrder",
+    "ShardOrderEntry",
     "MeshLike",
     "chunk_size_and_offset",
     "chunk_sizes",

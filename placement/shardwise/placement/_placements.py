@@ -8,7 +8,7 @@ their hash and compare with a handful of attribute reads.  They are immutable
 from __future__ import annotations
 
 import operator
-from typing import Any, Final, NoReturn
+from typing import Any, Callable, Final, NoReturn, Sequence
 
 import torch
 
@@ -119,6 +119,12 @@ class Shard(Placement):
     def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
         return Shard.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
 
+    def _to_replicate_tensor(
+        self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, current_logical_shape: list[int]
+    ) -> torch.Tensor:
+        """Gather every rank's piece along ``mesh_dim`` back into the ``current_logical_shape`` extent (a collective)."""
+        return _gather_along_mesh_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape)
+
     def _split_tensor(
         self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
     ) -> tuple[list[torch.Tensor], list[int]]:
@@ -213,6 +219,64 @@ class _StridedShard(Placement):
 
     def __reduce__(self) -> tuple[Any, tuple[int, int, int | None]]:
         return (_make_strided_shard, (self.dim, self.split_factor, None))
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Each of the ``num_chunks`` ranks' pieces of ``tensor`` along ``self.dim`` (see the class docstring).
+
+        ``with_padding``: each piece is zero-padded to the largest piece's size and the pad sizes
+        returned (otherwise an empty list).
+        """
+        dim = self.dim + tensor.ndim if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.ndim:
+            raise AssertionError(f"Sharding dim {self.dim} out of range for a tensor with {tensor.ndim} dims")
+        outer_pieces, _ = Shard(dim)._split_tensor(tensor, self.split_factor, with_padding=False, contiguous=False)
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(num_chunks)]
+        for outer in outer_pieces:
+            inner, _ = Shard(dim)._split_tensor(outer, num_chunks, with_padding=False, contiguous=False)
+            for rank, piece in enumerate(inner):
+                per_rank[rank].append(piece)
+        pieces = [torch.cat(parts, dim) for parts in per_rank]
+        pad_sizes: list[int] = []
+        if with_padding:
+            largest = max(piece.size(dim) for piece in pieces)
+            padded = []
+            for piece in pieces:
+                pad_size = largest - piece.size(dim)
+                pad_sizes.append(pad_size)
+                if pad_size:
+                    piece = torch.nn.functional.pad(piece, [0, 0] * (tensor.ndim - 1 - dim) + [0, pad_size])
+                padded.append(piece)
+            pieces = padded
+        return [piece.contiguous() if contiguous else piece for piece in pieces], pad_sizes
+
+    def _to_replicate_tensor(
+        self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, current_logical_shape: list[int]
+    ) -> torch.Tensor:
+        """Gather every rank's piece along ``mesh_dim`` back into the ``current_logical_shape`` extent (a collective)."""
+        return _gather_along_mesh_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape)
+
+
+# Placements are pure layout: the one collective their PyTorch-style helpers need is installed by
+# shardwise.dtensor_ops when it is imported (see install_mesh_dim_gather).
+_MeshDimGather = Callable[[Placement, torch.Tensor, Any, int, Sequence[int]], torch.Tensor]
+_mesh_dim_gather: list[_MeshDimGather] = []
+
+
+def install_mesh_dim_gather(gather: _MeshDimGather) -> None:
+    """Give placements the collective behind ``_to_replicate_tensor`` (called by shardwise.dtensor_ops)."""
+    _mesh_dim_gather[:] = [gather]
+
+
+def _gather_along_mesh_dim(
+    placement: Placement, local: torch.Tensor, mesh: Any, mesh_dim: int, logical_shape: Sequence[int]
+) -> torch.Tensor:
+    if not _mesh_dim_gather:
+        raise RuntimeError(
+            f"{placement}._to_replicate_tensor needs a collective; import shardwise.dtensor_ops, which provides it"
+        )
+    return _mesh_dim_gather[0](placement, local, mesh, mesh_dim, logical_shape)
 
 
 def _make_strided_shard(dim: int, split_factor: int, _unused: int | None) -> _StridedShard:

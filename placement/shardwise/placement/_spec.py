@@ -9,6 +9,15 @@ import torch
 from ._layout import _shard_tensor_dim, compute_local_shape_and_global_offset
 from ._mesh_protocol import MeshLike
 from ._placements import Partial, Placement, Replicate, Shard, _StridedShard
+from ._shard_order import (
+    ShardOrder,
+    ShardOrderEntry,
+    check_shard_order,
+    default_shard_order,
+    is_default_shard_order,
+    shard_order_to_strided_placements,
+    strided_placements_to_shard_order,
+)
 
 __all__ = ["TensorMeta", "DTensorSpec"]
 
@@ -46,9 +55,14 @@ def _check_dtype_can_average(
 class DTensorSpec(Generic[MeshT]):
     """How a tensor of (optionally known) global metadata is laid out over ``mesh``.
 
-    Immutable; hashable and compared by ``(mesh, placements, tensor_meta)`` with the
+    Immutable; hashable and compared by ``(mesh, placements, tensor_meta, shard order)`` with the
     hash computed once, so specs can key the dispatch and redistribution caches.
     ``Shard`` dims are stored normalised (non-negative) when ``tensor_meta`` is given.
+
+    ``shard_order`` (PyTorch 2.13's): the order in which mesh dims cut a tensor dim sharded by
+    several of them (see ``_shard_order``); given only for ``Shard`` placements, kept only when it
+    differs from the default left-to-right order. :attr:`layout_placements` is the same layout in
+    ``Shard``/``_StridedShard`` form, which is what the engine lays data out by.
     """
 
     __slots__ = (
@@ -59,6 +73,7 @@ class DTensorSpec(Generic[MeshT]):
         "_num_shards",
         "_partial_mesh_dims",
         "_num_shards_per_dim",
+        "_shard_order",
     )
     mesh: MeshT
     placements: tuple[Placement, ...]
@@ -67,12 +82,14 @@ class DTensorSpec(Generic[MeshT]):
     _num_shards: int
     _partial_mesh_dims: tuple[int, ...]
     _num_shards_per_dim: tuple[int, ...] | None
+    _shard_order: ShardOrder | None
 
     def __init__(
         self,
         mesh: MeshT,
         placements: Iterable[Placement],
         tensor_meta: TensorMeta | None = None,
+        shard_order: ShardOrder | None = None,
     ) -> None:
         placements = placements if type(placements) is tuple else tuple(placements)
         mesh_shape = mesh.shape
@@ -112,12 +129,22 @@ class DTensorSpec(Generic[MeshT]):
                 )
         if normalized is not None:
             placements = tuple(normalized)
+        if shard_order is not None:
+            shard_order = tuple(ShardOrderEntry(int(d), tuple(int(m) for m in dims)) for d, dims in shard_order)
+            if any(isinstance(p, _StridedShard) for p in placements):
+                raise ValueError(
+                    f"DTensorSpec got shard_order {shard_order} with _StridedShard placements {placements}; "
+                    "_StridedShard already spells an order, expected one of the two"
+                )
+            check_shard_order(shard_order, placements)
+            if is_default_shard_order(shard_order):
+                shard_order = None
 
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "tensor_meta", tensor_meta)
         try:
-            spec_hash: int | None = hash((mesh, placements, tensor_meta))
+            spec_hash: int | None = hash((mesh, placements, tensor_meta, shard_order))
         except TypeError:
             # Symbolic (SymInt) shapes while torch.compile traces: unhashable by design.  Such a spec
             # is compared field by field and never keys a cache (dispatch bypasses it while tracing).
@@ -126,6 +153,7 @@ class DTensorSpec(Generic[MeshT]):
         object.__setattr__(self, "_num_shards", num_shards)
         object.__setattr__(self, "_partial_mesh_dims", tuple(partial_mesh_dims))
         object.__setattr__(self, "_num_shards_per_dim", None)
+        object.__setattr__(self, "_shard_order", shard_order)
 
     # -- immutability, hashing, pickling -------------------------------------
 
@@ -156,17 +184,19 @@ class DTensorSpec(Generic[MeshT]):
             self._hash == other._hash
             and self.placements == other.placements
             and self.tensor_meta == other.tensor_meta
+            and self._shard_order == other._shard_order
             and self.mesh == other.mesh
         )
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta))
+        return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta, self._shard_order))
 
     def __repr__(self) -> str:
-        return f"DTensorSpec(mesh={self.mesh!r}, placements={self.placements!r}, tensor_meta={self.tensor_meta!r})"
+        order = "" if self._shard_order is None else f", shard_order={self._shard_order!r}"
+        return f"DTensorSpec(mesh={self.mesh!r}, placements={self.placements!r}, tensor_meta={self.tensor_meta!r}{order})"
 
     def __str__(self) -> str:
-        layout = "".join(str(p) for p in self.placements)
+        layout = self.format_shard_order_str(self.placements, self._shard_order)
         if self.tensor_meta is None:
             return f"Spec({layout})"
         return f"Spec({layout} on {tuple(self.tensor_meta.shape)})"
@@ -178,8 +208,76 @@ class DTensorSpec(Generic[MeshT]):
         return DTensorSpec(self.mesh, placements, self.tensor_meta)
 
     def with_tensor_meta(self, tensor_meta: TensorMeta | None) -> DTensorSpec[MeshT]:
-        """Same mesh and placements, other tensor_meta."""
-        return DTensorSpec(self.mesh, self.placements, tensor_meta)
+        """Same mesh, placements and shard order, other tensor_meta."""
+        return DTensorSpec(self.mesh, self.placements, tensor_meta, self._shard_order)
+
+    def with_shard_order(self, shard_order: ShardOrder | None) -> DTensorSpec[MeshT]:
+        """Same mesh, placements and tensor_meta, another shard order (None: the default)."""
+        return DTensorSpec(self.mesh, self.placements, self.tensor_meta, shard_order)
+
+    # -- shard order -----------------------------------------------------------
+
+    @property
+    def shard_order(self) -> ShardOrder | None:
+        """The order in which mesh dims cut each sharded tensor dim.
+
+        The explicit order when one was given; for ``_StridedShard`` placements the order they
+        spell (None when they spell none); else the default left-to-right order.
+        """
+        if self._shard_order is not None:
+            return self._shard_order
+        return strided_placements_to_shard_order(self.placements, tuple(self.mesh.shape))
+
+    @property
+    def has_explicit_shard_order(self) -> bool:
+        """True when a non-default shard order was given (the layout then differs from the placements' reading)."""
+        return self._shard_order is not None
+
+    @property
+    def layout_placements(self) -> tuple[Placement, ...]:
+        """The placements that lay data out as this spec does, the shard order spelled with ``_StridedShard``."""
+        if self._shard_order is None:
+            return self.placements
+        return shard_order_to_strided_placements(self._shard_order, self.placements, tuple(self.mesh.shape))
+
+    def as_layout_spec(self) -> DTensorSpec[MeshT]:
+        """This layout without an explicit shard order (``Shard``/``_StridedShard`` placements)."""
+        if self._shard_order is None:
+            return self
+        return DTensorSpec(self.mesh, self.layout_placements, self.tensor_meta)
+
+    @staticmethod
+    def compute_default_shard_order(placements: Sequence[Placement]) -> ShardOrder:
+        """Each sharded tensor dim cut by its mesh dims left to right."""
+        return default_shard_order(placements)
+
+    @staticmethod
+    def is_default_device_order(shard_order: ShardOrder | None) -> bool:
+        """True when every tensor dim is cut by its mesh dims left to right."""
+        return is_default_shard_order(shard_order)
+
+    @staticmethod
+    def _convert_shard_order_to_StridedShard(
+        shard_order: ShardOrder, placements: Sequence[Placement], mesh: MeshLike
+    ) -> tuple[Placement, ...]:
+        """``Shard`` placements plus ``shard_order`` -> the same layout as ``Shard``/``_StridedShard`` placements."""
+        return shard_order_to_strided_placements(shard_order, placements, tuple(mesh.shape))
+
+    @staticmethod
+    def _maybe_convert_StridedShard_to_shard_order(
+        placements: Sequence[Placement], mesh: MeshLike
+    ) -> ShardOrder | None:
+        """The shard order ``Shard``/``_StridedShard`` placements spell, or None when they spell none."""
+        return strided_placements_to_shard_order(placements, tuple(mesh.shape))
+
+    @staticmethod
+    def format_shard_order_str(placements: Sequence[Placement], shard_order: ShardOrder | None = None) -> str:
+        """Placements in mesh order; a tensor dim cut by several mesh dims shows each one's turn, ``S(0)[1]``."""
+        turn: dict[int, int] = {}
+        for entry in shard_order or ():
+            if len(entry.mesh_dims) > 1:
+                turn.update({mesh_dim: index for index, mesh_dim in enumerate(entry.mesh_dims)})
+        return "".join(f"{p}[{turn[m]}]" if m in turn else str(p) for m, p in enumerate(placements))
 
     # -- tensor metadata -----------------------------------------------------
 
@@ -328,7 +426,7 @@ class DTensorSpec(Generic[MeshT]):
         meta = self._require_meta("the local shape")
         if coordinate is None:
             coordinate = self.mesh.get_coordinate()
-        return compute_local_shape_and_global_offset(meta.shape, self.mesh.shape, coordinate, self.placements)
+        return compute_local_shape_and_global_offset(meta.shape, self.mesh.shape, coordinate, self.layout_placements)
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
         """Local shape part of :meth:`local_shape_and_offset`."""

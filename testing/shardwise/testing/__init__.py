@@ -64,6 +64,13 @@ if TYPE_CHECKING:
         map_local_tensor_for_rank,
         reduce_local_int,
     )
+    from shardwise.testing._shard_orders import (
+        _convert_shard_order_dict_to_ShardOrder,
+        generate_shard_orders,
+        patched_distribute_tensor,
+        redistribute,
+        shard_order_to_placement,
+    )
 
 # The test bases build on torch's common_utils.TestCase, whose import costs about 2 s of CPU: only
 # test files that use them (and their rank processes) pay for it.
@@ -96,6 +103,13 @@ _LAZY_MODULES = {
         "map_local_for_rank",
         "map_local_tensor_for_rank",
         "reduce_local_int",
+    ),
+    "shardwise.testing._shard_orders": (
+        "_convert_shard_order_dict_to_ShardOrder",
+        "generate_shard_orders",
+        "patched_distribute_tensor",
+        "redistribute",
+        "shard_order_to_placement",
     ),
 }
 _LAZY_NAMES = {name: module for module, names in _LAZY_MODULES.items() for name in names}

@@ -47,6 +47,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_random",
             "_op_handlers",
             "_implicit_replication",
+            "_explicit_redistribution",
             "_placement_args",
             "_wrapper",
             "_strided_specs",
@@ -78,6 +79,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_ops.utils",
             "_ops.single_dim_strategy",
             "_ops._embedding_ops",
+            "_ops._matrix_ops",
         ),
     ),
     ("wiring", ("",)),  # the package __init__

@@ -2,16 +2,29 @@
 
 ``redistribute_local_tensor`` is the executor itself (``_redistribution``); ``Redistribute`` is
 PyTorch's autograd-function spelling of ``DTensor.redistribute``.
+
+PyTorch's planner vocabulary reads shardwise's plan: ``_gen_transform_infos(src, dst)`` is
+``plan_redistribute(src, dst)`` (the cheapest plan, joint steps included) written as PyTorch's
+``_TransformInfo`` list, a joint step (one collective over several mesh dims) as a
+``_FlattenedTransformInfo``. shardwise always plans at minimum cost, so
+``use_min_cost_redistribution_plan`` changes nothing (PyTorch's greedy planner does not exist here);
+``_optimize_transform_infos`` merges consecutive same-collective steps into flattened ones, as
+PyTorch's pass does, unless ``disable_redistribute_transform_optimization`` is in force.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import Placement
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, _StridedShard
 
+from .._redistribute_plan import plan_states
 from .._redistribution import (
     RedistributeStep,
     StepKind,
@@ -25,6 +38,13 @@ from .._redistribution import (
 )
 
 __all__ = [
+    "_FlattenedTransformInfo",
+    "_TransformInfo",
+    "_gen_transform_infos",
+    "_gen_transform_infos_non_cached",
+    "_optimize_transform_infos",
+    "disable_redistribute_transform_optimization",
+    "use_min_cost_redistribution_plan",
     "Redistribute",
     "RedistributeStep",
     "StepKind",
@@ -69,3 +89,198 @@ class Redistribute:
             device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype, backward_dtype=backward_dtype
         )
         return result
+
+
+# PyTorch's module-level switches, read by the functions below.
+_DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION = False
+_FORCE_MIN_COST_REDISTRIBUTION_PLAN: bool | None = None
+
+
+@contextlib.contextmanager
+def use_min_cost_redistribution_plan(enabled: bool = True) -> Iterator[None]:
+    """PyTorch's switch between its greedy and min-cost planners; shardwise's one planner is always min-cost."""
+    global _FORCE_MIN_COST_REDISTRIBUTION_PLAN
+    previous = _FORCE_MIN_COST_REDISTRIBUTION_PLAN
+    _FORCE_MIN_COST_REDISTRIBUTION_PLAN = enabled
+    try:
+        yield
+    finally:
+        _FORCE_MIN_COST_REDISTRIBUTION_PLAN = previous
+
+
+@contextlib.contextmanager
+def disable_redistribute_transform_optimization(disabled: bool = True) -> Iterator[None]:
+    """Inside: :func:`_optimize_transform_infos` returns its input unchanged."""
+    global _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION
+    previous = _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION
+    _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION = disabled
+    try:
+        yield
+    finally:
+        _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION = previous
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TransformInfo:
+    """One step of a plan: mesh dim ``mesh_dim`` goes from ``src_dst_placements[0]`` to ``[1]``.
+
+    ``logical_shape``: the extent of the tensor that this mesh dim cuts at that point (the global
+    shape cut by the mesh dims before it).
+    """
+
+    mesh_dim: int
+    src_dst_placements: tuple[Placement, Placement]
+    logical_shape: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if self.mesh_dim < 0:
+            raise AssertionError(f"_TransformInfo: mesh_dim must be >= 0, got {self.mesh_dim}")
+        if self.src_dst_placements[0] == self.src_dst_placements[1]:
+            raise AssertionError(f"_TransformInfo for a step that changes nothing ({self.src_dst_placements[0]})")
+
+    def _comm_type_key(self) -> str | None:
+        """The collective this step needs (None: local)."""
+        return _comm_type(*self.src_dst_placements)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FlattenedTransformInfo(_TransformInfo):
+    """Several mesh dims changed by one collective over their flattened group."""
+
+    mesh: Any
+    original_mesh_dims: tuple[int, ...]
+    avg_scale: int | None = None
+
+    def __post_init__(self) -> None:
+        _TransformInfo.__post_init__(self)
+        if self.avg_scale is not None and self.avg_scale <= 1:
+            raise AssertionError(f"_FlattenedTransformInfo: avg_scale must be > 1 when given, got {self.avg_scale}")
+
+
+def _is_cut(placement: Placement) -> bool:
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def _comm_type(src: Placement, dst: Placement) -> str | None:
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "all_reduce"
+        if _is_cut(dst):
+            return "reduce_scatter"
+        return None
+    if _is_cut(src):
+        if isinstance(dst, Replicate):
+            return "all_gather"
+        if _is_cut(dst):
+            return "all_to_all"
+    return None
+
+
+def _logical_shape(global_shape: Sequence[int], mesh_shape: Sequence[int], state: Sequence[Placement], mesh_dim: int) -> list[int]:
+    """The extent mesh dim ``mesh_dim`` works on in ``state``: the largest piece the mesh dims before it leave."""
+    shape = list(global_shape)
+    for earlier in range(mesh_dim):
+        placement = state[earlier]
+        if _is_cut(placement):
+            dim = placement.dim  # type: ignore[attr-defined]
+            shape[dim] = -(-shape[dim] // mesh_shape[earlier])
+    return shape
+
+
+def _flattened_mesh(mesh: Any, mesh_dims: tuple[int, ...]) -> Any:
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None:
+        return mesh
+    return mesh[tuple(names[d] for d in mesh_dims)]._flatten()
+
+
+def _gen_transform_infos_non_cached(
+    src_spec: DTensorSpec[Any], dst_spec: DTensorSpec[Any], use_graph_based_transform: bool | None = None
+) -> list[_TransformInfo]:
+    """shardwise's plan from ``src_spec`` to ``dst_spec`` in PyTorch's form (one planner: the cheapest plan)."""
+    src_layout, dst_layout = src_spec.as_layout_spec(), dst_spec.as_layout_spec()
+    plan = plan_redistribute(src_layout, dst_layout)
+    mesh_shape = tuple(src_spec.mesh.shape)
+    global_shape = tuple(src_spec.shape)
+    infos: list[_TransformInfo] = []
+    for step, state in zip(plan, plan_states(src_layout.placements, plan)):
+        if step.joint:
+            dims = step.mesh_dims
+            infos.append(
+                _FlattenedTransformInfo(
+                    mesh_dim=dims[0],
+                    src_dst_placements=(step.before, step.after),
+                    logical_shape=_logical_shape(global_shape, mesh_shape, state, dims[0]),
+                    mesh=_flattened_mesh(src_spec.mesh, dims),
+                    original_mesh_dims=dims,
+                )
+            )
+        else:
+            infos.append(
+                _TransformInfo(
+                    mesh_dim=step.mesh_dim,
+                    src_dst_placements=(step.before, step.after),
+                    logical_shape=_logical_shape(global_shape, mesh_shape, state, step.mesh_dim),
+                )
+            )
+    return infos
+
+
+@functools.cache
+def _gen_transform_infos(
+    src_spec: DTensorSpec[Any], dst_spec: DTensorSpec[Any], use_graph_based_transform: bool | None = None
+) -> list[_TransformInfo]:
+    """:func:`_gen_transform_infos_non_cached`, cached per spec pair (``cache_clear()`` empties it)."""
+    return _gen_transform_infos_non_cached(src_spec, dst_spec, use_graph_based_transform)
+
+
+_MERGEABLE = frozenset({"all_gather", "all_reduce", "reduce_scatter"})
+
+
+def _optimize_transform_infos(
+    transform_infos: list[_TransformInfo],
+    device_mesh: Any,
+    src_placements: tuple[Placement, ...],
+    dst_placements: tuple[Placement, ...],
+) -> list[_TransformInfo]:
+    """Merge runs of consecutive steps doing the same collective with the same placements into one flattened step.
+
+    A run merges only when the mesh can give the flattened group (named mesh dims) and, for a
+    reduce-scatter, when the cut dim divides evenly by the group's size. Unchanged when
+    :func:`disable_redistribute_transform_optimization` is in force.
+    """
+    if len(transform_infos) < 2 or _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION:
+        return transform_infos
+    merged: list[_TransformInfo] = []
+    index = 0
+    while index < len(transform_infos):
+        first = transform_infos[index]
+        end = index + 1
+        key = first._comm_type_key()
+        if key in _MERGEABLE and not isinstance(first, _FlattenedTransformInfo):
+            while (
+                end < len(transform_infos)
+                and not isinstance(transform_infos[end], _FlattenedTransformInfo)
+                and transform_infos[end].src_dst_placements == first.src_dst_placements
+            ):
+                end += 1
+        run = transform_infos[index:end]
+        dims = tuple(sorted(info.mesh_dim for info in run))
+        group = math.prod(device_mesh.size(d) for d in dims)
+        src, dst = first.src_dst_placements
+        outermost = min(run, key=lambda info: info.mesh_dim)
+        even = not (key == "reduce_scatter" and outermost.logical_shape[dst.dim] % group != 0)  # type: ignore[attr-defined]
+        if len(run) > 1 and getattr(device_mesh, "mesh_dim_names", None) is not None and even:
+            merged.append(
+                _FlattenedTransformInfo(
+                    mesh_dim=dims[0],
+                    src_dst_placements=(src, dst),
+                    logical_shape=outermost.logical_shape,
+                    mesh=_flattened_mesh(device_mesh, dims),
+                    original_mesh_dims=dims,
+                )
+            )
+        else:
+            merged.extend(run)
+        index = end
+    return merged

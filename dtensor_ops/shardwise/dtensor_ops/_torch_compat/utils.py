@@ -12,8 +12,30 @@ from shardwise.placement import Partial, Placement, Replicate, Shard, _StridedSh
 from shardwise.placement import compute_local_shape_and_global_offset as _local_shape_and_offset
 
 from .._collectives import all_gather_rows_over_mesh
+from .._explicit_redistribution import ExplicitRedistributionContext
 
-__all__ = ["compute_global_tensor_info", "compute_global_tensor_shape", "compute_local_shape_and_global_offset"]
+__all__ = [
+    "ExplicitRedistributionContext",
+    "_compute_local_shape_and_global_offset",
+    "compute_global_tensor_info",
+    "compute_global_tensor_shape",
+    "compute_local_shape_and_global_offset",
+    "compute_local_tensor_info",
+]
+
+
+def _compute_local_shape_and_global_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    my_coordinate: Sequence[int] | None,
+    placements: Sequence[Placement],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shard shape and global offset at mesh coordinate ``my_coordinate`` of a mesh of ``mesh_shape``.
+
+    The mesh-free form of :func:`compute_local_shape_and_global_offset` (any coordinate, no mesh
+    needed); ``None`` is a rank outside the mesh.
+    """
+    return _local_shape_and_offset(tuple(global_shape), tuple(mesh_shape), my_coordinate, tuple(placements))
 
 
 def compute_local_shape_and_global_offset(
@@ -57,6 +79,36 @@ def compute_global_tensor_info(
             for other, other_stride in enumerate(stride):
                 if other != dim and other_stride >= sharded_stride:
                     stride[other] = other_stride * size
+        elif not isinstance(placement, (Replicate, Partial)):
+            raise RuntimeError(f"placement type {type(placement)} not supported!")
+    return shape, stride
+
+
+def compute_local_tensor_info(
+    global_tensor: torch.Tensor, mesh: Any, placements: Sequence[Placement]
+) -> tuple[list[int], list[int]]:
+    """Local shape and stride of each rank's piece of ``global_tensor`` laid out by ``placements`` (even shards).
+
+    The inverse of :func:`compute_global_tensor_info`: each ``Shard(d)`` divides dim ``d`` by its
+    mesh dim's size, and the strides of dims laid out outside dim ``d`` shrink by the same factor.
+    """
+    shape = list(global_tensor.size())
+    stride = list(global_tensor.stride())
+    for mesh_dim, placement in enumerate(placements):
+        size = mesh.size(mesh_dim)
+        if isinstance(placement, (Shard, _StridedShard)):
+            dim = placement.dim
+            if dim < 0 or dim >= len(shape):
+                raise AssertionError(f"{placement} (placement {mesh_dim}) does not name a dim of a {len(shape)}-D tensor")
+            if shape[dim] % size != 0:
+                raise AssertionError(
+                    f"dim {dim} of size {shape[dim]} does not split evenly over mesh dim {mesh_dim} of size {size}"
+                )
+            sharded_stride = stride[dim]
+            shape[dim] //= size
+            for other, other_stride in enumerate(stride):
+                if other != dim and other_stride > sharded_stride:
+                    stride[other] = other_stride // size
         elif not isinstance(placement, (Replicate, Partial)):
             raise RuntimeError(f"placement type {type(placement)} not supported!")
     return shape, stride
