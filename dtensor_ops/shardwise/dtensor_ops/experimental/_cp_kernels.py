@@ -144,10 +144,6 @@ class CpuFlashKernel(BlockKernel):
         return grad_query, grad_key, grad_value
 
 
-def _empty_index(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64, device=device)
-
-
 class CudaFlashKernel(BlockKernel):
     """``aten._scaled_dot_product_flash_attention`` (CUDA) and its backward."""
 
@@ -172,8 +168,10 @@ class CudaFlashKernel(BlockKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Dense (not nested) inputs: no cumulative sequence lengths; no dropout: the philox state is unread.
-        unused = _empty_index(query.device)
+        # Dense (not nested) inputs: no cumulative sequence lengths (the forward returns None for them);
+        # no dropout: the philox state is unread (shaped as the forward returns it, seed (2,) and offset ()).
+        seed = torch.zeros(2, dtype=torch.uint64, device=query.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=query.device)
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_backward.default(
             grad_out.to(query.dtype).contiguous(),
             query.contiguous(),
@@ -181,14 +179,14 @@ class CudaFlashKernel(BlockKernel):
             value.contiguous(),
             out.to(query.dtype).contiguous(),
             lse.float().contiguous(),
-            unused,
-            unused,
+            None,
+            None,
             query.size(-2),
             key.size(-2),
             0.0,
             causal,
-            unused,
-            unused,
+            seed,
+            offset,
             scale=scale,
         )
         return grad_query, grad_key, grad_value
@@ -265,7 +263,8 @@ class CudnnKernel(BlockKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        unused = _empty_index(query.device)
+        # No dropout: seed and offset unread (shaped as the forward returns them); no bias; dense inputs.
+        seed = torch.zeros((), dtype=torch.int64, device=query.device)
         grads = aten._scaled_dot_product_cudnn_attention_backward.default(
             grad_out.to(query.dtype).contiguous(),
             query.contiguous(),
@@ -273,11 +272,11 @@ class CudnnKernel(BlockKernel):
             value.contiguous(),
             out.to(query.dtype).contiguous(),
             lse.float().unsqueeze(-1).contiguous(),
-            unused,
-            unused,
-            torch.empty(0, dtype=query.dtype, device=query.device),
-            unused,
-            unused,
+            seed,
+            seed,
+            None,
+            None,
+            None,
             query.size(-2),
             key.size(-2),
             0.0,
