@@ -25,7 +25,7 @@ from shardwise.placement import (
 )
 
 from ._placement_args import normalize_placements, resolve_device_mesh
-from ._redistribution import gradient_placements, redistribute_local_tensor
+from ._redistribution import gradient_placements, gradient_placements_for, redistribute_local_tensor
 from ._src_data import check_and_sync_from_local
 from ._wrapper import wrap_local_tensor
 
@@ -102,8 +102,14 @@ def redistribute(
     async_op: bool = False,
     forward_dtype: torch.dtype | None = None,
     backward_dtype: torch.dtype | None = None,
+    allow_partial_targets: bool = False,
 ) -> _DTensorT:
     """``dtensor.redistribute(...)`` (see ``DTensor.redistribute``).
+
+    ``allow_partial_targets``: users may not redistribute a non-Partial mesh dim to ``Partial``
+    (the values would be split in a way they did not ask for); code that builds partial values on
+    purpose (PyTorch's ``Redistribute.apply``) passes True: Replicate -> Partial is then a local step
+    for every reduce op.
 
     ``forward_dtype``: the local tensor is cast to it before the collectives and the result
     has it. ``backward_dtype``: the gradient is cast to it before the backward collectives and
@@ -125,7 +131,9 @@ def redistribute(
     target = normalize_placements(placements, mesh, dtensor.ndim, "DTensor.redistribute")
     current = spec.placements
     for mesh_dim, placement in enumerate(target):
-        if placement.is_partial() and current[mesh_dim] != placement:
+        if placement.is_partial() and current[mesh_dim] != placement and not (
+            allow_partial_targets and not current[mesh_dim].is_partial()
+        ):
             raise RuntimeError(
                 f"Can not redistribute from {current[mesh_dim]} to {placement}, redistributing to Partial is for "
                 f"internal use only! (DTensor.redistribute, mesh dim {mesh_dim}, target placements {target})"
@@ -282,8 +290,8 @@ class _Redistribute(torch.autograd.Function):
             )
         source_spec: DTensorSpec[DeviceMesh] = ctx.source_spec
         target_spec: DTensorSpec[DeviceMesh] = ctx.target_spec
-        placements = gradient_placements(source_spec.placements)
         grad_spec = grad_output._spec
+        placements = gradient_placements_for(source_spec.placements, grad_spec.placements)
         if grad_spec.placements == placements:
             return grad_output, None, None
         local = _grad_to_spec(grad_output, placements)
@@ -340,7 +348,7 @@ class _RedistributeInDtype(torch.autograd.Function):
         local: torch.Tensor = grad_output._local_tensor
         if local.dtype != ctx.backward_dtype:
             local = local.to(ctx.backward_dtype)
-        placements = gradient_placements(source_spec.placements)
+        placements = gradient_placements_for(source_spec.placements, grad_spec.placements)
         in_flight = _with_dtype(grad_spec, ctx.backward_dtype)
         if in_flight.placements != placements:
             local = redistribute_local_tensor(local, in_flight, in_flight.with_placements(placements))

@@ -115,6 +115,21 @@ def gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, .
     return tuple(Replicate() if isinstance(placement, Partial) else placement for placement in placements)
 
 
+def gradient_placements_for(source: tuple[Placement, ...], grad: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Where the gradient arriving as ``grad`` goes back to, for a redistribution from ``source``.
+
+    :func:`gradient_placements`, except that a ``Partial`` source mesh dim whose gradient arrives
+    as that same ``Partial`` keeps it: a Partial -> Partial redistribution is the identity on the
+    contributions, so its backward is too (no collective), as in PyTorch.
+    """
+    result = gradient_placements(source)
+    if result is source:
+        return source
+    return tuple(
+        g if isinstance(s, Partial) and g == s else r for s, g, r in zip(source, grad, result)
+    )
+
+
 def grad_target_spec(
     src: DTensorSpec[Any], dst: DTensorSpec[Any], grad_spec: DTensorSpec[Any] | None = None
 ) -> DTensorSpec[Any]:
@@ -630,8 +645,14 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if kind is StepKind.LOCAL_CHUNK:
         return local.narrow(step.to_dim, step.to_offset, step.kept).contiguous()
     if kind is StepKind.LOCAL_PARTIAL:
-        # avg/max/min of identical values is that value; sum needs it exactly once.
-        if step.reduce_op == "sum" and step.index_in_group != 0:
+        # avg/max/min of identical values is that value. A sum needs the value once in total: floating
+        # and complex values are split evenly (each rank holds value / n, as PyTorch), integers, which
+        # cannot be split exactly, are kept whole by the group's first rank.
+        if step.reduce_op != "sum":
+            return local
+        if local.dtype.is_floating_point or local.dtype.is_complex:
+            return local / step.group_size
+        if step.index_in_group != 0:
             return torch.zeros_like(local)
         return local
     if kind is StepKind.SHARD_TO_PARTIAL:

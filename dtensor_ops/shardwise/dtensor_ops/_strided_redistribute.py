@@ -24,6 +24,7 @@ and let a normal plan do the rest: no index assembly of the whole tensor.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable
 
@@ -123,12 +124,20 @@ def _one_dim_gather(src: DTensorSpec[Any], dst: DTensorSpec[Any], coordinate: tu
         runs = local_index_runs(shape, mesh_shape, coord, placements)[tensor_dim]
         return [start + k for start, length in runs for k in range(length)]
 
-    pieces = [
-        indices(coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :], src.placements)
-        for index in range(mesh_shape[mesh_dim])
-    ]
-    if [i for piece in pieces for i in piece] != indices(coordinate, dst.placements):
-        return None
+    def pieces_at(coord: tuple[int, ...]) -> list[list[int]]:
+        return [
+            indices(coord[:mesh_dim] + (index,) + coord[mesh_dim + 1 :], src.placements)
+            for index in range(mesh_shape[mesh_dim])
+        ]
+
+    # Exact on every group along mesh_dim, not only this rank's: ranks of other groups must take the
+    # same path (this one gathers over mesh_dim only; the general path gathers over every mesh dim).
+    others = [range(n) if m != mesh_dim else range(1) for m, n in enumerate(mesh_shape)]
+    for coord in itertools.product(*others):
+        group_pieces = pieces_at(coord)
+        if [i for piece in group_pieces for i in piece] != indices(coord, dst.placements):
+            return None
+    pieces = pieces_at(coordinate)
     return _OneDimGather(mesh_dim, tensor_dim, tuple(len(piece) for piece in pieces))
 
 

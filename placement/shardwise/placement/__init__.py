@@ -22,6 +22,7 @@ from ._layout import (
 )
 from ._mesh_protocol import MeshLike
 from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard
+from ._mask_partial import _MaskPartial
 from ._shard_order import ShardOrder, ShardOrderEntry
 from ._spec import DTensorSpec, TensorMeta
 
@@ -32,6 +33,7 @@ __all__ = [
     "Placement",
     "Shard",
     "_StridedShard",
+    "_MaskPartial",
     "Replicate",
     "Partial",
     "SUPPORTED_REDUCE_OPS",

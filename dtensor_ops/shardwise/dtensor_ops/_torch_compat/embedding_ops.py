@@ -1,51 +1,9 @@
 """PyTorch's ``_MaskPartial`` placement name (``torch.distributed.tensor._ops._embedding_ops``).
 
-shardwise's embedding rule gives a row-sharded lookup a plain ``Partial("sum")`` output: the
-masking of ids outside a rank's rows happens in the rule's local kernel, so the pending value is an
-ordinary sum. ``_MaskPartial`` exists for code that builds or checks for PyTorch's placement: it
-is a ``Partial("sum")`` carrying PyTorch's ``offset_shape`` / ``offset_dim`` (the shape of the
-sharded table and its sharded dim), and reduces as a sum wherever shardwise meets it.
+The placement itself lives with the other placements (``shardwise.placement._mask_partial``), so
+``torch.distributed.tensor.placement_types._MaskPartial`` has a home there too.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-
-from shardwise.placement import Partial, Placement
+from shardwise.placement import _MaskPartial
 
 __all__ = ["_MaskPartial"]
-
-
-class _MaskPartial(Partial):
-    __slots__ = ("offset_shape", "offset_dim", "mask_buffer")
-    offset_shape: torch.Size | None
-    offset_dim: int
-    mask_buffer: Any
-
-    def __init__(self, offset_shape: torch.Size | None = None, offset_dim: int = 0, reduce_op: str = "sum") -> None:
-        if reduce_op != "sum":
-            raise ValueError(f"_MaskPartial reduces by summing; got reduce_op={reduce_op!r}")
-        super().__init__("sum")
-        object.__setattr__(self, "offset_shape", torch.Size(offset_shape) if offset_shape is not None else None)
-        object.__setattr__(self, "offset_dim", offset_dim)
-        object.__setattr__(self, "mask_buffer", None)
-        object.__setattr__(self, "_hash", hash((_MaskPartial, self.offset_shape, offset_dim)))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _MaskPartial):
-            return NotImplemented if not isinstance(other, Placement) else False
-        return (self.offset_shape, self.offset_dim) == (other.offset_shape, other.offset_dim)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __repr__(self) -> str:
-        return f"_MaskPartial(offset_shape={self.offset_shape}, offset_dim={self.offset_dim})"
-
-    def __str__(self) -> str:
-        return "MaskP"
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_MaskPartial, (self.offset_shape, self.offset_dim))

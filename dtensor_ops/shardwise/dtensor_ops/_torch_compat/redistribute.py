@@ -24,6 +24,7 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, _StridedShard
 
+from .._conversions import redistribute as redistribute_dtensor
 from .._redistribute_plan import plan_states
 from .._redistribution import (
     RedistributeStep,
@@ -82,11 +83,18 @@ class Redistribute:
             backward_dtype = backward_options.get("op_dtype", backward_dtype)
         else:
             forward_dtype = dtype_config
-        redistribute = getattr(input, "redistribute", None)
-        if redistribute is None or not hasattr(input, "_spec"):
+        if not hasattr(input, "_spec") or not hasattr(input, "redistribute"):
             raise TypeError(f"Redistribute.apply expects a DTensor, got {type(input).__name__}")
-        result: torch.Tensor = redistribute(
-            device_mesh, placements, async_op=async_op, forward_dtype=forward_dtype, backward_dtype=backward_dtype
+        # PyTorch's internal entry point: unlike DTensor.redistribute it may turn a Replicate or Shard
+        # mesh dim into Partial (a local step).
+        result: torch.Tensor = redistribute_dtensor(
+            input,
+            device_mesh,
+            placements,
+            async_op=async_op,
+            forward_dtype=forward_dtype,
+            backward_dtype=backward_dtype,
+            allow_partial_targets=True,
         )
         return result
 
