@@ -146,6 +146,9 @@ class _KeyValueRing:
         self._spec = spec
         self._shapes = _BlockShapes(spec, key, value)
         self._current = (key, value)
+        # The current block as one flat buffer, once it exists: a received block is handed on as it
+        # arrived, without packing it again (one shard-sized copy less per step).
+        self._current_flat: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
         self._widest = max(self._shapes.numel(rank) for rank in range(spec.world_size))
@@ -174,12 +177,12 @@ class _KeyValueRing:
             assert self._pending is not None
             received = _collectives.wait(self._pending)
             self._pending = None
+            self._current_flat = received
             self._current = _unpack(received, self._shapes.key[source], self._shapes.value[source])
         if step < spec.world_size - 1:
             # Launch the hand-on before this step's compute so that the two may overlap.
-            self._pending = _send_to_next(
-                spec, _pack(*self._current), self._shapes.numel(source), self._shapes.numel(self._source(step + 1))
-            )
+            flat = self._current_flat if self._current_flat is not None else _pack(*self._current)
+            self._pending = _send_to_next(spec, flat, self._shapes.numel(source), self._shapes.numel(self._source(step + 1)))
         return self._current
 
 
@@ -239,8 +242,9 @@ def ring_backward(
     for step in range(spec.world_size):
         source = (spec.rank - step) % spec.world_size
         block_key, block_value = ring.block(step)
-        grad_key = torch.zeros(shapes.key[source], dtype=accumulate, device=key.device)
-        grad_value = torch.zeros(shapes.value[source], dtype=accumulate, device=value.device)
+        # This block's key and value gradients live in one flat buffer, the one that travels on.
+        grad_flat = torch.zeros(shapes.numel(source), dtype=accumulate, device=key.device)
+        grad_key, grad_value = _unpack(grad_flat, shapes.key[source], shapes.value[source])
         for call in block_calls(spec, source):
             rows = slice(call.q_start, call.q_stop)
             columns = slice(call.kv_start, call.kv_stop)
@@ -261,11 +265,9 @@ def ring_backward(
             return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
         if pending is not None:
             # What earlier ranks added to this block's gradient, handed on with the ring.
-            earlier_key, earlier_value = _unpack(_collectives.wait(pending), shapes.key[source], shapes.value[source])
-            grad_key += earlier_key
-            grad_value += earlier_value
+            grad_flat += _collectives.wait(pending)
         next_source = (source - 1) % spec.world_size
-        pending = _send_to_next(spec, _pack(grad_key, grad_value), shapes.numel(source), shapes.numel(next_source))
+        pending = _send_to_next(spec, grad_flat, shapes.numel(source), shapes.numel(next_source))
     assert pending is not None
     # After W hand-ons the block that arrives is this rank's own, summed over every rank.
     own_key, own_value = _unpack(_collectives.wait(pending), shapes.key[spec.rank], shapes.value[spec.rank])

@@ -91,14 +91,23 @@ def clip_gradients(
     """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor and plain parameters; returns the norm.
 
     One multi-tensor call cannot take both kinds (without sequence parallelism the norms keep
-    plain parameters), so each kind's norm is taken on its own, the global norm is combined
-    from them, and each kind is scaled on its own.  ``distributed_type``: the DTensor class.
+    plain parameters), nor DTensors of different meshes (Llama's plain norms become DTensors on the
+    dp mesh under FSDP, its tensor-parallel weights live on (dp, tp)), so each kind, and each mesh
+    of DTensors, has its norm taken on its own, the global norm is combined from them, and each
+    group is scaled on its own.  ``distributed_type``: the DTensor class.
     """
     with_gradients = [parameter for parameter in parameters if parameter.grad is not None]
-    kinds: list[list[nn.Parameter]] = [
-        [parameter for parameter in with_gradients if isinstance(parameter.grad, distributed_type)],
-        [parameter for parameter in with_gradients if not isinstance(parameter.grad, distributed_type)],
-    ]
+    kinds: list[list[nn.Parameter]] = []
+    meshes: list[Any] = []
+    for parameter in with_gradients:
+        if not isinstance(parameter.grad, distributed_type):
+            continue
+        mesh = cast(Any, parameter.grad).device_mesh
+        if mesh not in meshes:
+            meshes.append(mesh)
+            kinds.append([])
+        kinds[meshes.index(mesh)].append(parameter)
+    kinds.append([parameter for parameter in with_gradients if not isinstance(parameter.grad, distributed_type)])
     norms = []
     for kind in kinds:
         if kind:

@@ -138,15 +138,24 @@ def fully_shard_transformer(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def build_optimizer(config: TrainConfig, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW or SGD with momentum over ``parameters``, DTensor parameters in their own group.
+    """AdamW or SGD with momentum over ``parameters``, DTensor parameters in their own group (one per mesh).
 
     Without sequence parallelism the norms keep plain parameters next to the DTensor ones, and
     one multi-tensor (``_foreach_*``) call cannot take both kinds; the optimizer makes one such
     call per group.  The hyperparameters are the same in every group.
     """
-    distributed = [parameter for parameter in parameters if isinstance(parameter, DTensor)]
+    # DTensors of different meshes cannot share a foreach call either (Llama under FSDP x TP: its plain
+    # norms become DTensors on the dp mesh, its tensor-parallel weights live on (dp, tp)): a group per mesh.
+    meshes: list[Any] = []
+    by_mesh: list[list[nn.Parameter]] = []
+    for parameter in parameters:
+        if isinstance(parameter, DTensor):
+            if parameter.device_mesh not in meshes:
+                meshes.append(parameter.device_mesh)
+                by_mesh.append([])
+            by_mesh[meshes.index(parameter.device_mesh)].append(parameter)
     plain = [parameter for parameter in parameters if not isinstance(parameter, DTensor)]
-    groups: list[dict[str, Any]] = [{"params": group} for group in (distributed, plain) if group]
+    groups: list[dict[str, Any]] = [{"params": group} for group in (*by_mesh, plain) if group]
     if config.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=config.lr, foreach=config.foreach)
     return torch.optim.SGD(groups, lr=config.lr, momentum=0.9, foreach=config.foreach)
