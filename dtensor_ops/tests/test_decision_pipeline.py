@@ -1,0 +1,151 @@
+"""The decision pipeline as stated (ordered deciders), the options object and the one rule for cache keys.
+
+One process on a one-rank fake mesh: the ops used need no communication, so dispatch runs for real
+(reading, the lookup, the pipeline, execution) without process groups.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from shardwise.dtensor_ops import DTensor, Replicate, Shard
+from shardwise.dtensor_ops._caches import RANK_CACHES, SYMBOLIC, clear_all_caches, lookup, store
+from shardwise.dtensor_ops._decision import OpDecision
+from shardwise.dtensor_ops._decision_cache import call_key
+from shardwise.dtensor_ops._decision_pipeline import DECIDERS, decide_from_specs, propagate_op_sharding
+from shardwise.dtensor_ops._op_handlers import custom_op_handlers, register_op_handler, unregister_op_handler
+from shardwise.dtensor_ops._options import ENVIRONMENT_OVERRIDES, Options, current_options, use_options
+from shardwise.dtensor_ops.experimental import replicate_fallback
+from shardwise.placement import DTensorSpec, Placement, TensorMeta
+from shardwise.testing import FakeMesh
+
+aten = torch.ops.aten
+MESH = FakeMesh((1,), (0,))
+
+
+def on_fake_mesh(tensor: torch.Tensor, placement: Placement = Replicate()) -> DTensor:
+    meta = TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype)
+    return DTensor(tensor, DTensorSpec(MESH, (placement,), meta), requires_grad=False)
+
+
+def local_of(value: object) -> torch.Tensor:
+    assert isinstance(value, DTensor), type(value)
+    return value.to_local()
+
+
+def test_the_deciders_are_stated_in_order_with_when_they_are_asked() -> None:
+    assert [(d.name, d.asked, d.from_specs) for d in DECIDERS] == [
+        ("user handlers", "every call", False),
+        ("built-in handlers", "on a miss", False),
+        ("strided shards", "on a miss", True),
+        ("the op's rule", "on a miss", True),
+        ("replicate fallback", "on a miss", True),
+    ]
+
+
+def test_a_user_handler_is_asked_on_every_call_before_the_cache_and_caches_nothing() -> None:
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(4.0))
+    asked: list[int] = []
+
+    def count_then_decline(op: Any, args: Any, kwargs: Any) -> Any:
+        asked.append(1)
+        return NotImplemented
+
+    with custom_op_handlers({aten.neg.default: count_then_decline}):
+        for _ in range(3):
+            assert torch.equal(local_of(torch.neg(x)), -torch.arange(4.0))
+    # Asked on all three calls although the rule's decision was cached after the first.
+    assert len(asked) == 3
+    assert len(RANK_CACHES.decisions) == 1
+
+
+def test_a_handler_declining_by_key_is_asked_on_a_miss_only() -> None:
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(4.0))
+    asked: list[int] = []
+
+    def count_then_decline(op: Any, args: Any, kwargs: Any) -> Any:
+        asked.append(1)
+        return NotImplemented
+
+    register_op_handler(aten.abs.default, count_then_decline, declines_by_key=True)
+    try:
+        for _ in range(3):
+            torch.abs(x)
+    finally:
+        unregister_op_handler(aten.abs.default, count_then_decline)
+    assert len(asked) == 1
+
+
+def test_a_handler_answer_is_the_result_and_is_never_cached() -> None:
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(4.0))
+
+    def ten(op: Any, args: Any, kwargs: Any) -> Any:
+        return on_fake_mesh(torch.full((4,), 10.0))
+
+    with custom_op_handlers({aten.exp.default: ten}):
+        assert torch.equal(local_of(torch.exp(x)), torch.full((4,), 10.0))
+    assert not RANK_CACHES.decisions
+    # Without the handler, the op's rule decides.
+    assert torch.allclose(local_of(torch.exp(x)), torch.exp(torch.arange(4.0)))
+
+
+def test_an_op_no_decider_takes_raises_naming_it_until_the_fallback_takes_it() -> None:
+    clear_all_caches()
+    spec = on_fake_mesh(torch.eye(4), Shard(0))._spec
+    # aten.linalg_eigh has no sharding rule (its decomposition _linalg_eigh has): the rule decider
+    # declines, the fallback is off.
+    with pytest.raises(NotImplementedError, match="linalg_eigh.*does not have a sharding strategy registered"):
+        decide_from_specs(aten.linalg_eigh.default, (spec,), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with replicate_fallback():
+            decision = decide_from_specs(aten.linalg_eigh.default, (spec,), {})
+    assert decision.input_specs[0].placements == (Replicate(),)
+
+
+def test_direct_propagation_and_dispatch_share_one_decision_under_one_key() -> None:
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(6.0).reshape(2, 3), Shard(0))
+    x * 2.0
+    decision = propagate_op_sharding(aten.mul.Tensor, (x._spec, 2.0), {})
+    assert isinstance(decision, OpDecision)
+    assert RANK_CACHES.decisions[call_key(aten.mul.Tensor, (x._spec, 2.0))] is decision
+    assert len(RANK_CACHES.decisions) == 1
+
+
+def test_options_come_from_one_object_with_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    variable = ENVIRONMENT_OVERRIDES["gloo_all_to_all"]
+    monkeypatch.delenv(variable, raising=False)
+    assert current_options() == Options()
+    monkeypatch.setenv(variable, "1")
+    assert current_options().gloo_all_to_all
+    with use_options(gloo_all_to_all=False) as chosen:
+        assert current_options() is chosen and not chosen.gloo_all_to_all
+        with use_options(Options(gloo_all_to_all=True)):
+            assert current_options().gloo_all_to_all
+        assert not current_options().gloo_all_to_all
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match="SHARDWISE_GLOO_ALL_TO_ALL='yes'"):
+        current_options()
+
+
+def test_cache_keys_with_symbolic_sizes_are_never_stored_and_other_unhashable_keys_are_refused() -> None:
+    cache: dict[Any, Any] = {}
+    size = ShapeEnv().create_unbacked_symint()
+    symbolic_key = ("op", (list, size, 3))
+    assert lookup(cache, symbolic_key) is SYMBOLIC
+    store(cache, symbolic_key, "decision", limit=4)
+    assert cache == {}
+    with pytest.raises(TypeError, match="not hashable"):
+        lookup(cache, ("op", {"a dict": 1}))
+    for index in range(5):
+        store(cache, index, index, limit=4)
+    assert cache == {4: 4}  # emptied when full, then stored
