@@ -311,7 +311,7 @@ def _error_messages_before_any_group_call() -> list[str]:
         (MeshError, lambda: DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "dp"))),
         (MeshError, lambda: DeviceMesh("cpu:0", [0, 1])),
         (RuntimeError, lambda: init_device_mesh("cpu", (2, 4))),
-        (RuntimeError, lambda: init_device_mesh("cpu", (3,))),
+        (RuntimeError, lambda: init_device_mesh("cpu", (5,))),
         (RuntimeError, lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",))),
         (KeyError, lambda: mesh["pp"]),
         (KeyError, lambda: mesh["tp", "dp"]),
@@ -344,7 +344,7 @@ def test_bad_input_fails_on_every_rank_with_the_same_message_before_any_collecti
     assert "repeats ['dp']" in messages[5]
     assert "'cpu:0' is not a plain device type" in messages[6]
     assert "mesh_shape (2, 4) has 8 ranks but the world size is 4" in messages[7]
-    assert "mesh_shape (3,) has 3 ranks" in messages[8]
+    assert "mesh_shape (5,) has 5 ranks" in messages[8]
     assert "has 1 names but the mesh has 2 dims" in messages[9]
     assert messages[10].startswith("MeshDimError: mesh['pp']: ['pp'] is not a mesh dim")
     assert "in the order they have in the mesh, i.e. mesh['dp', 'tp']" in messages[11]

@@ -122,7 +122,12 @@ def distribute_tensor(
         # A strided piece is several ranges, which a scatter cannot send: replicate the source's
         # tensor (a broadcast per mesh dim), then select this rank's piece locally.
         replicated = distribute_local_data(data, mesh, (Replicate(),) * mesh.ndim, src_data_rank, source_meta)
-        local = select_local_shard(replicated, mesh.shape, mesh.get_coordinate(), target).contiguous()
+        coordinate = mesh.get_coordinate()
+        local = (
+            replicated.new_empty(0)  # outside the mesh: nothing (PyTorch's tensor([]))
+            if coordinate is None
+            else select_local_shard(replicated, mesh.shape, coordinate, target).contiguous()
+        )
     else:
         local = distribute_local_data(data, mesh, target, src_data_rank, source_meta)
     return new_dtensor(local.requires_grad_(requires_grad), spec, requires_grad=requires_grad)

@@ -86,19 +86,34 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...]:
     return tuple(mesh_dim_group_name(mesh, mesh_dim) for mesh_dim in range(len(mesh.shape)))
 
 
+def _as_real_collective(tensor: torch.Tensor, launch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``launch`` on ``tensor``; a complex tensor travels as its real view (gloo has no complex types).
+
+    Every collective here works on dim-0 pieces or elementwise sums, which the trailing (real, imag)
+    dim of ``view_as_real`` leaves intact. The complex result is waited here (a view of an unwaited
+    result could be read before its collective ends); waiting on it again is a no-op.
+    """
+    if not tensor.is_complex():
+        return launch(tensor.contiguous())
+    received = wait(launch(torch.view_as_real(tensor.contiguous())))
+    return torch.view_as_complex(received)
+
+
 def launch_all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every group member's ``tensor`` along dim 0 (unwaited)."""
-    return _functional.all_gather_into_tensor(tensor.contiguous(), group_size, group_name)
+    return _as_real_collective(tensor, lambda t: _functional.all_gather_into_tensor(t, group_size, group_name))
 
 
 def launch_reduce_scatter(tensor: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
     """Reduce ``tensor`` over the group and keep this member's equal dim-0 piece (unwaited)."""
-    return _functional.reduce_scatter_tensor(tensor.contiguous(), c10d_reduce_op(reduce_op), group_size, group_name)
+    kind = c10d_reduce_op(reduce_op)
+    return _as_real_collective(tensor, lambda t: _functional.reduce_scatter_tensor(t, kind, group_size, group_name))
 
 
 def launch_all_reduce(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     """Reduce ``tensor`` over the group; every member gets the result (unwaited)."""
-    return _functional.all_reduce(tensor.contiguous(), c10d_reduce_op(reduce_op), group_name)
+    kind = c10d_reduce_op(reduce_op)
+    return _as_real_collective(tensor, lambda t: _functional.all_reduce(t, kind, group_name))
 
 
 def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -108,7 +123,7 @@ def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) ->
     """
     piece = tensor.size(0) // group_size
     splits = [piece] * group_size
-    return _functional.all_to_all_single(tensor.contiguous(), splits, splits, group_name)
+    return _as_real_collective(tensor, lambda t: _functional.all_to_all_single(t, splits, splits, group_name))
 
 
 def launch_all_to_all_exact(
@@ -119,7 +134,8 @@ def launch_all_to_all_exact(
     The result holds, in member order, the ``output_splits[i]`` elements member ``i`` sent: pieces
     of any sizes, so nothing is padded.
     """
-    return _functional.all_to_all_single(flat.contiguous(), list(output_splits), list(input_splits), group_name)
+    outputs, inputs = list(output_splits), list(input_splits)
+    return _as_real_collective(flat, lambda t: _functional.all_to_all_single(t, outputs, inputs, group_name))
 
 
 # -- one-round reduce-scatter and all-gather (opt-in, gloo) ---------------------------------------------

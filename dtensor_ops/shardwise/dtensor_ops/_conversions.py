@@ -13,7 +13,7 @@ from typing import Any, Sequence, TypeVar, cast
 
 import torch
 from shardwise.mesh import DeviceMesh
-from shardwise.mesh._simulation import first_simulated_piece, run_for_each_simulated_rank
+from shardwise.mesh._simulation import first_simulated_piece, run_for_each_simulated_rank, simulated_view
 from shardwise.placement import (
     DTensorSpec,
     Placement,
@@ -81,6 +81,9 @@ def from_local(
         global_stride = strides_in_local_dim_order(first_simulated_piece(local_tensor), global_shape)
     meta = TensorMeta(torch.Size(global_shape), global_stride, local_tensor.dtype)
     spec = DTensorSpec(mesh, placement_tuple, meta)
+    if simulated_view() is None and mesh.get_coordinate() is None:
+        # A rank outside the mesh holds nothing (as PyTorch): an empty local tensor, no autograd link.
+        local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
     return cast(_DTensorT, _FromLocal.apply(local_tensor, spec, cls))
 
 

@@ -27,7 +27,7 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 from ._caches import RANK_CACHES, SHARED_CACHES
 from ._decision import WRAP_INPLACE, WRAP_NESTED, WRAP_OUT, WRAP_PASSTHROUGH, WRAP_TENSOR, OpDecision
 from ._decision_cache import DISPATCH_LOOKUPS, KWARGS_MARK, SELF_KEYED_TYPES, float_values_matter, key_part
-from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss
+from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss, propagate_op_sharding
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
 from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
@@ -290,6 +290,10 @@ def torch_dispatch(
         found = None
     if found is None:
         DISPATCH_LOOKUPS[1] += 1  # a miss
+        mesh = _find_mesh(args) if not kwargs else _find_mesh((args, tuple(kwargs.values())))
+        if mesh is not None and mesh.get_coordinate() is None:
+            # Never cached, so every call of a rank outside the mesh comes here (and only those).
+            return _outside_mesh(func, mesh, args, kwargs or {}, spec_args, spec_kwargs)
         decided = decide_on_miss(func, key, args, kwargs or {}, tuple(spec_args), spec_kwargs)
         if isinstance(decided, Handled):
             return decided.result
@@ -394,6 +398,61 @@ class _ArgConverter:
             spec_value = tuple(spec_items) if value_type is tuple else spec_items
             return spec_value, local_items, key_part(spec_value, self.keep_float_values)
         return value, value, key_part(value, self.keep_float_values)
+
+
+def _outside_mesh(
+    func: torch._ops.OpOverload,
+    mesh: DeviceMesh,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    spec_args: list[Any],
+    spec_kwargs: dict[str, Any],
+) -> Any:
+    """The result on a rank outside the DTensors' mesh: it holds no data and runs nothing (as PyTorch).
+
+    Tensor results are DTensors of the right global shape and dtype holding ``tensor([])`` (a 0-d
+    result: ``tensor(0)``); an in-place op returns its input; a bool result (``aten.equal``) is True,
+    since this rank holds no element that differs. Shapes and dtypes come from running the op on
+    meta tensors of the global shapes; placements from the op's rule when it has one.
+    """
+    returns = func._schema.returns
+    if returns and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+        return args[0]
+    if len(returns) == 1 and str(returns[0].type) == "bool":
+        return True
+
+    def as_meta(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            spec = value._spec
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+        if type(value) is list or type(value) is tuple:
+            return type(value)(as_meta(item) for item in value)
+        return value
+
+    with torch.no_grad():
+        meta_result = func(*as_meta(args), **{name: as_meta(value) for name, value in kwargs.items()})
+    try:
+        output_specs: Any = propagate_op_sharding(func, spec_args, spec_kwargs).output_specs
+    except (NotImplementedError, RuntimeError, ValueError):
+        output_specs = None  # no rule (or none fits): the result is only a placeholder here anyway
+
+    flat_specs = list(output_specs) if isinstance(output_specs, (tuple, list)) else [output_specs]
+    index = 0
+
+    def wrap(value: Any) -> Any:
+        nonlocal index
+        if isinstance(value, torch.Tensor):
+            spec = flat_specs[index] if index < len(flat_specs) else None
+            index += 1
+            placements = spec.placements if isinstance(spec, DTensorSpec) else (Replicate(),) * mesh.ndim
+            meta = TensorMeta(value.shape, tuple(value.stride()), value.dtype)
+            local = torch.zeros((), dtype=value.dtype) if value.dim() == 0 else torch.empty(0, dtype=value.dtype)
+            return wrap_local_tensor(DTensor, local, DTensorSpec(mesh, placements, meta))
+        if type(value) is list or type(value) is tuple:
+            return type(value)(wrap(item) for item in value)
+        return value
+
+    return wrap(meta_result)
 
 
 def _find_mesh(values: Any) -> DeviceMesh | None:

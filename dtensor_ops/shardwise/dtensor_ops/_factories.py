@@ -121,7 +121,8 @@ def _build_own_shard(spec: DTensorSpec[Any], build: _Builder, seed: int | None, 
     meta = spec.tensor_meta
     assert meta is not None
     coordinate = mesh.get_coordinate()
-    local_shape = compute_local_shape(meta.shape, mesh.shape, coordinate, spec.placements)
+    # Outside the mesh: nothing (PyTorch's tensor([])).
+    local_shape = (0,) if coordinate is None else compute_local_shape(meta.shape, mesh.shape, coordinate, spec.placements)
     device = torch.device(mesh.device_type)
     source: _RandomSource | None = None
     if seed is not None and coordinate is not None:

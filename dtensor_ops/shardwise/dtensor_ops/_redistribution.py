@@ -863,7 +863,7 @@ def redistribute_local_tensor(
         if program is None or program.mesh is not src.mesh:
             program = _program_for(src, dst)
         if not program.participating:
-            return local.new_empty(program.dst_local_shape)
+            return local.new_empty(0)  # a rank outside the mesh holds nothing (PyTorch's tensor([]))
         if local.shape != program.src_local_shape:
             _check_local_shapes(_THIS_RANK, [program], [local], src, dst)
         last = program.last_collective

@@ -140,7 +140,7 @@ def distribute_local_data(
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         # Not part of the mesh: an empty shard, no communication (the mesh's groups do not include us).
-        return tensor.new_empty(compute_local_shape(tensor.shape, mesh.shape, None, placements))
+        return tensor.new_empty(0)
     communicate = src_data_rank is not None and not tensor.is_meta
     if communicate and source_meta is not None and (tensor.shape, tensor.dtype) != (source_meta.shape, source_meta.dtype):
         tensor = torch.zeros(source_meta.shape, dtype=source_meta.dtype, device=tensor.device)

@@ -410,6 +410,14 @@ class DeviceMesh:
                 return flattened._require_groups("slicing")[0]
         raise AssertionError(f"no process group spans root dims {root_dims}")
 
+    def _flattened_over(self, mesh_dims: Sequence[int]) -> DeviceMesh | None:
+        """The flattened mesh (``_flatten``) spanning exactly this mesh's ``mesh_dims``, in that order, if one exists."""
+        root_dims = tuple(d for mesh_dim in mesh_dims for d in self._layout.dims[mesh_dim])
+        for flattened in self._get_root_mesh()._flatten_mapping.values():
+            if flattened._layout.dims[0] == root_dims:
+                return flattened
+        return None
+
     def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """A 1-D mesh over all of this mesh's dims, named ``mesh_dim_name`` (default: names joined by "_").
 

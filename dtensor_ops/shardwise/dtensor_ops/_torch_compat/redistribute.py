@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -243,6 +244,104 @@ def _gen_transform_infos(
 
 
 _MERGEABLE = frozenset({"all_gather", "all_reduce", "reduce_scatter"})
+_LINEAR = frozenset({"sum", "avg"})
+
+# PyTorch's module path in shardwise: code that listens to PyTorch's logger name, translated, hears these.
+_logger = logging.getLogger("shardwise.dtensor_ops._redistribute")
+# (comm type, mesh dims, reason) already warned about: each missed merge is reported once per process.
+_warned_flatten_issues: set[tuple[str, tuple[int, ...], str]] = set()
+
+
+def _same_collective(first: _TransformInfo, other: _TransformInfo) -> bool:
+    """Whether ``other`` is the same collective as ``first`` with compatible placements (mergeable)."""
+    if isinstance(other, _FlattenedTransformInfo) or other._comm_type_key() != first._comm_type_key():
+        return False
+    (src_a, dst_a), (src_b, dst_b) = first.src_dst_placements, other.src_dst_placements
+    if dst_a != dst_b:
+        return False
+    if isinstance(src_a, Partial) and isinstance(src_b, Partial):
+        # sum and avg both reduce by summing (avg scales afterwards): they share one collective.
+        return src_a == src_b or (src_a.reduce_op in _LINEAR and src_b.reduce_op in _LINEAR)
+    return src_a == src_b
+
+
+def _dim_names(mesh: Any, dims: Sequence[int]) -> str:
+    names = getattr(mesh, "mesh_dim_names", None)
+    return ", ".join(f'"{names[d]}"' if names else str(d) for d in dims)
+
+
+def _warn_once(reason: str, comm: str, dims: tuple[int, ...], message: str) -> None:
+    key = (comm, dims, reason)
+    if key in _warned_flatten_issues:
+        return
+    _warned_flatten_issues.add(key)
+    _logger.warning(message)
+
+
+def _merge_run(
+    run: list[_TransformInfo], device_mesh: Any, src_placements: tuple[Placement, ...], dst_placements: tuple[Placement, ...]
+) -> list[_TransformInfo]:
+    """One flattened step for ``run`` (>= 2 steps of one collective), or ``run`` itself where that is not exact."""
+    first = run[0]
+    comm = first._comm_type_key()
+    assert comm is not None
+    order = tuple(info.mesh_dim for info in run)
+    dims = tuple(sorted(order))
+    context = (
+        f"While redistributing from {tuple(src_placements)!r} to {tuple(dst_placements)!r}, {len(run)} sequential "
+        f"{comm} operations on mesh dims {_dim_names(device_mesh, dims)}"
+    )
+    # A gather undoes cuts innermost first, a reduce-scatter makes them outermost first: only then is
+    # one collective over the flattened group the same layout.
+    exact_order = order == tuple(sorted(order, reverse=True)) if comm == "all_gather" else True
+    if comm == "reduce_scatter" and order != dims:
+        exact_order = False
+    if not exact_order:
+        _warn_once("order", comm, order, f"{context} run in non-ascending order {order}; they stay separate {comm}s")
+        return run
+    outermost = min(run, key=lambda info: info.mesh_dim)
+    group = math.prod(device_mesh.size(d) for d in dims)
+    dst = first.src_dst_placements[1]
+    if comm == "reduce_scatter" and _is_cut(dst):
+        extent = outermost.logical_shape[dst.dim]  # type: ignore[attr-defined]
+        if extent % group != 0:
+            _warn_once(
+                "uneven",
+                comm,
+                dims,
+                f"{context}: tensor dim of size {extent} is not evenly divisible by the flattened group of {group} "
+                "ranks, so merging would move elements to other ranks; they stay separate (suboptimal)",
+            )
+            return run
+    flattened_over = getattr(device_mesh, "_flattened_over", None)
+    flattened = flattened_over(dims) if flattened_over is not None else None
+    if flattened is None:
+        _warn_once(
+            "no flattened mesh",
+            comm,
+            dims,
+            f"{context} could be one {comm} over their flattened mesh, but none exists (create it with "
+            f"mesh[...]._flatten()); running them one by one is suboptimal",
+        )
+        return run
+    avg_dims = [
+        info.mesh_dim
+        for info in run
+        if isinstance(info.src_dst_placements[0], Partial) and info.src_dst_placements[0].reduce_op == "avg"
+    ]
+    mixed = avg_dims and len(avg_dims) < len(run)
+    avg_scale = math.prod(device_mesh.size(d) for d in avg_dims) if mixed else None
+    source = Partial("sum") if mixed else first.src_dst_placements[0]
+    return [
+        _FlattenedTransformInfo(
+            mesh_dim=dims[0],
+            src_dst_placements=(source, dst),
+            logical_shape=outermost.logical_shape,
+            mesh=flattened,
+            original_mesh_dims=dims,
+            avg_scale=avg_scale if avg_scale is not None and avg_scale > 1 else None,
+        )
+    ]
 
 
 def _optimize_transform_infos(
@@ -251,11 +350,14 @@ def _optimize_transform_infos(
     src_placements: tuple[Placement, ...],
     dst_placements: tuple[Placement, ...],
 ) -> list[_TransformInfo]:
-    """Merge runs of consecutive steps doing the same collective with the same placements into one flattened step.
+    """Merge each run of consecutive steps doing the same collective into one step over their flattened mesh.
 
-    A run merges only when the mesh can give the flattened group (named mesh dims) and, for a
-    reduce-scatter, when the cut dim divides evenly by the group's size. Unchanged when
-    :func:`disable_redistribute_transform_optimization` is in force.
+    Merged when a flattened mesh over exactly those mesh dims exists (``mesh[...]._flatten()``), the
+    steps run in the order the flattened group lays ranks out (a gather innermost first, a
+    reduce-scatter outermost first) and, for a reduce-scatter, the cut dim divides evenly by the
+    group; a missed merge is logged once. Partial sum and avg share a collective (``avg_scale``: the
+    divisor the avg dims need afterwards). Unchanged (the same list) under
+    :func:`disable_redistribute_transform_optimization`.
     """
     if len(transform_infos) < 2 or _DISABLE_REDISTRIBUTE_TRANSFORM_OPTIMIZATION:
         return transform_infos
@@ -264,31 +366,10 @@ def _optimize_transform_infos(
     while index < len(transform_infos):
         first = transform_infos[index]
         end = index + 1
-        key = first._comm_type_key()
-        if key in _MERGEABLE and not isinstance(first, _FlattenedTransformInfo):
-            while (
-                end < len(transform_infos)
-                and not isinstance(transform_infos[end], _FlattenedTransformInfo)
-                and transform_infos[end].src_dst_placements == first.src_dst_placements
-            ):
+        if first._comm_type_key() in _MERGEABLE and not isinstance(first, _FlattenedTransformInfo):
+            while end < len(transform_infos) and _same_collective(first, transform_infos[end]):
                 end += 1
-        run = transform_infos[index:end]
-        dims = tuple(sorted(info.mesh_dim for info in run))
-        group = math.prod(device_mesh.size(d) for d in dims)
-        src, dst = first.src_dst_placements
-        outermost = min(run, key=lambda info: info.mesh_dim)
-        even = not (key == "reduce_scatter" and outermost.logical_shape[dst.dim] % group != 0)  # type: ignore[attr-defined]
-        if len(run) > 1 and getattr(device_mesh, "mesh_dim_names", None) is not None and even:
-            merged.append(
-                _FlattenedTransformInfo(
-                    mesh_dim=dims[0],
-                    src_dst_placements=(src, dst),
-                    logical_shape=outermost.logical_shape,
-                    mesh=_flattened_mesh(device_mesh, dims),
-                    original_mesh_dims=dims,
-                )
-            )
-        else:
-            merged.extend(run)
+        run = list(transform_infos[index:end])
+        merged.extend(run if len(run) < 2 else _merge_run(run, device_mesh, src_placements, dst_placements))
         index = end
     return merged
