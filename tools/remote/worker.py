@@ -47,6 +47,7 @@ LOG = logging.getLogger("shardwise-worker")
 POLL_TIMEOUT_S = 5.0
 # A busy server answers RESOURCE_EXHAUSTED or UNAVAILABLE; BuildGrid's client retries with backoff.
 RETRIES = 8
+FETCH_ATTEMPTS = 5
 
 
 def _channel(remote: str) -> grpc.Channel:
@@ -75,6 +76,18 @@ class BlobCache:
         return os.path.join(self.root, digest.hash[:2], f"{digest.hash}_{digest.size_bytes}{suffix}")
 
     def ensure(self, wanted: list[tuple[re_pb2.Digest, bool]]) -> None:
+        # BuildGrid's client does not retry RESOURCE_EXHAUSTED (the server's concurrent-call limit,
+        # reached while Bazel uploads in parallel); what was fetched stays, so a retry is cheap.
+        for attempt in range(FETCH_ATTEMPTS):
+            try:
+                return self._ensure_once(wanted)
+            except Exception:
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise
+                LOG.warning("fetching inputs failed (attempt %d of %d); retrying", attempt + 1, FETCH_ATTEMPTS)
+                time.sleep(2.0 * (attempt + 1))
+
+    def _ensure_once(self, wanted: list[tuple[re_pb2.Digest, bool]]) -> None:
         with self._lock:
             missing: dict[tuple[str, bool], tuple[re_pb2.Digest, bool]] = {}
             for digest, executable in wanted:
@@ -259,7 +272,8 @@ def _execute_lease(
         outcome.status.code = code_pb2.OK
     except Exception as error:  # reported to the client as the action's failure
         LOG.exception("action failed in the worker")
-        outcome.status.code = code_pb2.INTERNAL
+        # A retryable code for BuildGrid (as INTERNAL is): the job is queued again, up to its attempt limit.
+        outcome.status.code = code_pb2.UNAVAILABLE
         outcome.status.message = f"shardwise worker: {type(error).__name__}: {error}"
     finished[lease.id] = outcome
     done.set()
