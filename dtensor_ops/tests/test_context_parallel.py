@@ -421,7 +421,7 @@ def test_cp_by_tp_dtensors_on_a_2d_mesh() -> None:
     _reset_options()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     torch.manual_seed(3)
-    for causal, balance, rotate in itertools.product((True, False), (True, False), ("alltoall", "allgather")):
+    for causal, balance, rotate in itertools.product((True, False), (True, False), ("alltoall", "allgather", "ulysses")):
         _cp_options.enable_load_balance = balance
         set_rotate_method(rotate)
         query, key, value = (torch.randn(2, 4, 16, 8) for _ in range(3))
@@ -447,7 +447,7 @@ def test_cp_by_tp_dtensors_on_a_2d_mesh() -> None:
             torch.testing.assert_close(got.grad.full_tensor()[:, :, restore], ref.grad, atol=2e-5, rtol=1e-5)
         counts = {str(k): v for k, v in comm.get_comm_counts().items()}
         # Ring over the 2 cp ranks only; the ones(…)-gradient of sum() needs no communication.
-        expected_counts = {ALL_TO_ALL: 4} if rotate == "alltoall" else {ALL_GATHER: 2, ALL_TO_ALL: 2}
+        expected_counts = {"alltoall": {ALL_TO_ALL: 4}, "allgather": {ALL_GATHER: 2, ALL_TO_ALL: 2}, "ulysses": {ALL_TO_ALL: 4}}[rotate]
         assert counts == expected_counts, (causal, balance, rotate, counts)
     # Without the dispatcher, the same DTensors take the ordinary sharding rule (no ring).
     replicated = [distribute_tensor(t, mesh, [Replicate(), Shard(1)]) for t in (query, key, value)]
