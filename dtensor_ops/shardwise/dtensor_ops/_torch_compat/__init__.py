@@ -15,7 +15,10 @@ PyTorch's path (under torch.distributed.tensor)  here                     over
 ``_ops._embedding_ops``                        ``embedding_ops``        ``_MaskPartial``
 ``_collective_utils``                          ``collective_utils``     ``_collectives``, the planner's costs
 ``_utils``                                     ``utils``                layout math of ``shardwise.placement``
-``_dtensor_spec``                              ``dtensor_spec``         ``shardwise.placement``'s ``DTensorSpec``
+``_dtensor_spec``                              ``dtensor_spec``         ``shardwise.placement``'s ``DTensorSpec``, ``ShardOrderEntry``
+``_redistribute``                              ``redistribute``         the executor, ``Redistribute``, the planner vocabulary (``_TransformInfo``...)
+``_ops._matrix_ops``                           ``matrix_ops``           single-dim einsum strategies
+``device_mesh`` (of ``_tensor``)                ``device_mesh``          ``shardwise.mesh``
 =============================================  =======================  ==========================================
 
 The engine never imports this package: PyTorch-style registrations reach it as ordinary

@@ -1,0 +1,86 @@
+"""PyTorch's planner and strategy vocabulary over shardwise's planner and rules: transform infos are
+our plan, the flattening pass merges only what a flattened mesh can run exactly, and the modules
+exist at PyTorch's paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from shardwise.testing import multi_rank
+
+
+def test_modules_at_pytorch_paths_bind_the_compat_modules() -> None:
+    import shardwise.dtensor_ops._dtensor_spec as spec_module
+    import shardwise.dtensor_ops._ops._matrix_ops as matrix_ops
+    import shardwise.dtensor_ops._redistribute as redistribute_module
+    import shardwise.dtensor_ops._utils as utils_module
+    import shardwise.dtensor_ops.device_mesh as device_mesh_module
+    from shardwise.mesh import DeviceMesh
+    from shardwise.placement import Partial, Replicate, Shard, ShardOrderEntry
+
+    assert spec_module.ShardOrderEntry is ShardOrderEntry and device_mesh_module.DeviceMesh is DeviceMesh
+    assert callable(utils_module._compute_local_shape_and_global_offset)
+    assert utils_module._compute_local_shape_and_global_offset((5, 2), (2,), [1], [Shard(0)]) == ((2, 2), (3, 0))
+    rows = matrix_ops.gen_single_dim_einsum_strategies("bmk,bkn->bmn", bias_shape=torch.Size([4]))
+    # batch, contraction, lhs free, rhs free, then linearity in each input for sum and avg
+    assert len(rows) == 1 + 1 + 1 + 1 + 4 and all(len(row) == 4 for row in rows)
+    assert rows[1][0] == Partial() and rows[1][1] == Partial()
+    assert rows[2][1] == Replicate()  # the bias broadcasts over the lhs free dim m
+    info = redistribute_module._TransformInfo(0, (Shard(0), Replicate()), [8])
+    assert info._comm_type_key() == "all_gather"
+    with pytest.raises(AssertionError):
+        redistribute_module._TransformInfo(0, (Replicate(), Replicate()), [8])
+
+
+@multi_rank(world_size=4)
+def test_transform_infos_are_our_plan_and_flattening_needs_a_flattened_mesh() -> None:
+    from shardwise.dtensor_ops._redistribute import (
+        _FlattenedTransformInfo,
+        _gen_transform_infos,
+        _optimize_transform_infos,
+        _TransformInfo,
+        disable_redistribute_transform_optimization,
+        plan_redistribute,
+    )
+    from shardwise.mesh import init_device_mesh
+    from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    meta = TensorMeta(torch.Size([8, 4]), (4, 1), torch.float32)
+    src = DTensorSpec(mesh, (Shard(0), Shard(1)), meta)
+    dst = DTensorSpec(mesh, (Replicate(), Replicate()), meta)
+    infos = _gen_transform_infos(src, dst)
+    plan = plan_redistribute(src, dst)
+    assert [(i.mesh_dim, i.src_dst_placements) for i in infos] == [(s.mesh_dim, (s.before, s.after)) for s in plan]
+
+    reduce = [
+        _TransformInfo(0, (Partial("sum"), Replicate()), [8, 4]),
+        _TransformInfo(1, (Partial("avg"), Replicate()), [8, 4]),
+    ]
+    placements = ((Partial("sum"), Partial("avg")), (Replicate(), Replicate()))
+    logger = logging.getLogger("shardwise.dtensor_ops._redistribute")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        assert _optimize_transform_infos(reduce, mesh, *placements) == reduce  # no flattened mesh yet
+        assert len(records) == 1 and "suboptimal" in records[0].getMessage()
+        mesh["a", "b"]._flatten("ab")
+        merged = _optimize_transform_infos(reduce, mesh, *placements)
+        assert len(merged) == 1 and isinstance(merged[0], _FlattenedTransformInfo)
+        assert merged[0].original_mesh_dims == (0, 1) and merged[0].avg_scale == 2
+        with disable_redistribute_transform_optimization():
+            assert _optimize_transform_infos(reduce, mesh, *placements) is reduce
+        # A reduce-scatter cut outermost last is not what the flattened group lays out: kept apart.
+        backwards = [
+            _TransformInfo(1, (Partial(), Shard(0)), [8, 4]),
+            _TransformInfo(0, (Partial(), Shard(0)), [4, 4]),
+        ]
+        assert _optimize_transform_infos(backwards, mesh, (Partial(), Partial()), (Shard(0), Shard(0))) == backwards
+        assert any("non-ascending" in r.getMessage() for r in records)
+    finally:
+        logger.removeHandler(handler)
