@@ -314,7 +314,11 @@ def _bot_loop(args: argparse.Namespace, slot: int, stop: threading.Event, cache:
                 LOG.warning("bot %s: session lost (%s); reconnecting", bot_id, error.details())
                 session = stub.CreateBotSession(bots_pb2.CreateBotSessionRequest(parent=args.instance, bot_session=fresh))
                 continue
-            raise
+            # Anything else (a busy SQLite scheduler answers INTERNAL on a conflicting update) is
+            # the server's moment: a bot slot must not die of it.
+            LOG.warning("bot %s: UpdateBotSession failed (%s: %s); retrying", bot_id, error.code(), error.details())
+            time.sleep(1.0)
+            continue
         for lease in session.leases:
             # BuildGrid may hand a lease over already ACTIVE; either way, one we have not started is new.
             if lease.state in (bots_pb2.LeaseState.PENDING, bots_pb2.LeaseState.ACTIVE) and lease.id not in started:
