@@ -84,3 +84,34 @@ def test_transform_infos_are_our_plan_and_flattening_needs_a_flattened_mesh() ->
         assert any("non-ascending" in r.getMessage() for r in records)
     finally:
         logger.removeHandler(handler)
+
+
+def test_joint_all_reduce_is_planned_where_it_moves_fewest_bytes() -> None:
+    from shardwise.dtensor_ops._redistribute_plan import StepKind, find_cheapest_plan
+    from shardwise.placement import Partial, Replicate
+
+    partials, replicated = (Partial(), Partial()), (Replicate(), Replicate())
+    # 15 elements: reduce-scatter pieces would be padded, so one all-reduce over both dims is cheapest.
+    plan = find_cheapest_plan((3, 5), (2, 2), partials, replicated, 4, allow_joint_steps=True)
+    assert [step.kind for step in plan] == [StepKind.JOINT_ALL_REDUCE] and plan[0].mesh_dims == (0, 1)
+    mixed = find_cheapest_plan((3, 5), (2, 2), (Partial("sum"), Partial("max")), replicated, 4, allow_joint_steps=True)
+    assert StepKind.JOINT_ALL_REDUCE not in [step.kind for step in mixed]
+
+
+@multi_rank(world_size=4)
+def test_joint_all_reduce_runs_one_collective_with_torch_values() -> None:
+    import torch.distributed as dist
+
+    from shardwise.dtensor_ops import DTensor, Partial, Replicate
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    rank = dist.get_rank()
+    local = torch.arange(15.0).reshape(3, 5) + rank
+    for reduce_op, expected in (("sum", 4 * torch.arange(15.0).reshape(3, 5) + 6), ("avg", torch.arange(15.0).reshape(3, 5) + 1.5)):
+        partial = DTensor.from_local(local, mesh, [Partial(reduce_op), Partial(reduce_op)])
+        with CommDebugMode() as comms:
+            replicated = partial.redistribute(mesh, [Replicate(), Replicate()])
+        assert comms.get_total_counts() == 1
+        torch.testing.assert_close(replicated.to_local(), expected)

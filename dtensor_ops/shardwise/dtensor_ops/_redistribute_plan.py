@@ -154,6 +154,8 @@ class StepKind(enum.Enum):
     JOINT_REDUCE_SCATTER = "joint_reduce_scatter"  # Partial (one op) -> Shard/Replicate, at least one Shard
     # Partial/Shard -> Shard/Replicate: one all-to-all of raw contributions, reduced where they arrive
     JOINT_ALL_TO_ALL_REDUCE = "joint_all_to_all_reduce"
+    # Partial (one op) on every joint dim -> Replicate: one all-reduce over the joint group
+    JOINT_ALL_REDUCE = "joint_all_reduce"
 
     @property
     def is_collective(self) -> bool:
@@ -169,6 +171,7 @@ _COLLECTIVE_KINDS = frozenset(
         StepKind.JOINT_ALL_TO_ALL,
         StepKind.JOINT_REDUCE_SCATTER,
         StepKind.JOINT_ALL_TO_ALL_REDUCE,
+        StepKind.JOINT_ALL_REDUCE,
     }
 )
 
@@ -317,6 +320,13 @@ def joint_transition_kind(
         return StepKind.JOINT_ALL_TO_ALL
     partials = [p for p in befores if isinstance(p, Partial)]
     if (
+        len(partials) == len(befores)
+        and len({p.reduce_op for p in partials}) == 1
+        and all(isinstance(p, Replicate) for p in afters)
+        and all(_reduction_is_valid(state, mesh_shape, d, partials[0].reduce_op) for d in mesh_dims)
+    ):
+        return StepKind.JOINT_ALL_REDUCE
+    if (
         partials
         and all(isinstance(p, (Partial, Replicate)) for p in befores)
         and len({p.reduce_op for p in partials}) == 1
@@ -401,6 +411,10 @@ def _joint_elements(
         return worst
     reducing_dims = joint_collective_dims(kind, state, mesh_dims)
     group_size = math.prod(mesh_shape[d] for d in reducing_dims)
+    if kind is StepKind.JOINT_ALL_REDUCE:
+        # As one-dim all-reduces are priced: a reduce-scatter then an all-gather of 1/n pieces.
+        largest = max(math.prod(block[0]) for block in before_boxes.values())
+        return 2 * (group_size - 1) * -(-largest // group_size)
     for coordinate, block in before_boxes.items():
         padded = [0] * len(block[0])
         for member in _group_coordinates(coordinate, tuple(mesh_shape), tuple(reducing_dims)):

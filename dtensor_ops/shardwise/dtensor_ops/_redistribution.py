@@ -268,6 +268,9 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
     steps: list[_ExecStep] = []
     joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]] = {}
     for step, before_state, after_state in zip(plan, states, states[1:]):
+        if step.kind is StepKind.JOINT_ALL_REDUCE:
+            steps.append(_compile_joint_all_reduce(step, local_shape(before_state), mesh, joint_groups))
+            continue
         if step.joint:
             steps.append(
                 _compile_joint_step(step, before_state, after_state, global_shape, mesh, coordinate, joint_groups)
@@ -362,6 +365,38 @@ def _intersection(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int
 
 def _relative(box: tuple[tuple[int, ...], tuple[int, ...]], origin: tuple[int, ...]) -> _Region:
     return tuple(start - base for start, base in zip(box[0], origin)), box[1]
+
+
+def _compile_joint_all_reduce(
+    step: RedistributeStep,
+    local_shape: tuple[int, ...],
+    mesh: Any,
+    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]],
+) -> _ExecStep:
+    """A joint all-reduce runs as one all-reduce, over the joint group of its mesh dims."""
+    joint_group = mesh._joint_group(step.mesh_dims)
+    if joint_group is None:
+        raise AssertionError(f"the plan uses a joint all-reduce over mesh dims {step.mesh_dims} but {mesh!r} has no group for them")
+    joint_groups[step.mesh_dims] = joint_group
+    assert isinstance(step.before, Partial)
+    return _ExecStep(
+        kind=StepKind.ALL_REDUCE,
+        group_name=joint_group[0],
+        group_size=math.prod(mesh.shape[d] for d in step.mesh_dims),
+        index_in_group=0,
+        reduce_op=step.before.reduce_op,
+        from_dim=-1,
+        to_dim=-1,
+        from_piece=0,
+        to_piece=0,
+        joined=0,
+        kept=0,
+        from_offset=0,
+        to_offset=0,
+        sends_nothing=math.prod(local_shape) == 0,
+        shape_before=local_shape,
+        shape_after=local_shape,
+    )
 
 
 def _compile_joint_step(
