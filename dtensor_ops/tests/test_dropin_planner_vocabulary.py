@@ -115,3 +115,20 @@ def test_joint_all_reduce_runs_one_collective_with_torch_values() -> None:
             replicated = partial.redistribute(mesh, [Replicate(), Replicate()])
         assert comms.get_total_counts() == 1
         torch.testing.assert_close(replicated.to_local(), expected)
+
+
+def test_cost_of_shard_orders_follows_the_whole_tensor_path_and_keeps_the_triangle_inequality() -> None:
+    import itertools
+
+    from shardwise.dtensor_ops._collective_utils import redistribute_cost
+    from shardwise.placement import DTensorSpec, Shard, ShardOrderEntry, TensorMeta
+    from shardwise.testing import FakeMesh, generate_shard_orders, shard_order_to_placement
+
+    mesh = FakeMesh((2, 2, 2))
+    meta = TensorMeta(torch.Size([13, 2, 13]), (26, 13, 1), torch.float32)
+    orders = list(generate_shard_orders(mesh, 3))[::9]
+    specs = [DTensorSpec(mesh, shard_order_to_placement(o, mesh), meta, shard_order=o) for o in orders]
+    for a, b, c in itertools.product(specs, specs, specs[::2]):
+        assert redistribute_cost(a, b) <= redistribute_cost(a, c) + redistribute_cost(c, b)
+    ordered = DTensorSpec(mesh, (Shard(0),) * 3, meta, shard_order=(ShardOrderEntry(0, (2, 1, 0)),))
+    assert redistribute_cost(ordered, ordered.with_shard_order(None)) > 0  # same placements, other layout

@@ -106,6 +106,7 @@ from shardwise.placement import (
     Placement,
     Replicate,
     Shard,
+    _StridedShard,
     compute_local_shape_and_global_offset,
 )
 
@@ -988,7 +989,19 @@ def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
 
 
 def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
-    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match)."""
+    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match).
+
+    Layouts with ``_StridedShard`` (or a shard order, which is one) have no step-by-step plan: they
+    are moved through the whole tensor (``_strided_redistribute``), so they cost gathering ``src``
+    whole (its pieces are those of the same dims cut by plain ``Shard``, in another order); taking
+    ``dst``'s pieces from it is local.
+    """
+    src, dst = src.as_layout_spec(), dst.as_layout_spec()
+    if src == dst:
+        return 0
+    if any(type(p) is _StridedShard for p in (*src.placements, *dst.placements)):
+        plain = src.with_placements([Shard(p.dim) if type(p) is _StridedShard else p for p in src.placements])
+        return plan_bytes_per_rank(plan_redistribute(plain, plain.with_placements([Replicate()] * len(plain.placements))))
     return plan_bytes_per_rank(plan_redistribute(src, dst))
 
 

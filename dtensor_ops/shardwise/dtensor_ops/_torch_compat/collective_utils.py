@@ -25,7 +25,7 @@ def redistribute_cost(current_spec: DTensorSpec[Any], target_spec: DTensorSpec[A
     """
     if current_spec.mesh != target_spec.mesh:
         return float("inf")
-    if current_spec.placements == target_spec.placements or current_spec.is_replicated():
+    if current_spec.layout_placements == target_spec.layout_placements or current_spec.is_replicated():
         return 0.0
     return float(redistribute_cost_bytes(current_spec, target_spec))
 
