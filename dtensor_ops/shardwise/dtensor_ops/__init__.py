@@ -10,11 +10,17 @@ on it run shard by shard with the communication their sharding rules require.
 (from ``shardwise.placement``) are re-exported, as PyTorch does.
 """
 
+from typing import Any
+
+import torch
 import torch.optim.optimizer as optimizer
 import torch.utils._foreach_utils as foreach_utils
 from shardwise.mesh import DeviceMesh as DeviceMesh
 from shardwise.mesh import init_device_mesh as init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
+from shardwise.mesh import _layout as _mesh_layout
+from shardwise.placement import _mask_partial, _placements, _shard_order
+from shardwise.placement import _spec as _placement_spec
 from shardwise.placement._placements import install_mesh_dim_gather
 
 from ._api import distribute_module, distribute_tensor
@@ -27,6 +33,23 @@ from ._op_handlers import register_op_handler
 from ._random import set_rng_state_sync
 from ._redistribution import gather_along_mesh_dim
 from .random import broadcast_first_rank_rng_state
+
+
+_SAVED_DTENSOR_CLASSES: list[Any] = [
+    DTensor,
+    DeviceMesh,
+    _mesh_layout.MeshLayout,
+    _mesh_layout._RankPositions,
+    _placement_spec.DTensorSpec,
+    _placement_spec.TensorMeta,
+    _placements.Shard,
+    _placements.Replicate,
+    _placements.Partial,
+    _placements._StridedShard,
+    _placements._make_strided_shard,
+    _mask_partial._MaskPartial,
+    _shard_order.ShardOrderEntry,
+]
 
 
 def _wire() -> None:
@@ -51,6 +74,9 @@ def _wire() -> None:
     set_rng_state_sync(broadcast_first_rank_rng_state)
     # Placements are pure layout; their PyTorch-style _to_replicate_tensor needs this layer's collective.
     install_mesh_dim_gather(gather_along_mesh_dim)
+    # torch.load(weights_only=True) loads only allowlisted classes: a saved DTensor needs these (as
+    # PyTorch registers its own when torch.distributed.tensor is imported).
+    torch.serialization.add_safe_globals(_SAVED_DTENSOR_CLASSES)
 
 
 _wire()

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence, cast
 
+import warnings
+
 import torch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
@@ -61,6 +63,13 @@ class DTensor(torch.Tensor):
             )
         if local_tensor.requires_grad and not requires_grad:
             # The wrapper is what autograd sees; a local tensor carrying its own graph would be ignored.
+            warnings.warn(
+                "To construct a DTensor from a local tensor that requires grad, use DTensor.from_local "
+                "(differentiable); DTensor(local_tensor, spec, requires_grad=False) detaches it, so no "
+                "gradient reaches local_tensor",
+                UserWarning,
+                stacklevel=2,
+            )
             local_tensor = local_tensor.detach()
         return wrap_local_tensor(cls, local_tensor, spec, requires_grad)
 

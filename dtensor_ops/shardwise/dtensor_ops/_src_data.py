@@ -286,16 +286,23 @@ def check_and_sync_from_local(
             by_coordinate = {coord: pieces[rank] for rank, coord in _simulated_coordinates(mesh, ranks).items() if coord}
         if set(by_coordinate) != set(coordinates):
             raise ValueError(f"{where} under LocalTensorMode: simulate every rank of {mesh!r}")
-        header = {coord: (piece.ndim, _DTYPE_CODE[piece.dtype]) for coord, piece in by_coordinate.items()}
+        header = {
+            coord: (piece.ndim, _DTYPE_CODE[piece.dtype], int(piece.requires_grad))
+            for coord, piece in by_coordinate.items()
+        }
     else:
-        gathered = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype]])
-        header = {coord: (int(gathered[coord][0]), int(gathered[coord][1])) for coord in coordinates}
+        gathered = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype], int(local.requires_grad)])
+        header = {coord: (int(gathered[coord][0]), int(gathered[coord][1]), int(gathered[coord][2])) for coord in coordinates}
     ndims = {coord: int(header[coord][0]) for coord in coordinates}
     dtypes = {coord: _DTYPES[int(header[coord][1])] for coord in coordinates}
+    requires_grad = {coord: bool(header[coord][2]) for coord in coordinates}
     if len(set(ndims.values())) > 1:
         raise ValueError(f"{where}: ranks hold local tensors with different numbers of dims: {_describe(ndims)}")
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"{where}: ranks hold local tensors with different dtypes: {_describe(dtypes)}")
+    if len(set(requires_grad.values())) > 1:
+        # Autograd would run on some ranks only, and their backward collectives would wait forever.
+        raise ValueError(f"{where}: ranks disagree on requires_grad of the local tensor: {_describe(requires_grad)}")
     if local.ndim == 0:
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {coord: () for coord in coordinates}
     elif ranks is not None:
