@@ -63,13 +63,15 @@ class DTensor(torch.Tensor):
             )
         if local_tensor.requires_grad and not requires_grad:
             # The wrapper is what autograd sees; a local tensor carrying its own graph would be ignored.
-            warnings.warn(
-                "To construct a DTensor from a local tensor that requires grad, use DTensor.from_local "
-                "(differentiable); DTensor(local_tensor, spec, requires_grad=False) detaches it, so no "
-                "gradient reaches local_tensor",
-                UserWarning,
-                stacklevel=2,
-            )
+            # (Under no_grad, e.g. inside autograd Functions, nothing would have reached it anyway.)
+            if torch.is_grad_enabled():
+                warnings.warn(
+                    "To construct a DTensor from a local tensor that requires grad, use DTensor.from_local "
+                    "(differentiable); DTensor(local_tensor, spec, requires_grad=False) detaches it, so no "
+                    "gradient reaches local_tensor",
+                    UserWarning,
+                    stacklevel=2,
+                )
             local_tensor = local_tensor.detach()
         return wrap_local_tensor(cls, local_tensor, spec, requires_grad)
 
