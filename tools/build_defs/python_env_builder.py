@@ -37,7 +37,7 @@ import sysconfig
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "__pycache__", "ensurepip"}
 
 # Runfiles manifests separate the two paths of an entry with a space, so Bazel 4 cannot carry a file
-# whose path holds one (e.g. setuptools' "script (dev).tmpl", used only by `setup.py develop`).
+# whose path holds one (setuptools ships three: "Lorem ipsum.txt", "script (dev).tmpl", "launcher manifest.xml").
 _UNCARRIABLE = (" ", "\n", "\t")
 
 
@@ -64,7 +64,7 @@ def _copy_shared_library(dest_lib: str) -> str | None:
     # Keep both the unversioned name and the soname the binary asks for.
     for target_name in {name, os.path.basename(real), sysconfig.get_config_var("INSTSONAME") or name}:
         shutil.copy2(real, os.path.join(dest_lib, target_name))
-    return os.path.basename(real)
+    return str(os.path.basename(real))
 
 
 def _write_launcher(path: str, binary_name: str, shared: bool) -> None:
@@ -92,19 +92,38 @@ def _site_dir_relative() -> str:
     return relative
 
 
-def _remove_uncarriable(root: str) -> list[str]:
-    removed = []
-    for directory, dirnames, filenames in os.walk(root):
-        for name in list(filenames) + list(dirnames):
-            if any(ch in name for ch in _UNCARRIABLE):
-                path = os.path.join(directory, name)
-                removed.append(os.path.relpath(path, root))
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                    dirnames.remove(name)
-                else:
-                    os.remove(path)
-    return removed
+def _rename_uncarriable(root: str, site_path: str) -> list[str]:
+    """Renames files whose names Bazel 4's runfiles cannot carry (a space) and the sources naming them.
+
+    setuptools reads `jaraco/text/Lorem ipsum.txt` when imported (dropping it breaks `import setuptools`,
+    hence torch's build helpers and pip's wheel installs): the file becomes `Lorem_ipsum.txt`, and each
+    quoted occurrence of the old name in the Python sources of the same top-level package is rewritten
+    (before bytecode is compiled).
+    """
+    renamed = []
+    for directory, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            if not any(ch in name for ch in _UNCARRIABLE):
+                continue
+            new_name = "".join("_" if ch in _UNCARRIABLE else ch for ch in name)
+            os.rename(os.path.join(directory, name), os.path.join(directory, new_name))
+            renamed.append(os.path.relpath(os.path.join(directory, name), root))
+            relative = os.path.relpath(directory, site_path)
+            package_root = site_path if relative.startswith("..") else os.path.join(site_path, relative.split(os.sep)[0])
+            for source_dir, _subdirs, sources in os.walk(package_root):
+                for source in sources:
+                    if not source.endswith(".py"):
+                        continue
+                    path = os.path.join(source_dir, source)
+                    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+                        text = handle.read()
+                    patched = text
+                    for quote in ("'", '"'):
+                        patched = patched.replace(f"{quote}{name}{quote}", f"{quote}{new_name}{quote}")
+                    if patched != text:
+                        with open(path, "w", encoding="utf-8", errors="surrogateescape") as handle:
+                            handle.write(patched)
+    return renamed
 
 
 def _replace_symlinks(root: str) -> None:
@@ -133,7 +152,7 @@ def main() -> int:
     binary_name = f"python{version}"
 
     os.makedirs(os.path.join(dest, "bin"))
-    shutil.copy2(os.path.realpath(sys._base_executable), os.path.join(dest, "bin", binary_name))
+    shutil.copy2(os.path.realpath(getattr(sys, "_base_executable", sys.executable)), os.path.join(dest, "bin", binary_name))
     os.chmod(os.path.join(dest, "bin", binary_name), 0o755 | stat.S_IRUSR)
     shared_library = _copy_shared_library(os.path.join(dest, "lib"))
     _write_launcher(os.path.join(dest, "bin", "python3"), binary_name, shared_library is not None)
@@ -160,7 +179,7 @@ def main() -> int:
     )
     # Console scripts pip wrote carry the host interpreter's path in their shebang: nothing runs them.
     shutil.rmtree(os.path.join(site_path, "bin"), ignore_errors=True)
-    removed = _remove_uncarriable(dest)
+    renamed = _rename_uncarriable(dest, site_path)
     _replace_symlinks(dest)
 
     # Compiled by the copied interpreter, so the .pyc files match the binary that reads them; some
@@ -178,7 +197,7 @@ def main() -> int:
         raise SystemExit(f"python_env_builder: the copied interpreter does not run from {dest}:\n{probe.stdout}{probe.stderr}")
 
     with open(os.path.join(dest, "layout.json"), "w") as layout:
-        json.dump({"interpreter": "bin/python3", "site_dir": site_dir, "version": version, "removed": removed}, layout)
+        json.dump({"interpreter": "bin/python3", "site_dir": site_dir, "version": version, "renamed": renamed}, layout)
     return 0
 
 
