@@ -72,8 +72,9 @@ log "BuildGrid $BUILDGRID_VERSION serving on 127.0.0.1:$port (state in $state)"
   > "$state/worker.log" 2>&1 &
 worker_pid=$!
 
-# Fewer parallel transfers than Bazel's default 100: one Python server on a 2-core machine.
-remote_flags=(--config=remote-cpu "--remote_executor=grpc://127.0.0.1:$port" --remote_max_connections=16)
+# Fewer parallel transfers than Bazel's default 100 and more retries than its 5: one Python server on a
+# 2-core machine refuses calls beyond its limit (an input upload of //testing:test_timeouts failed so).
+remote_flags=(--config=remote-cpu "--remote_executor=grpc://127.0.0.1:$port" --remote_max_connections=16 --remote_retries=10)
 
 run_targets() {  # $1: build event file; the rest: bazel flags
   local bep="$1"; shift
