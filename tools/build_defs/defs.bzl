@@ -47,8 +47,10 @@ def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = 
     """A pytest file whose tests run on `world_size` ranks through shardwise.testing's pool.
 
     gpu=True: NCCL with one GPU per rank. Tagged `gpu` (filtered out by default, run by
-    --config=gpu), `exclusive` (one GPU test at a time on a machine), and carries exec_properties
-    asking a remote-execution pool (--config=remote) for a machine with `world_size` GPUs.
+    --config=gpu, one at a time through its --local_test_jobs=1), and carries exec_properties
+    asking a remote-execution pool (--config=remote) for a machine with `world_size` GPUs. Not
+    `exclusive`: Bazel 4 runs exclusive tests locally only, so --config=remote could not send them
+    ("No usable spawn strategy found for spawn with mnemonic TestRunner", seen in the loopback check).
     """
     test_env = dict(env)
     test_env["SHARDWISE_TEST_WORLD_SIZE"] = str(world_size)
@@ -56,7 +58,7 @@ def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = 
     exec_properties = {}
     if gpu:
         test_env["SHARDWISE_TEST_BACKEND"] = "nccl"
-        test_tags += ["gpu", "exclusive"]
+        test_tags += ["gpu"]
         exec_properties = _gpu_exec_properties(world_size)
     sw_pytest(
         name = name,
