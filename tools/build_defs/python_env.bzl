@@ -1,4 +1,14 @@
-"""A repository rule that builds the pinned Python environment as declared files, and its toolchain.
+"""A repository rule that builds the pinned Python environment, and its toolchain, in one of two forms.
+
+`hermetic = True` (`@shardwise_python_hermetic`, selected by `--config=hermetic`, which every remote
+config includes): the environment as declared files, described below. `hermetic = False`
+(`@shardwise_python`, the default toolchain of `bazel test //...`): a virtual environment in the
+output base named by `interpreter_path`, which carries no inputs. Both are built from the same lock
+file. Why two: a hermetic test action links ~60,000 input files into its sandbox (tens of seconds
+per test target on these 2-core machines, 109 targets), which would push the local suite far past
+its 20-minute budget, while remote execution needs exactly those inputs.
+
+Hermetic form:
 
 The interpreter (a copy of the host's binary, its shared library and standard library) and every
 package of the lock file are files of the repository `@shardwise_python`, listed by a glob. The
@@ -34,6 +44,45 @@ def _run(rctx, args, what, timeout = 600):
 # itself: the OS's python3, the same way /bin/bash runs shell actions. Debian and Ubuntu ship one.
 _STUB_SHEBANG = "#!/usr/bin/env python3"
 
+def _local_env(rctx, host_python, lock_file):
+    """The virtual environment named by path: fast locally, useless to a remote worker."""
+    venv = rctx.path("venv")
+    rctx.report_progress("Creating the local Python environment from " + str(lock_file))
+    _run(rctx, [host_python, "-m", "venv", str(venv)], "Creating the virtual environment")
+    interpreter = str(venv) + "/bin/python3"
+    _run(
+        rctx,
+        [interpreter, "-m", "pip", "install", "--quiet", "--no-deps", "--disable-pip-version-check", "-r", str(lock_file)],
+        "Installing " + str(lock_file),
+        timeout = 3600,
+    )
+    rctx.file("BUILD.bazel", """\
+load("@rules_python//python:defs.bzl", "py_runtime", "py_runtime_pair")
+
+package(default_visibility = ["//visibility:public"])
+
+py_runtime(
+    name = "py3_runtime",
+    interpreter_path = "{interpreter}",
+    python_version = "PY3",
+    stub_shebang = "#!{interpreter}",
+)
+
+py_runtime_pair(
+    name = "runtime_pair",
+    py3_runtime = ":py3_runtime",
+)
+
+toolchain(
+    name = "toolchain",
+    toolchain = ":runtime_pair",
+    toolchain_type = "@bazel_tools//tools/python:toolchain_type",
+)
+
+exports_files(["interpreter_path.txt"])
+""".format(interpreter = interpreter))
+    rctx.file("interpreter_path.txt", interpreter + "\n")
+
 def _python_env_impl(rctx):
     host_python = _find_host_python(rctx)
     version = _run(rctx, [host_python, "-c", "import sys; print('%d %d' % sys.version_info[:2])"], "Probing " + host_python)
@@ -48,6 +97,9 @@ def _python_env_impl(rctx):
         ))
 
     lock_file = rctx.path(rctx.attr.lock_file)
+    if not rctx.attr.hermetic:
+        _local_env(rctx, host_python, lock_file)
+        return
     builder = rctx.path(rctx.attr._builder)
     rctx.report_progress("Building the Python environment from " + str(lock_file))
     _run(
@@ -106,6 +158,7 @@ python_env = repository_rule(
     implementation = _python_env_impl,
     attrs = {
         "lock_file": attr.label(mandatory = True, allow_single_file = True),
+        "hermetic": attr.bool(default = True, doc = "declared files (True) or a virtual environment named by path (False)"),
         "_builder": attr.label(default = "//tools/build_defs:python_env_builder.py", allow_single_file = True),
     },
     environ = ["SHARDWISE_PYTHON", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_FIND_LINKS"],
