@@ -167,6 +167,7 @@ def collective_name(kind: StepKind) -> str:
         StepKind.JOINT_ALL_TO_ALL: "all_to_all",
         StepKind.JOINT_ALL_TO_ALL_REDUCE: "all_to_all",
         StepKind.JOINT_REDUCE_SCATTER: "reduce_scatter",
+        StepKind.JOINT_ALL_REDUCE: "all_reduce",
     }.get(kind, kind.value)
 
 

@@ -380,7 +380,7 @@ def _compile_joint_all_reduce(
     joint_groups[step.mesh_dims] = joint_group
     assert isinstance(step.before, Partial)
     return _ExecStep(
-        kind=StepKind.ALL_REDUCE,
+        kind=StepKind.JOINT_ALL_REDUCE,
         group_name=joint_group[0],
         group_size=math.prod(mesh.shape[d] for d in step.mesh_dims),
         index_in_group=0,
@@ -595,7 +595,7 @@ def _send_buffer(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if step.joint is not None:
         return _joint_send_buffer(local, step, step.joint)
     kind, group_size = step.kind, step.group_size
-    if kind is StepKind.ALL_REDUCE:
+    if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
         return local
     if kind is StepKind.ALL_GATHER:
         return pad_dim(local, step.from_dim, step.from_piece)
@@ -629,7 +629,7 @@ def _issue(
             input_splits or step.joint.input_splits,  # type: ignore[arg-type]
             step.group_name,
         )
-    if kind is StepKind.ALL_REDUCE:
+    if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
         return launch_all_reduce(buffer, step.reduce_op, step.group_name)
     if kind is StepKind.ALL_GATHER:
         if step.one_round:
@@ -647,7 +647,7 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     kind, group_size = step.kind, step.group_size
     if step.joint is not None:
         return _finish_joint(received, step, step.joint)
-    if kind is StepKind.ALL_REDUCE:
+    if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
         return _divide(received, group_size) if step.reduce_op == "avg" else received
     if kind is StepKind.REDUCE_SCATTER:
         if step.one_round:
