@@ -1,5 +1,8 @@
 """Joint process groups made when a redistribution first needs them, eager and under torch.compile.
 
+Here rather than in dtensor_ops/tests: compiling DTensor code needs shardwise.compile_support installed
+(its extension hook makes DTensor traceable), which a dtensor_ops test target does not carry.
+
 5 gloo ranks, a 2x2 mesh over 4 of them: the joint group of both dims is then not the world, so it
 is really created, by its 4 members only, at the redistribution that needs it (mesh/README.md,
 "Group creation: the protocol").
