@@ -203,7 +203,10 @@ def test_hanging_rank_fails_within_the_timeout_with_its_stack() -> None:
     with pytest.raises(MultiRankTimeout) as failure:
         run_on_ranks(sleep_on_rank, 1, 600.0, timeout=timeout_s)
     elapsed = time.monotonic() - started
-    assert timeout_s <= elapsed < timeout_s + 10.0
+    # The hang (a 600 s sleep) ends at the timeout; collecting the rank's stack and restarting it takes
+    # seconds more, tens on a loaded 2-core machine (13.4 s seen in CI), so the bound is far below 600 s
+    # but not tight.
+    assert timeout_s <= elapsed < timeout_s + 60.0
     assert failure.value.unfinished_ranks == (1,)
     report = str(failure.value)
     assert "ranks [1] did not answer" in report
