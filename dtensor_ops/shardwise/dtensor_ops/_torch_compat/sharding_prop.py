@@ -62,6 +62,27 @@ def sharding_cache_size() -> int:
     return decision_cache_size()
 
 
+def _propagate_in_either_form(
+    name: str,
+    decide: Callable[[torch._ops.OpOverload, Sequence[object], Mapping[str, object]], OpDecision],
+    op: torch._ops.OpOverload | OpSchema,
+    args: Sequence[object] | None,
+    kwargs: Mapping[str, object] | None,
+) -> OpDecision | OutputSharding:
+    """``decide`` asked in PyTorch's form (an ``OpSchema`` -> ``OutputSharding``) or ours (op, specs -> ``OpDecision``)."""
+    if isinstance(op, OpSchema):
+        if args is not None or kwargs is not None:
+            raise TypeError(
+                f"{name}: given an OpSchema, expected no further arguments (or call it as {name}(op, args, kwargs))"
+            )
+        return output_sharding_of(op, decide(op.op, op.args_schema, op.kwargs_schema))
+    if args is None:
+        raise TypeError(
+            f"{name}({op!r}): expected an OpSchema, or an op with its arguments (DTensors given as their DTensorSpec)"
+        )
+    return decide(op, args, kwargs or {})
+
+
 class _CachedPropagation:
     """``ShardingPropagator.propagate_op_sharding``: the cached propagation, with functools' cache API."""
 
@@ -79,19 +100,7 @@ class _CachedPropagation:
         args: Sequence[object] | None = None,
         kwargs: Mapping[str, object] | None = None,
     ) -> OpDecision | OutputSharding:
-        if isinstance(op, OpSchema):
-            if args is not None or kwargs is not None:
-                raise TypeError(
-                    "propagate_op_sharding: given an OpSchema, expected no further arguments "
-                    "(or call it as propagate_op_sharding(op, args, kwargs))"
-                )
-            return output_sharding_of(op, propagate_op_sharding(op.op, op.args_schema, op.kwargs_schema))
-        if args is None:
-            raise TypeError(
-                f"propagate_op_sharding({op!r}): expected an OpSchema, or an op with its arguments "
-                "(DTensors given as their DTensorSpec)"
-            )
-        return propagate_op_sharding(op, args, kwargs or {})
+        return _propagate_in_either_form("propagate_op_sharding", propagate_op_sharding, op, args, kwargs)
 
     def cache_info(self) -> PropagationCacheInfo:
         return propagation_cache_info()
@@ -140,11 +149,7 @@ class ShardingPropagator:
         args: Sequence[object] | None = None,
         kwargs: Mapping[str, object] | None = None,
     ) -> OpDecision | OutputSharding:
-        if isinstance(op, OpSchema):
-            return output_sharding_of(op, decide_from_specs(op.op, op.args_schema, op.kwargs_schema))
-        if args is None:
-            raise TypeError(f"propagate_op_sharding_non_cached({op!r}): expected an OpSchema, or an op with its arguments")
-        return decide_from_specs(op, args, kwargs or {})
+        return _propagate_in_either_form("propagate_op_sharding_non_cached", decide_from_specs, op, args, kwargs)
 
     def _propagate_tensor_meta_non_cached(
         self, op_schema: OpSchema
