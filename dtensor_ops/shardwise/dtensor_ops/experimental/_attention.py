@@ -15,6 +15,11 @@ attended over that mesh dim, so context parallelism composes with tensor paralle
 
 Errors about the arguments are raised on every rank before any collective, and the buffers are put
 back as they were.
+
+Under torch's ``LocalTensorMode`` (every rank simulated in one process) the buffers are
+``LocalTensor``s and the mesh answers every rank's coordinate at once: what depends on the rank
+(the piece a rank keeps, the layout its local length stands for) runs once per simulated rank
+(``_cp_ring.on_each_rank``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from ._cp_layout import (
     contiguous_layout,
     head_tail_layout,
 )
-from ._cp_ring import RingSpec, ring_attention
+from ._cp_ring import RingSpec, on_each_rank, ring_attention
 from ._cp_ulysses import ulysses_attention
 
 __all__ = [
@@ -142,6 +147,12 @@ _sharded_layout: SequenceLayout | None = None
 
 
 def _layout_of_local_length(local_length: int, rank: int, world_size: int) -> SequenceLayout:
+    """The layout whose share on ``rank`` is ``local_length`` tokens (the same answer on every rank)."""
+    layout: SequenceLayout = on_each_rank(rank, _layout_of_rank_length, local_length, world_size)
+    return layout
+
+
+def _layout_of_rank_length(rank: int, local_length: int, world_size: int) -> SequenceLayout:
     recorded = _sharded_layout
     if recorded is not None and recorded.world_size == world_size and recorded.local_length(rank) == local_length:
         return recorded
@@ -180,7 +191,8 @@ def _normalized_seq_dims(buffers: Sequence[torch.Tensor], seq_dims: Sequence[int
             )
         normalized.append(seq_dim % buffer.dim())
     lengths = [buffer.shape[dim] for buffer, dim in zip(buffers, normalized)]
-    if len(set(lengths)) > 1:
+    # Compared pairwise, not hashed: under LocalTensorMode a piece's length may be a per-rank SymInt.
+    if any(length != lengths[0] for length in lengths[1:]):
         described = ", ".join(f"buffer {i}: {tuple(b.shape)} dim {d}" for i, (b, d) in enumerate(zip(buffers, normalized)))
         raise ValueError(f"{what}: the buffers' sequence dims disagree in length {lengths} ({described}); expected one length")
     devices = {buffer.device for buffer in buffers}
@@ -199,6 +211,11 @@ def _rank_positions(layout: SequenceLayout, rank: int, device: torch.device) -> 
 
 def _shard(buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int) -> torch.Tensor:
     """This rank's piece of ``buffer`` along ``seq_dim`` (no communication)."""
+    piece: torch.Tensor = on_each_rank(rank, _piece_of_rank, buffer, seq_dim, layout)
+    return piece
+
+
+def _piece_of_rank(rank: int, buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout) -> torch.Tensor:
     segments = layout.segments[rank]
     if len(segments) == 1:
         start, stop = segments[0]
@@ -206,13 +223,18 @@ def _shard(buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int
     return buffer.index_select(seq_dim, _rank_positions(layout, rank, buffer.device))
 
 
-def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, layout: SequenceLayout) -> torch.Tensor:
+def _padded_front(rank: int, piece: torch.Tensor, seq_dim: int, widest: int) -> torch.Tensor:
+    """``piece`` with its sequence dim first, padded to ``widest`` tokens."""
+    front = piece.movedim(seq_dim, 0).contiguous()
+    return F.pad(front, (0, 0) * (front.dim() - 1) + (0, widest - front.size(0))) if widest > front.size(0) else front
+
+
+def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int) -> torch.Tensor:
     """The whole sequence in its original order, from every rank's piece: one all-gather."""
     world_size = layout.world_size
     lengths = layout.local_lengths()
     widest = max(lengths)
-    front = piece.movedim(seq_dim, 0).contiguous()
-    padded = F.pad(front, (0, 0) * (front.dim() - 1) + (0, widest - front.size(0))) if widest > front.size(0) else front
+    padded = on_each_rank(rank, _padded_front, piece, seq_dim, widest)
     gathered = _collectives.wait(
         _collectives.launch_all_gather(padded, world_size, _collectives.mesh_dim_group_name(mesh, 0))
     )
@@ -258,14 +280,18 @@ def context_parallel_unshard(
     local_length = buffers[0].shape[normalized[0]]
     if load_balancer is not None:
         layout = load_balancer._layout()
-        if layout.world_size != world_size or layout.local_length(rank) != local_length:
-            raise ValueError(
-                f"context_parallel_unshard: the load balancer gives rank {rank} {layout.local_length(rank)} of "
-                f"{layout.global_length} tokens over {layout.world_size} ranks; the buffers hold {local_length} over {world_size}"
-            )
+        on_each_rank(rank, _check_balancer_share, layout, local_length, world_size)
     else:
         layout = _layout_of_local_length(local_length, rank, world_size)
-    return [_unshard(mesh, buffer, dim, layout) for buffer, dim in zip(buffers, normalized)]
+    return [_unshard(mesh, buffer, dim, layout, rank) for buffer, dim in zip(buffers, normalized)]
+
+
+def _check_balancer_share(rank: int, layout: SequenceLayout, local_length: int, world_size: int) -> None:
+    if layout.world_size != world_size or layout.local_length(rank) != local_length:
+        raise ValueError(
+            f"context_parallel_unshard: the load balancer gives rank {rank} {layout.local_length(rank)} of "
+            f"{layout.global_length} tokens over {layout.world_size} ranks; the buffers hold {local_length} over {world_size}"
+        )
 
 
 def _context_parallel_shard(

@@ -14,6 +14,11 @@ all-to-all rotation issues ``W - 1`` collectives forward and ``2W - 1`` backward
 ``3W - 2`` in all), the all-gather rotation one all-gather forward, one all-gather and ``W``
 all-to-alls backward.
 
+Under torch's ``LocalTensorMode`` (every rank simulated in one process) ``spec.rank`` is a per-rank
+SymInt and the tensors are ``LocalTensor``s: what depends on the rank (which block a step sees,
+its kernel calls, the split sizes of a hand-on) runs once per simulated rank through
+:func:`on_each_rank`, and each collective runs once on every rank's buffer.
+
 Causal masks follow the layout: a query segment sees the keys of earlier segments whole, its own
 segment under SDPA's causal triangle and later segments not at all, so a step with nothing to see
 computes nothing.  Grouped-query attention rotates the compact key/value heads and expands them
@@ -22,16 +27,33 @@ per block; their gradients are summed back per group before they travel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable, TypeVar
 
 import torch
+
+from shardwise.mesh._simulation import run_for_each_simulated_rank
 
 from .. import _collectives
 from ._cp_kernels import BlockKernel, accumulation_dtype
 from ._cp_layout import SequenceLayout
 
-__all__ = ["BlockCall", "RingSpec", "block_calls", "ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["BlockCall", "RingSpec", "block_calls", "on_each_rank", "ring_attention", "ring_forward", "ring_backward"]
+
+_R = TypeVar("_R")
+
+
+def on_each_rank(rank: int, function: Callable[..., _R], *args: Any) -> _R:
+    """``function(rank, *args)``: a plain call on a real rank.
+
+    Under ``LocalTensorMode`` ``rank`` is a per-rank SymInt: ``function`` then runs once per simulated
+    rank with that rank's int and its piece of every ``LocalTensor`` argument, and the results are
+    joined back (tensors into ``LocalTensor``s, ints into per-rank SymInts; anything else must agree).
+    ``function`` must not communicate.
+    """
+    if isinstance(rank, int):
+        return function(rank, *args)
+    return run_for_each_simulated_rank(function, rank, *args)
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,16 @@ class RingSpec:
     query_heads_per_kv_head: int
     kernel: BlockKernel
     rotate_method: str  # "alltoall" | "allgather" ("ulysses" calls go to _cp_ulysses instead)
+
+    def of_rank(self, rank: int) -> RingSpec:
+        """This spec as rank ``rank`` holds it (``rank`` an int; under ``LocalTensorMode`` ``self.rank`` is every rank's)."""
+        if isinstance(self.rank, int) and self.rank == rank:
+            return self
+        return replace(self, rank=rank)
+
+    def source(self, step: int) -> int:
+        """The rank whose key/value block this rank meets at ``step`` (an int rank only)."""
+        return (self.rank - step) % self.world_size
 
 
 @dataclass(frozen=True)
@@ -105,8 +137,12 @@ def _sum_head_groups(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor if groups == 1 else tensor.unflatten(1, (tensor.size(1) // groups, groups)).sum(2)
 
 
-def _pack(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    return torch.cat([first.reshape(-1), second.reshape(-1)])
+def _pack(first: torch.Tensor, second: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    """``first`` and ``second`` as one flat buffer, zero-padded to ``numel`` elements when given."""
+    flat = torch.cat([first.reshape(-1), second.reshape(-1)])
+    if numel is not None and numel > flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, numel - flat.numel()))
+    return flat
 
 
 def _unpack(
@@ -130,13 +166,34 @@ class _BlockShapes:
         return self.key[rank][0] * self.key[rank][1] * self.key[rank][2] * (self.key[rank][3] + self.value[rank][3])
 
 
-def _send_to_next(spec: RingSpec, flat: torch.Tensor, sent_numel: int, received_numel: int) -> torch.Tensor:
-    """Launch (unwaited) one all-to-all: ``flat`` to rank ``r + 1``, ``received_numel`` elements from ``r - 1``."""
+def _hand_on_splits(rank: int, spec: RingSpec, shapes: _BlockShapes, step: int) -> tuple[list[int], list[int]]:
+    """Input and output splits of step ``step``'s hand-on: the block of step ``step`` goes to rank ``r + 1``,
+    the block of step ``step + 1`` comes from rank ``r - 1``."""
+    spec = spec.of_rank(rank)
     input_splits = [0] * spec.world_size
     output_splits = [0] * spec.world_size
-    input_splits[(spec.rank + 1) % spec.world_size] = sent_numel
-    output_splits[(spec.rank - 1) % spec.world_size] = received_numel
+    input_splits[(rank + 1) % spec.world_size] = shapes.numel(spec.source(step))
+    output_splits[(rank - 1) % spec.world_size] = shapes.numel(spec.source(step + 1))
+    return input_splits, output_splits
+
+
+def _send_to_next(spec: RingSpec, shapes: _BlockShapes, flat: torch.Tensor, step: int) -> torch.Tensor:
+    """Launch (unwaited) step ``step``'s hand-on of ``flat`` (one all-to-all; the same in forward and backward)."""
+    input_splits, output_splits = on_each_rank(spec.rank, _hand_on_splits, spec, shapes, step)
     return _collectives.launch_all_to_all_exact(flat, output_splits, input_splits, spec.group_name)
+
+
+def _block_of(rank: int, spec: RingSpec, shapes: _BlockShapes, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value of step ``step``'s block (rank ``r - step``'s) from its flat buffer."""
+    source = spec.of_rank(rank).source(step)
+    return _unpack(flat, shapes.key[source], shapes.value[source])
+
+
+def _gathered_block(rank: int, spec: RingSpec, shapes: _BlockShapes, gathered: torch.Tensor, widest: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value of step ``step``'s block, read from the all-gathered blocks (each padded to ``widest``)."""
+    source = spec.of_rank(rank).source(step)
+    start = source * widest
+    return _unpack(gathered[start : start + shapes.numel(source)], shapes.key[source], shapes.value[source])
 
 
 class _KeyValueRing:
@@ -144,45 +201,39 @@ class _KeyValueRing:
 
     def __init__(self, spec: RingSpec, key: torch.Tensor, value: torch.Tensor) -> None:
         self._spec = spec
-        self._shapes = _BlockShapes(spec, key, value)
+        self.shapes = _BlockShapes(spec, key, value)
         self._current = (key, value)
         # The current block as one flat buffer, once it exists: a received block is handed on as it
         # arrived, without packing it again (one shard-sized copy less per step).
         self._current_flat: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
         self._gathered: torch.Tensor | None = None
-        self._widest = max(self._shapes.numel(rank) for rank in range(spec.world_size))
-
-    def _source(self, step: int) -> int:
-        return (self._spec.rank - step) % self._spec.world_size
+        self._widest = max(self.shapes.numel(rank) for rank in range(spec.world_size))
 
     def block(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self._spec
-        source = self._source(step)
         if spec.rotate_method == "allgather":
-            if spec.world_size > 1 and self._gathered is None and step == 0:
-                packed = _pack(*self._current)
-                padded = torch.nn.functional.pad(packed, (0, self._widest - packed.numel()))
-                self._pending = _collectives.launch_all_gather(padded, spec.world_size, spec.group_name)
             if step == 0:
+                if spec.world_size > 1 and self._gathered is None:
+                    # Pieces of every size travel padded to the widest (each rank pads its own).
+                    padded = on_each_rank(spec.rank, lambda _rank, key, value: _pack(key, value, self._widest), *self._current)
+                    self._pending = _collectives.launch_all_gather(padded, spec.world_size, spec.group_name)
                 return self._current
             if self._gathered is None:
                 assert self._pending is not None
                 self._gathered = _collectives.wait(self._pending)
                 self._pending = None
-            start = source * self._widest
-            flat = self._gathered[start : start + self._shapes.numel(source)]
-            return _unpack(flat, self._shapes.key[source], self._shapes.value[source])
+            return on_each_rank(spec.rank, _gathered_block, spec, self.shapes, self._gathered, self._widest, step)
         if step > 0:
             assert self._pending is not None
             received = _collectives.wait(self._pending)
             self._pending = None
             self._current_flat = received
-            self._current = _unpack(received, self._shapes.key[source], self._shapes.value[source])
+            self._current = on_each_rank(spec.rank, _block_of, spec, self.shapes, received, step)
         if step < spec.world_size - 1:
             # Launch the hand-on before this step's compute so that the two may overlap.
             flat = self._current_flat if self._current_flat is not None else _pack(*self._current)
-            self._pending = _send_to_next(spec, flat, self._shapes.numel(source), self._shapes.numel(self._source(step + 1)))
+            self._pending = _send_to_next(spec, self.shapes, flat, step)
         return self._current
 
 
@@ -199,6 +250,31 @@ def _merge(
     lse_acc[:, :, rows] = new_lse
 
 
+def _forward_step(
+    rank: int,
+    spec: RingSpec,
+    step: int,
+    query: torch.Tensor,
+    block_key: torch.Tensor,
+    block_value: torch.Tensor,
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step`` of the forward on this rank: its kernel calls against the step's block, merged in place."""
+    spec = spec.of_rank(rank)
+    groups = spec.query_heads_per_kv_head
+    for call in block_calls(spec, spec.source(step)):
+        block_out, block_lse = spec.kernel.forward(
+            query[:, :, call.q_start : call.q_stop],
+            _expand_heads(block_key[:, :, call.kv_start : call.kv_stop], groups),
+            _expand_heads(block_value[:, :, call.kv_start : call.kv_stop], groups),
+            call.causal,
+            spec.scale,
+        )
+        _merge(out_acc, lse_acc, call, block_out, block_lse)
+    return out_acc, lse_acc
+
+
 def ring_forward(
     spec: RingSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,19 +284,47 @@ def ring_forward(
     out_acc = torch.zeros(batch, heads, q_len, value.shape[3], dtype=accumulate, device=query.device)
     lse_acc = torch.full((batch, heads, q_len), float("-inf"), dtype=accumulate, device=query.device)
     ring = _KeyValueRing(spec, key, value)
-    groups = spec.query_heads_per_kv_head
     for step in range(spec.world_size):
         block_key, block_value = ring.block(step)
-        for call in block_calls(spec, (spec.rank - step) % spec.world_size):
-            block_out, block_lse = spec.kernel.forward(
-                query[:, :, call.q_start : call.q_stop],
-                _expand_heads(block_key[:, :, call.kv_start : call.kv_stop], groups),
-                _expand_heads(block_value[:, :, call.kv_start : call.kv_stop], groups),
-                call.causal,
-                spec.scale,
-            )
-            _merge(out_acc, lse_acc, call, block_out, block_lse)
+        out_acc, lse_acc = on_each_rank(spec.rank, _forward_step, spec, step, query, block_key, block_value, out_acc, lse_acc)
     return out_acc.to(query.dtype), lse_acc
+
+
+def _backward_step(
+    rank: int,
+    spec: RingSpec,
+    shapes: _BlockShapes,
+    step: int,
+    tensors: tuple[torch.Tensor, ...],
+    block_key: torch.Tensor,
+    block_value: torch.Tensor,
+    grad_query: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step`` of the backward on this rank: ``grad_query`` (added to in place) and the step's block's
+    key and value gradients in one flat buffer (the one that travels on)."""
+    spec = spec.of_rank(rank)
+    grad_out, query, out, lse = tensors
+    groups = spec.query_heads_per_kv_head
+    source = spec.source(step)
+    grad_flat = torch.zeros(shapes.numel(source), dtype=grad_query.dtype, device=grad_query.device)
+    grad_key, grad_value = _unpack(grad_flat, shapes.key[source], shapes.value[source])
+    for call in block_calls(spec, source):
+        rows = slice(call.q_start, call.q_stop)
+        columns = slice(call.kv_start, call.kv_stop)
+        block_grad_query, block_grad_key, block_grad_value = spec.kernel.backward(
+            grad_out[:, :, rows],
+            query[:, :, rows],
+            _expand_heads(block_key[:, :, columns], groups),
+            _expand_heads(block_value[:, :, columns], groups),
+            out[:, :, rows],
+            lse[:, :, rows],
+            call.causal,
+            spec.scale,
+        )
+        grad_query[:, :, rows] += block_grad_query.to(grad_query.dtype)
+        grad_key[:, :, columns] += _sum_head_groups(block_grad_key.to(grad_query.dtype), groups)
+        grad_value[:, :, columns] += _sum_head_groups(block_grad_value.to(grad_query.dtype), groups)
+    return grad_query, grad_flat
 
 
 def ring_backward(
@@ -233,44 +337,27 @@ def ring_backward(
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this rank's pieces, in their input dtypes."""
-    shapes = _BlockShapes(spec, key, value)
     accumulate = accumulation_dtype(query.dtype)
     grad_query = torch.zeros(query.shape, dtype=accumulate, device=query.device)
     ring = _KeyValueRing(spec, key, value)
-    groups = spec.query_heads_per_kv_head
+    shapes = ring.shapes
     pending: torch.Tensor | None = None
+    grad_flat: torch.Tensor | None = None
     for step in range(spec.world_size):
-        source = (spec.rank - step) % spec.world_size
         block_key, block_value = ring.block(step)
-        # This block's key and value gradients live in one flat buffer, the one that travels on.
-        grad_flat = torch.zeros(shapes.numel(source), dtype=accumulate, device=key.device)
-        grad_key, grad_value = _unpack(grad_flat, shapes.key[source], shapes.value[source])
-        for call in block_calls(spec, source):
-            rows = slice(call.q_start, call.q_stop)
-            columns = slice(call.kv_start, call.kv_stop)
-            block_grad_query, block_grad_key, block_grad_value = spec.kernel.backward(
-                grad_out[:, :, rows],
-                query[:, :, rows],
-                _expand_heads(block_key[:, :, columns], groups),
-                _expand_heads(block_value[:, :, columns], groups),
-                out[:, :, rows],
-                lse[:, :, rows],
-                call.causal,
-                spec.scale,
-            )
-            grad_query[:, :, rows] += block_grad_query.to(accumulate)
-            grad_key[:, :, columns] += _sum_head_groups(block_grad_key.to(accumulate), groups)
-            grad_value[:, :, columns] += _sum_head_groups(block_grad_value.to(accumulate), groups)
+        grad_query, grad_flat = on_each_rank(
+            spec.rank, _backward_step, spec, shapes, step, (grad_out, query, out, lse), block_key, block_value, grad_query
+        )
         if spec.world_size == 1:
-            return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+            break
         if pending is not None:
             # What earlier ranks added to this block's gradient, handed on with the ring.
             grad_flat += _collectives.wait(pending)
-        next_source = (source - 1) % spec.world_size
-        pending = _send_to_next(spec, grad_flat, shapes.numel(source), shapes.numel(next_source))
-    assert pending is not None
-    # After W hand-ons the block that arrives is this rank's own, summed over every rank.
-    own_key, own_value = _unpack(_collectives.wait(pending), shapes.key[spec.rank], shapes.value[spec.rank])
+        pending = _send_to_next(spec, shapes, grad_flat, step)
+    # After W hand-ons the block that arrives is this rank's own, summed over every rank (W = 1: it never left).
+    own_flat = _collectives.wait(pending) if pending is not None else grad_flat
+    assert own_flat is not None
+    own_key, own_value = on_each_rank(spec.rank, _block_of, spec, shapes, own_flat, 0)
     return grad_query.to(query.dtype), own_key.to(key.dtype), own_value.to(value.dtype)
 
 
