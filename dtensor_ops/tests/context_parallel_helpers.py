@@ -1,11 +1,53 @@
-"""Shared checks of the context-parallel tests (CPU and GPU files)."""
+"""Shared checks of the context-parallel tests (CPU, GPU and local-tensor files)."""
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.dtensor_ops.experimental._attention import context_parallel, context_parallel_unshard
 from shardwise.dtensor_ops.experimental._cp_kernels import BlockKernel
+
+
+def comm_counts(*comms: CommDebugMode) -> dict[str, int]:
+    """The collectives counted by ``comms`` together, by op name."""
+    total: dict[str, int] = {}
+    for comm in comms:
+        for op, count in comm.get_comm_counts().items():
+            total[str(op)] = total.get(str(op), 0) + count
+    return total
+
+
+def attention_in_context(
+    mesh: Any, buffers: Sequence[torch.Tensor], *, causal: bool, gqa: bool, backend: SDPBackend
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int], dict[str, int]]:
+    """SDPA forward and backward inside ``context_parallel``, used as PyTorch's CP tests use it.
+
+    ``buffers`` are query, key, value and the output's gradient, whole; they are sharded by the
+    context, ``requires_grad`` is set inside it and the output and gradients are unsharded before it
+    closes. Returns this rank's output piece, the unsharded ``[out, dq, dk, dv]``, the forward's
+    collectives and those of forward and backward together.
+    """
+    *pieces, grad_piece = buffers
+    with context_parallel(mesh, buffers=list(buffers), buffer_seq_dims=[2] * len(buffers)):
+        for piece in pieces:
+            piece.requires_grad_(True)
+        query, key, value = pieces
+        with sdpa_kernel(backend):
+            with CommDebugMode() as forward_comm:
+                out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, enable_gqa=gqa)
+            with CommDebugMode() as backward_comm:
+                out.backward(grad_piece)
+        grads = [piece.grad for piece in pieces if piece.grad is not None]
+        assert len(grads) == 3, "query, key and value should all have a gradient"
+        unsharded = context_parallel_unshard(mesh, [out.detach(), *grads], [2, 2, 2, 2])
+        for piece in pieces:
+            piece.requires_grad_(False)
+    return out.detach(), unsharded, comm_counts(forward_comm), comm_counts(forward_comm, backward_comm)
 
 
 def split_kv_matches_sdpa(kernel: BlockKernel, device: str, dtype: torch.dtype, causal: bool) -> list[float]:

@@ -41,7 +41,7 @@ from shardwise.dtensor_ops.experimental._cp_layout import (
 )
 from shardwise.dtensor_ops.experimental._cp_ring import BlockCall, RingSpec, block_calls
 from shardwise.testing import multi_rank, run_on_ranks
-from context_parallel_helpers import split_kv_matches_sdpa
+from context_parallel_helpers import attention_in_context, split_kv_matches_sdpa
 
 ALL_TO_ALL = "c10d_functional.all_to_all_single"
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
@@ -179,26 +179,10 @@ def _attention_case(
 
     _cp_options.enable_load_balance = balance
     set_rotate_method(rotate)
-    pieces = [t.clone() for t in (query, key, value)]
-    grad_piece = grad_out.clone()
-    with context_parallel(mesh, buffers=[*pieces, grad_piece], buffer_seq_dims=[2, 2, 2, 2]):
-        for piece in pieces:
-            piece.requires_grad_(True)
-        with sdpa_kernel(KERNELS[kernel]):
-            with CommDebugMode() as forward_comm:
-                out = _sdpa(pieces, is_causal=causal, enable_gqa=gqa)
-            with CommDebugMode() as backward_comm:
-                out.backward(grad_piece)
-        (full_out,) = context_parallel_unshard(mesh, [out.detach()], [2])
-        grads = context_parallel_unshard(mesh, [p.grad for p in pieces if p.grad is not None], [2, 2, 2])
-        for piece in pieces:
-            piece.requires_grad_(False)
-    errors = [float((full_out.float() - expected.float()).abs().max())]
-    errors += [float((got.float() - ref.grad.float()).abs().max()) for got, ref in zip(grads, reference) if ref.grad is not None]
-    forward = {str(op): n for op, n in forward_comm.get_comm_counts().items()}
-    total = dict(forward)
-    for op, n in backward_comm.get_comm_counts().items():
-        total[str(op)] = total.get(str(op), 0) + n
+    buffers = [t.clone() for t in (query, key, value, grad_out)]
+    _, unsharded, forward, total = attention_in_context(mesh, buffers, causal=causal, gqa=gqa, backend=KERNELS[kernel])
+    wanted = [expected, *(t.grad for t in reference)]
+    errors = [float((got.float() - want.float()).abs().max()) for got, want in zip(unsharded, wanted) if want is not None]
     return errors, forward, total
 
 
@@ -264,6 +248,22 @@ def test_ulysses_refuses_heads_that_do_not_divide_by_the_mesh() -> None:
             F.scaled_dot_product_attention(query, query, query, is_causal=True)
 
     _expect_error_everywhere(mesh, ValueError, "6 query and 6 key/value heads must both divide by the 4", six_heads)
+
+
+@multi_rank
+def test_a_rank_without_tokens_takes_the_kernel_the_others_take() -> None:
+    """3 tokens on 4 ranks: rank 3 holds none. The kernel is chosen for the widest rank's shapes, so with
+    ``sdpa_kernel`` forcing the CPU flash kernel (which refuses an empty sequence) every rank runs; before,
+    rank 3 alone raised "No available kernel" while the others waited in the ring's collectives."""
+    _reset_options()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    for balance, rotate, kv_heads in ((False, "alltoall", 2), (True, "allgather", 2), (False, "ulysses", 4)):
+        errors, forward, total = _attention_case(
+            mesh, causal=True, balance=balance, rotate=rotate, kernel="flash_cpu", length=3, kv_heads=kv_heads, dtype=torch.float32
+        )
+        assert max(errors) < 2e-5, (balance, rotate, errors)
+        assert (forward, total) == _expected_counts(rotate, world), (rotate, forward, total)
 
 
 @multi_rank

@@ -426,7 +426,9 @@ def _ring_spec(
         is_causal=is_causal,
         scale=resolved_scale,
         query_heads_per_kv_head=query_heads // kv_heads,
-        kernel=choose_kernel(query, key, value, is_causal, resolved_scale),
+        kernel=choose_kernel(
+            query, key, value, is_causal, resolved_scale, max(query_layout.local_lengths()), max(kv_layout.local_lengths())
+        ),
         rotate_method=_ROTATE_METHOD_NAMES[_cp_options.rotate_method],
     )
 
