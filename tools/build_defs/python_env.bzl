@@ -1,27 +1,35 @@
 """A repository rule that builds the pinned Python environment, and its toolchain, in one of two forms.
 
 `hermetic = True` (`@shardwise_python_hermetic`, selected by `--config=hermetic`, which every remote
-config includes): the environment as declared files, described below. `hermetic = False`
-(`@shardwise_python`, the default toolchain of `bazel test //...`): a virtual environment in the
-output base named by `interpreter_path`, which carries no inputs. Both are built from the same lock
-file. Why two: a hermetic test action links ~60,000 input files into its sandbox (tens of seconds
-per test target on these 2-core machines, 109 targets), which would push the local suite far past
-its 20-minute budget, while remote execution needs exactly those inputs.
+config includes): the environment as ONE declared archive plus a launcher, described below.
+`hermetic = False` (`@shardwise_python`, the default toolchain of `bazel test //...`): a virtual
+environment in the output base named by `interpreter_path`, which carries no inputs. Both are built
+from the same lock file, so editing it re-runs this rule (it is a label attribute).
 
 Hermetic form:
 
-The interpreter (a copy of the host's binary, its shared library and standard library) and every
-package of the lock file are files of the repository `@shardwise_python`, listed by a glob. The
-`py_runtime` names the interpreter by label and carries all of them in `files`, so every `py_test`
-and `py_binary` has its interpreter and dependencies as inputs of its action: the action runs the
-same on a remote worker that has none of the client's paths, and nothing resolves through PATH.
-(The previous toolchain named an absolute `interpreter_path` inside the client's output base.)
+`python_env_builder.py` lays out a relocatable copy of the host's Python (binary, shared library,
+standard library, headers) plus every locked package, with bytecode precompiled (`unchecked-hash`,
+build paths stripped), and packs it into one deterministic, uncompressed tar archive
+(`python_env.tar`, 1.3 GB, ~30,000 files), whose sha256 is written into the launcher `bin/python3`
+(`python_env_launcher.sh.tpl`). The `py_runtime` names that launcher as its interpreter by label and
+carries the archive in `files`, so every `py_test` and `py_binary` action has 2 inputs for its
+Python (instead of the ~30,000 files an earlier form declared one by one: ~60,000 inputs per test
+action, tens of seconds of sandbox and runfiles set-up each, and a remote upload file by file). On
+first use the launcher unpacks the archive into a directory named by its digest: a machine-local
+cache (`/tmp/shardwise-python-env-<uid>`, or $SHARDWISE_PYTHON_ENV_CACHE), else the action's own
+scratch area; see the template for the trade-off. The action therefore runs the same on a remote
+worker that has none of the client's paths, and nothing resolves through PATH except the OS's
+`python3` that starts Bazel's launcher stub (and /bin/sh, tar for the launcher).
 
 `bazel test //...` never depends on which `python3` is first on the caller's PATH, and works under
---incompatible_strict_action_env. The lock file is a label attribute, so editing it re-runs this rule.
+--incompatible_strict_action_env.
 """
 
 _MIN_PYTHON = (3, 11)
+
+# The hermetic environment's one archive, at the repository's root.
+_ARCHIVE = "python_env.tar"
 
 def _find_host_python(rctx):
     override = rctx.os.environ.get("SHARDWISE_PYTHON")
@@ -101,36 +109,56 @@ def _python_env_impl(rctx):
         _local_env(rctx, host_python, lock_file)
         return
     builder = rctx.path(rctx.attr._builder)
-    rctx.report_progress("Building the Python environment from " + str(lock_file))
+    rctx.report_progress("Building the Python environment archive from " + str(lock_file))
     _run(
         rctx,
-        [host_python, str(builder), "--lock", str(lock_file), "--dest", str(rctx.path("python"))],
+        [
+            host_python,
+            str(builder),
+            "--lock",
+            str(lock_file),
+            "--dest",
+            str(rctx.path("unpacked")),
+            "--archive",
+            str(rctx.path(_ARCHIVE)),
+        ],
         "Building the Python environment (tools/build_defs/python_env_builder.py)",
         timeout = 3600,
     )
-    layout = json.decode(rctx.read("python/layout.json"))
-    interpreter = "python/" + layout["interpreter"]
+    layout = json.decode(rctx.read(_ARCHIVE + ".json"))
+    rctx.template(
+        "bin/python3",
+        rctx.attr._launcher_template,
+        substitutions = {
+            "@DIGEST@": layout["archive_sha256"],
+            "@ARCHIVE@": "../" + _ARCHIVE,
+        },
+        executable = True,
+    )
 
     rctx.file("BUILD.bazel", """\
 load("@rules_python//python:defs.bzl", "py_runtime", "py_runtime_pair")
 
 package(default_visibility = ["//visibility:public"])
 
-# The whole environment: interpreter, standard library, locked packages, C headers.
+# The whole environment ({files} files: interpreter, standard library, locked packages, C headers)
+# as one uncompressed tar archive, sha256 {digest}.
 filegroup(
     name = "files",
-    srcs = glob(["python/**"], exclude = ["python/layout.json"]),
+    srcs = ["{archive}"],
 )
 
-# The interpreter alone, for genrules that run Python (their `tools` also list :files).
+# The interpreter: a launcher that unpacks the archive on first use into a directory named by its
+# digest, then runs the interpreter there (tools/build_defs/python_env_launcher.sh.tpl). Genrules
+# that run it list :files in their `tools` too.
 filegroup(
     name = "python3",
-    srcs = ["{interpreter}"],
+    srcs = ["bin/python3"],
 )
 
 py_runtime(
     name = "py3_runtime",
-    interpreter = "{interpreter}",
+    interpreter = "bin/python3",
     files = [":files"],
     python_version = "PY3",
     stub_shebang = "{stub_shebang}",
@@ -146,13 +174,12 @@ toolchain(
     toolchain = ":runtime_pair",
     toolchain_type = "@bazel_tools//tools/python:toolchain_type",
 )
-
-exports_files(["interpreter_path.txt"])
-""".format(interpreter = interpreter, stub_shebang = _STUB_SHEBANG))
-
-    # For repository rules only (native_wheel_tag asks the interpreter for its wheel tag while BUILD
-    # files load); no action reads it.
-    rctx.file("interpreter_path.txt", str(rctx.path(interpreter)) + "\n")
+""".format(
+        archive = _ARCHIVE,
+        digest = layout["archive_sha256"],
+        files = layout["files"],
+        stub_shebang = _STUB_SHEBANG,
+    ))
 
 python_env = repository_rule(
     implementation = _python_env_impl,
@@ -160,6 +187,7 @@ python_env = repository_rule(
         "lock_file": attr.label(mandatory = True, allow_single_file = True),
         "hermetic": attr.bool(default = True, doc = "declared files (True) or a virtual environment named by path (False)"),
         "_builder": attr.label(default = "//tools/build_defs:python_env_builder.py", allow_single_file = True),
+        "_launcher_template": attr.label(default = "//tools/build_defs:python_env_launcher.sh.tpl", allow_single_file = True),
     },
     environ = ["SHARDWISE_PYTHON", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_FIND_LINKS"],
     local = False,

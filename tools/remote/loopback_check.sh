@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Remote execution proven on this machine: BuildGrid (server, CAS, action cache, scheduler) and our
 # worker on 127.0.0.1, then `bazel test --config=remote-cpu TARGET...` from a fresh client output
-# base, twice (the second run must be served from the remote cache), then a GPU test sent with
-# --config=remote to show that a CPU-only worker is never given it. Stops everything it started.
+# base, twice (the second run, after `bazel clean`, must be served entirely from the remote cache),
+# then a GPU test sent with --config=remote to show placement: neither the CPU-only worker nor one
+# advertising too few GPUs is given it (it stays queued), a worker advertising enough GPUs is.
+# Stops everything it started.
 #
 #   tools/remote/loopback_check.sh [TARGET...]      (default: the CI set below)
 #
 # Last line: `remote: A of N actions executed remotely; P of T tests passed` (first run, from its
-# build event file). Needs: python3 with venv and pip, unshare (util-linux), root (mount namespaces
-# with tmpfs), and the registries for the first install of BuildGrid.
+# build event file). SHARDWISE_LOOPBACK_KEEP=1 keeps the state folder (logs, event files) afterwards.
+# Needs: python3 with venv and pip, unshare (util-linux), root (mount namespaces with tmpfs), and the
+# registries for the first install of BuildGrid.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 repo_root="$(pwd)"
@@ -23,20 +26,28 @@ default_targets=(
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${default_targets[@]}")
 gpu_probe_target="${SHARDWISE_LOOPBACK_GPU_TARGET:-//dtensor_ops:test_redistribute_nccl_gpu}"
-gpu_probe_wait_s="${SHARDWISE_LOOPBACK_GPU_WAIT_S:-120}"
+gpu_probe_wait_s="${SHARDWISE_LOOPBACK_GPU_WAIT_S:-60}"
 
 state="$(mktemp -d /tmp/shardwise-loopback.XXXXXX)"
 output_base="$state/client_output_base"
+# The client builds a snapshot of the working tree (tracked and untracked, not ignored files): both runs
+# see the same sources even while someone edits the checkout, so the second run can be all cache hits.
+workspace="$state/workspace"
 venv="${SHARDWISE_BUILDGRID_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardwise/buildgrid-$BUILDGRID_VERSION}"
-server_pid="" worker_pid=""
-bazel=("$repo_root/tools/bazel" "--output_base=$output_base")
+server_pid="" worker_pid="" gpu_workers=()
+bazel=("$workspace/tools/bazel" "--output_base=$output_base")
 
 log() { echo "loopback: $*" >&2; }
 
 cleanup() {
+  for pid in "${gpu_workers[@]}"; do kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done
   [[ -n "$worker_pid" ]] && kill "$worker_pid" 2>/dev/null && wait "$worker_pid" 2>/dev/null
   [[ -n "$server_pid" ]] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
   [[ -d "$output_base" ]] && "${bazel[@]}" shutdown >/dev/null 2>&1
+  if [[ -n "${SHARDWISE_LOOPBACK_KEEP:-}" ]]; then
+    log "kept $state (server.log, worker.log, the build event files)"
+    return
+  fi
   # Bazel leaves its output tree read-only; the state folder goes with everything in it.
   chmod -R u+w "$state" 2>/dev/null
   rm -rf "$state"
@@ -54,6 +65,15 @@ if [[ ! -x "$venv/bin/bgd" ]] || ! "$venv/bin/python" -c "import buildgrid.serve
   "$venv/bin/pip" install --quiet --disable-pip-version-check "buildgrid==$BUILDGRID_VERSION" || exit 2
 fi
 
+mkdir -p "$workspace"
+if git -C "$repo_root" rev-parse --git-dir >/dev/null 2>&1; then
+  git -C "$repo_root" ls-files -z --cached --others --exclude-standard \
+    | (cd "$repo_root" && tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -xf - -C "$workspace"
+else
+  (cd "$repo_root" && tar --exclude='./bazel-*' --exclude=./user.bazelrc -cf - .) | tar -xf - -C "$workspace"
+fi
+cd "$workspace"
+
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 mkdir -p "$state/cas" "$state/worker"
 sed "s|@PORT@|$port|; s|@STATE@|$state|g" tools/remote/buildgrid.yml.in > "$state/server.yml"
@@ -66,10 +86,13 @@ for _ in $(seq 1 120); do
 done
 log "BuildGrid $BUILDGRID_VERSION serving on 127.0.0.1:$port (state in $state)"
 
-# The actions see neither the client's output base, nor the workspace, nor the user's home.
+# The actions see neither the client's output base, nor the workspace, nor the user's home. Where the
+# hermetic toolchain's launcher unpacks the Python environment archive (one directory per digest,
+# tools/build_defs/python_env_launcher.sh.tpl), they see the worker's own cache, not this machine's.
+hide_flags=(--hide "$output_base" --hide "$workspace" --hide "$repo_root" --hide "$HOME"
+  --persistent "/tmp/shardwise-python-env-$(id -u)")
 "$venv/bin/python" tools/remote/worker.py --remote "http://127.0.0.1:$port" --work-dir "$state/worker" \
-  --hide "$output_base" --hide "$repo_root" --hide "$HOME" --jobs "${SHARDWISE_LOOPBACK_JOBS:-2}" \
-  > "$state/worker.log" 2>&1 &
+  --name cpu-worker --jobs "${SHARDWISE_LOOPBACK_JOBS:-2}" "${hide_flags[@]}" > "$state/worker.log" 2>&1 &
 worker_pid=$!
 
 # Fewer parallel transfers than Bazel's default 100 and more retries than its 5: one Python server on a
@@ -100,30 +123,54 @@ second_s=$(( $(date +%s) - started ))
 log "second run (after bazel clean): bazel exit $second_status in ${second_s} s"
 python3 tools/remote/bep_counts.py --label "second run" "$state/bep_second.json" >&2
 
-# Placement: a GPU test asks gpu=nvidia and gpu-count=N; this worker advertises no GPU, so the
-# scheduler keeps the job queued (it does not fail it) until a worker that matches connects. After
-# the wait the server's operations are listed, then Bazel is interrupted (SIGINT, as Ctrl-C).
-if "${bazel[@]}" query "$gpu_probe_target" >/dev/null 2>&1; then
-  "${bazel[@]}" test --config=remote "--remote_executor=grpc://127.0.0.1:$port" --remote_max_connections=16 \
+# Placement: a GPU test asks gpu=nvidia and gpu-count=N (N = its world size, 4 by default). While only
+# the CPU-only worker and a worker advertising N-1 GPUs are connected, the scheduler keeps the job
+# QUEUED (BuildGrid has no queue timeout configured here, so it waits; it does not fail). Then a worker
+# advertising N GPUs connects and is given it. That worker has no GPU at all: the test's CUDA checks
+# skip (with their reason) and the target passes, which is what the placement proof needs.
+gpu_count="$("${bazel[@]}" query --output=build "$gpu_probe_target" 2>/dev/null \
+  | grep -o '"gpu-count": "[0-9]*"' | grep -o '[0-9][0-9]*' | head -1)"
+if [[ -n "$gpu_count" ]]; then
+  fewer=$((gpu_count > 1 ? gpu_count - 1 : 0))
+  start_fake_gpu_worker() {  # $1: GPUs advertised
+    "$venv/bin/python" "$workspace/tools/remote/worker.py" --remote "http://127.0.0.1:$port" \
+      --work-dir "$state/worker_gpu$1" --name "worker-advertising-$1-gpus" --gpus "$1" --jobs 1 \
+      "${hide_flags[@]}" > "$state/worker_gpu$1.log" 2>&1 &
+    gpu_workers+=("$!")
+  }
+  start_fake_gpu_worker "$fewer"
+  "${bazel[@]}" test --config=remote "${remote_flags[@]:1}" --build_event_json_file="$state/bep_gpu.json" \
     "$gpu_probe_target" > "$state/gpu_probe.log" 2>&1 &
   probe_pid=$!
   sleep "$gpu_probe_wait_s"
   operations="$("$venv/bin/bgd" operation --remote "http://127.0.0.1:$port" list 2>&1)"
   queued=$(grep -c "stage=2" <<<"$operations")
-  still_waiting=0
-  if kill -0 "$probe_pid" 2>/dev/null; then
-    still_waiting=1
-    kill -INT "$probe_pid"
-  fi
-  wait "$probe_pid"
-  if [[ $still_waiting -eq 1 && $queued -ge 1 ]]; then
-    log "placement: $gpu_probe_target (gpu=nvidia, gpu-count from its world size) was never given to the CPU-only worker: after ${gpu_probe_wait_s} s it was still queued on the server ($queued queued operation(s)); it waits, it does not fail"
+  if kill -0 "$probe_pid" 2>/dev/null && [[ $queued -ge 1 ]] \
+      && ! grep -q "${gpu_probe_target##*:}" "$state/worker.log" "$state/worker_gpu$fewer.log"; then
+    log "placement: $gpu_probe_target (gpu=nvidia, gpu-count=$gpu_count) was given neither to the CPU-only worker nor to the one advertising $fewer GPU(s): after ${gpu_probe_wait_s} s it was still QUEUED on the server ($queued queued operation(s); Bazel shows [Sched]). It waits; BuildGrid fails a queued job only when queue-timeout-job-max-age is configured (UNAVAILABLE 'Operation has been queued for too long'), or at once for a property key it does not know (FAILED_PRECONDITION 'Unregistered platform property')"
+    start_fake_gpu_worker "$gpu_count"
+    waited=0
+    while kill -0 "$probe_pid" 2>/dev/null && [[ $waited -lt ${SHARDWISE_LOOPBACK_GPU_RUN_S:-900} ]]; do
+      sleep 5; waited=$((waited + 5))
+    done
+    kill -0 "$probe_pid" 2>/dev/null && kill -INT "$probe_pid"
+    wait "$probe_pid"
+    probe_status=$?
+    if [[ $probe_status -eq 0 ]] && grep -q "running .*test-setup.sh" "$state/worker_gpu$gpu_count.log"; then
+      log "placement: then a worker advertising $gpu_count GPUs connected and was given it within ${waited} s; $(python3 "$workspace/tools/remote/bep_counts.py" "$state/bep_gpu.json"); it has no GPU, so the test's CUDA checks skipped"
+    else
+      log "placement: UNEXPECTED: after a worker advertising $gpu_count GPUs connected, bazel exited $probe_status"
+      tail -20 "$state/gpu_probe.log" >&2; tail -5 "$state/worker_gpu$gpu_count.log" >&2
+      first_status=1
+    fi
   else
-    log "placement: UNEXPECTED: $gpu_probe_target, still waiting: $still_waiting, $queued queued operation(s):"
+    log "placement: UNEXPECTED: $gpu_probe_target, $queued queued operation(s):"
     echo "$operations" | tail -5 >&2
     tail -20 "$state/gpu_probe.log" >&2
+    kill -INT "$probe_pid" 2>/dev/null; wait "$probe_pid"
     first_status=1
   fi
+  for pid in "${gpu_workers[@]}"; do kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done
 fi
 
 summary="$(python3 tools/remote/bep_counts.py "$state/bep_first.json")"

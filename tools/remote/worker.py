@@ -8,8 +8,11 @@ service; for each lease it:
   2. lays the inputs out in a fresh directory (hard links to a local blob cache, so the Python
      environment's ~1 GB is fetched once per worker, not once per action);
   3. runs the command in a new mount namespace (`unshare --mount`) in which every `--hide` path
-     (the client's output base, the workspace, the user's home) is covered by an empty tmpfs, with
-     exactly the Command's environment, under the Action's timeout;
+     (the client's output base, the workspace, the user's home) is covered by an empty tmpfs and
+     every `--persistent` path is this worker's own directory (a cache that outlives actions, as an
+     executor's persistent volume: the hermetic Python environment is unpacked there once per
+     digest, see tools/build_defs/python_env_launcher.sh.tpl), with exactly the Command's
+     environment, under the Action's timeout;
   4. uploads the declared outputs, stdout and stderr to the CAS and completes the lease with the
      ActionResult (BuildGrid then answers the client and fills its action cache).
 
@@ -44,6 +47,8 @@ from buildgrid._protos.google.rpc import code_pb2
 from buildgrid.server.client.cas import Downloader, Uploader
 
 LOG = logging.getLogger("shardwise-worker")
+# Process groups of the actions running now: killed when the worker is stopped, so no test outlives it.
+RUNNING: set[int] = set()
 POLL_TIMEOUT_S = 5.0
 # A busy server answers RESOURCE_EXHAUSTED or UNAVAILABLE; BuildGrid's client retries with backoff.
 RETRIES = 8
@@ -163,9 +168,12 @@ def _materialize(cache: BlobCache, channel: grpc.Channel, instance: str, root: r
 def _mount_namespace_command(argv: list[str], cwd: str, environment: dict[str, str]) -> list[str]:
     # Inside a private mount namespace, an empty tmpfs over each hidden path ($SHARDWISE_HIDE): the
     # client's files are not there, so an action that reads one through a leaked absolute path fails.
-    # `env -i` then gives the command exactly the environment its Command states.
+    # Then each persistent path ($SHARDWISE_PERSIST, SRC=DEST pairs) is this worker's own directory
+    # SRC, so what the client's machine keeps at DEST is not seen either. `env -i` then gives the
+    # command exactly the environment its Command states.
     script = (
         'IFS=:; for d in $SHARDWISE_HIDE; do mount -t tmpfs -o size=1m,mode=0755 hidden "$d" || exit 125; done; '
+        'for p in $SHARDWISE_PERSIST; do mkdir -p "${p#*=}" && mount --bind "${p%%=*}" "${p#*=}" || exit 125; done; '
         'unset IFS; cd "$SHARDWISE_CWD" && exec env -i "$@"'
     )
     env_args = [f"{key}={value}" for key, value in sorted(environment.items())]
@@ -178,6 +186,7 @@ def _run_action(
     instance: str,
     work_dir: str,
     hide: list[str],
+    persist: list[str],
     worker_name: str,
     action: re_pb2.Action,
 ) -> re_pb2.ActionResult:
@@ -208,8 +217,12 @@ def _run_action(
         with open(os.path.join(exec_root, ".stdout"), "wb") as out, open(os.path.join(exec_root, ".stderr"), "wb") as err:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SHARDWISE_HIDE": hidden, "SHARDWISE_CWD": cwd},
+                env={
+                    "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SHARDWISE_HIDE": hidden, "SHARDWISE_CWD": cwd,
+                    "SHARDWISE_PERSIST": ":".join(persist),
+                },
             )
+            RUNNING.add(process.pid)
             try:
                 result.exit_code = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -217,7 +230,14 @@ def _run_action(
                 process.wait()
                 result.exit_code = -signal.SIGKILL
                 err.write(f"\nshardwise worker: killed after the action's timeout of {timeout} s\n".encode())
+            finally:
+                RUNNING.discard(process.pid)
         metadata.execution_completed_timestamp.GetCurrentTime()
+        LOG.info(
+            "finished %s: exit %d, inputs laid out in %.1f s, ran %.1f s", command.arguments[1:2], result.exit_code,
+            (metadata.input_fetch_completed_timestamp.ToNanoseconds() - metadata.input_fetch_start_timestamp.ToNanoseconds()) / 1e9,
+            (metadata.execution_completed_timestamp.ToNanoseconds() - metadata.execution_start_timestamp.ToNanoseconds()) / 1e9,
+        )
         metadata.output_upload_start_timestamp.GetCurrentTime()
         uploader = Uploader(channel, instance=instance, retries=RETRIES)
         try:
@@ -267,7 +287,7 @@ def _execute_lease(
                 action = downloader.get_message(digest, re_pb2.Action())
             finally:
                 downloader.close()
-        result = _run_action(cache, channel, args.instance, args.work_dir, args.hide, bot_id, action)
+        result = _run_action(cache, channel, args.instance, args.work_dir, args.hide, args.persist_pairs, bot_id, action)
         outcome.result.Pack(result)
         outcome.status.code = code_pb2.OK
     except Exception as error:  # reported to the client as the action's failure
@@ -339,6 +359,10 @@ def main() -> int:
     parser.add_argument("--instance", default="")
     parser.add_argument("--work-dir", required=True, help="fresh action directories and the blob cache go here")
     parser.add_argument("--hide", action="append", default=[], help="a path covered by an empty tmpfs in actions")
+    parser.add_argument(
+        "--persistent", action="append", default=[],
+        help="a path where actions see a directory of this worker's that outlives them (a cache)",
+    )
     parser.add_argument("--property", action="append", default=[], help="KEY=VALUE advertised to the scheduler")
     parser.add_argument("--gpus", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="bot sessions, i.e. actions run at once")
@@ -348,6 +372,13 @@ def main() -> int:
     for path in args.hide:
         if os.path.realpath(args.work_dir).startswith(os.path.realpath(path) + os.sep):
             parser.error(f"--work-dir {args.work_dir} is inside hidden path {path}: actions could not see their inputs")
+    args.persist_pairs = []
+    for path in args.persistent:
+        if not os.path.isabs(path) or any(ch in path for ch in ":="):
+            parser.error(f"--persistent {path}: an absolute path without ':' or '=' is needed")
+        own = os.path.join(os.path.abspath(args.work_dir), "persistent", path.strip("/").replace("/", "_"))
+        os.makedirs(own, exist_ok=True)
+        args.persist_pairs.append(f"{own}={path}")
     if shutil.which("unshare") is None:
         parser.error("unshare (util-linux) is needed to run actions in their own mount namespace")
     cache_channel = _channel(args.remote)
@@ -362,6 +393,11 @@ def main() -> int:
         thread.start()
     while not stop.is_set() and any(thread.is_alive() for thread in threads):
         stop.wait(1.0)
+    for group in list(RUNNING):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return 0
 
 
