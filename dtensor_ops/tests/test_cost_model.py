@@ -1,7 +1,8 @@
-"""The time cost model (not wired into the planner yet): pricing, step kinds, profiles, the crossover."""
+"""The time cost model: pricing, step kinds, profiles, the crossover, and how it chooses plans and strategies."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +16,15 @@ from shardwise.dtensor_ops._cost_model import (
     plan_time,
     priced_kind,
 )
-from shardwise.mesh._cost_profile import COLLECTIVE_KINDS, COST_PROFILE_ENV_VAR, CollectiveCost, CostProfile
-from shardwise.placement import Partial, Replicate, Shard
+import torch
+
+from shardwise.dtensor_ops._caches import clear_all_caches
+from shardwise.dtensor_ops._options import current_options, use_options
+from shardwise.dtensor_ops._redistribute_plan import StepKind, find_cheapest_plan, plan_bytes_per_rank, plan_redistribute
+from shardwise.dtensor_ops._torch_compat.collective_utils import redistribute_cost
+from shardwise.mesh._cost_profile import BUILTIN_PROFILES, COLLECTIVE_KINDS, COST_PROFILE_ENV_VAR, CollectiveCost, CostProfile
+from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
+from shardwise.testing import FakeMesh
 
 
 @dataclass(frozen=True)
@@ -102,9 +110,10 @@ def test_the_profile_comes_from_the_argument_or_the_environment(tmp_path: Path, 
     assert collective_time("all_gather", 2.0, MESH_2X4, 0) == pytest.approx(3.0)
     assert collective_time("all_gather", 2.0, MESH_2X4, 0, profile=_profile(alpha=0.0, beta=2.0)) == pytest.approx(1.0)
     monkeypatch.delenv(COST_PROFILE_ENV_VAR)
-    # No argument, no variable, no process group: gloo's measured default.
-    gloo = collective_time("all_gather", 0, ShapeMesh((4,)), 0)
-    assert gloo == pytest.approx(3 * 1411e-6)
+    # No argument, no variable, no process group: gloo's measured default (groups of 4 as measured,
+    # other sizes on the fitted line).
+    assert collective_time("all_gather", 0, ShapeMesh((4,)), 0) == pytest.approx(5490e-6)
+    assert collective_time("all_gather", 0, ShapeMesh((8,)), 0) == pytest.approx(7 * 1696e-6)
 
 
 def test_crossover_table_lists_alpha_times_beta_per_kind_and_group_size() -> None:
@@ -117,3 +126,80 @@ def test_crossover_table_lists_alpha_times_beta_per_kind_and_group_size() -> Non
 def test_the_pricer_cache_key_changes_with_the_profile() -> None:
     assert StepPricer(MESH_2X4, _profile(beta=1e9)).cache_key != StepPricer(MESH_2X4, _profile(beta=2e9)).cache_key
     assert StepPricer(MESH_2X4, _profile()).cache_key == StepPricer(MESH_2X4, _profile()).cache_key
+
+
+# -- the planner and strategy choice priced by time ---------------------------------------------------
+
+GLOO = BUILTIN_PROFILES["gloo-loopback"]
+
+
+def _kinds(plan: tuple[object, ...]) -> list[str]:
+    return [step.kind.value for step in plan]  # type: ignore[attr-defined]
+
+
+def test_latency_bound_plans_take_fewer_collectives_than_the_fewest_bytes() -> None:
+    # Uneven Shard(1) -> Replicate, 5 columns over 4 ranks: by bytes an all-to-all first evens the
+    # pieces out (then an all-gather); by time one all-gather of the padded pieces is faster.
+    src, dst = (Shard(1),), (Replicate(),)
+    by_bytes = find_cheapest_plan((8, 5), (4,), src, dst, 4)
+    by_time = find_cheapest_plan((8, 5), (4,), src, dst, 4, step_price=StepPricer(ShapeMesh((4,)), GLOO).step_picoseconds)
+    assert _kinds(by_bytes) == ["all_to_all", "all_gather"]
+    assert _kinds(by_time) == ["all_gather"]
+    assert plan_bytes_per_rank(by_time) > plan_bytes_per_rank(by_bytes)
+
+
+def test_bandwidth_bound_plans_keep_the_bytes_lower_bound() -> None:
+    # The same move of a 2**20 x 5 tensor: the 3 MB the all-to-all saves outweigh its latency.
+    src, dst = (Shard(1),), (Replicate(),)
+    priced = StepPricer(ShapeMesh((4,)), GLOO).step_picoseconds
+    by_time = find_cheapest_plan((2**20, 5), (4,), src, dst, 4, step_price=priced)
+    assert _kinds(by_time) == ["all_to_all", "all_gather"]
+    assert by_time == find_cheapest_plan((2**20, 5), (4,), src, dst, 4)
+
+
+def test_equal_times_go_to_fewer_collectives() -> None:
+    # A profile where every collective costs only its latency: S(0) -> S(1) is one all-to-all, never
+    # an all-gather and a local chunk (same time, but the chunk is one more step).
+    flat = _profile(alpha=10e-6, beta=1e30)
+    plan = find_cheapest_plan((8, 8), (4,), (Shard(0),), (Shard(1),), 4, step_price=StepPricer(ShapeMesh((4,)), flat).step_picoseconds)
+    assert _kinds(plan) == ["all_to_all"]
+
+
+def test_specs_are_planned_under_the_cost_profile_option(tmp_path: Path) -> None:
+    mesh = FakeMesh((4,))
+    meta = TensorMeta(torch.Size([8, 5]), (5, 1), torch.float32)
+    src, dst = DTensorSpec(mesh, (Shard(1),), meta), DTensorSpec(mesh, (Replicate(),), meta)
+    bandwidth_only = tmp_path / "bandwidth_only.json"
+    _profile(alpha=0.0, beta=1e9, name="bandwidth-only").save(bandwidth_only)
+    clear_all_caches()
+    try:
+        with use_options(cost_profile="gloo-loopback"):
+            on_gloo = plan_redistribute(src, dst)
+            gloo_cost = redistribute_cost(src, dst)
+        with use_options(cost_profile=str(bandwidth_only)):
+            on_bandwidth = plan_redistribute(src, dst)
+            bandwidth_cost = redistribute_cost(src, dst)
+    finally:
+        clear_all_caches()
+    # The plan cached under one setting is not handed out under the other.
+    assert _kinds(on_gloo) == ["all_gather"] and _kinds(on_bandwidth) == ["all_to_all", "all_gather"]
+    # redistribute_cost is PyTorch's unit: an estimated time in microseconds (gloo: one all-gather's
+    # 5.5 ms latency; bandwidth only: 168 B at 1 GB/s).
+    assert gloo_cost == pytest.approx(5490, rel=0.01) and bandwidth_cost == pytest.approx(0.168, rel=0.01)
+
+
+def test_the_cost_profile_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(COST_PROFILE_ENV_VAR, "nccl")
+    assert current_options().cost_profile == "nccl"
+    monkeypatch.delenv(COST_PROFILE_ENV_VAR)
+    assert current_options().cost_profile is None
+
+
+def test_measured_alphas_win_for_their_group_size_and_survive_json(tmp_path: Path) -> None:
+    cost = CollectiveCost(alpha_s=0.0, alpha_per_peer_s=1e-3, beta_bytes_per_s=1e9, measured_alpha_s=((4, 9e-3),))
+    assert cost.alpha(4) == pytest.approx(9e-3) and cost.alpha(3) == pytest.approx(2e-3)
+    profile = CostProfile(name="m", source="test", costs={kind: cost for kind in COLLECTIVE_KINDS})
+    path = tmp_path / "m.json"
+    profile.save(path)
+    loaded = CostProfile.from_json(json.loads(path.read_text()))
+    assert loaded.costs["all_gather"] == cost

@@ -210,6 +210,12 @@ _COL_SCALE_LAYOUTS = {
 }
 
 
+# Where shardwise's time model ranks the candidates otherwise: x (8, 6) [S0] with w (6,) [S0] on 4 ranks.
+# PyTorch gathers w (an all-gather); shardwise moves x's rows to columns with one all-to-all, which
+# gloo's profile prices at 3.1 ms against the all-gather's 5.5 ms (``mesh/_cost_profile.py``).
+_FASTER_THAN_PYTORCH: dict[tuple[int, ...], dict[tuple[str, str], str]] = {(4,): {("S0", "S0"): "S1"}}
+
+
 def _distribute(impl: SimpleNamespace, mesh: Any, full: torch.Tensor, layout: str) -> Any:
     return impl.api.distribute_tensor(full, mesh, [_placement(impl, part) for part in layout.split(",")])
 
@@ -241,7 +247,10 @@ def test_a_single_dim_strategy_gives_the_placements_pytorch_gives(mesh_shape: tu
     """Registered with register_single_dim_strategy, and as an op strategy built by expand_to_full_mesh_op_strategy."""
     ours = run_on_threads(_col_scale_on, "shardwise", mesh_shape, op_name, world_size=WORLD)
     theirs = run_on_threads(_col_scale_on, "torch", mesh_shape, op_name, world_size=WORLD)
-    assert ours == theirs
+    for rank_ours, rank_theirs in zip(ours, theirs):
+        for mine, oracle in zip(rank_ours, rank_theirs):
+            faster = _FASTER_THAN_PYTORCH.get(mesh_shape, {}).get(mine[:2])
+            assert (mine[2] == faster and oracle[3]) if faster is not None else mine == oracle
     assert all(correct for rank in ours for *_, correct in rank)
     placements = {(x, w): out for x, w, out, _ in ours[0]}
     if mesh_shape == (4,):

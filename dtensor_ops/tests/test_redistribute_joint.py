@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from redistribute_helpers import full_tensor, source_locals
+from redistribute_helpers import full_tensor, priced_by, source_locals
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._redistribute import plan_redistribute, redistribute_local_tensor
 from shardwise.dtensor_ops._redistribute_plan import (
@@ -215,10 +215,11 @@ def _run_joint_cases(mesh: DeviceMesh, shapes: Sequence[tuple[int, ...]]) -> lis
 @multi_rank(world_size=4)
 def test_joint_steps_give_the_full_tensors_shards_with_the_planned_collectives() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    problems = _run_joint_cases(mesh, [(8, 12), (7, 5), (3, 5)])
-    # Coordinates and ranks in another order: the joint group's ranks are sorted, the pieces follow.
-    transposed = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("a", "b"))
-    problems += _run_joint_cases(transposed, [(8, 12), (7, 5)])
+    with priced_by("nccl"):  # where joint steps pay (see priced_by)
+        problems = _run_joint_cases(mesh, [(8, 12), (7, 5), (3, 5)])
+        # Coordinates and ranks in another order: the joint group's ranks are sorted, the pieces follow.
+        transposed = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("a", "b"))
+        problems += _run_joint_cases(transposed, [(8, 12), (7, 5)])
     assert not problems, "\n".join(problems[:20])
 
 
@@ -231,7 +232,7 @@ def test_one_all_to_all_moves_the_lower_bound_on_2x2() -> None:
     src_spec, dst_spec = make_spec(mesh, (S0, S0), shape), make_spec(mesh, (S1, S1), shape)
     local = select_local_shard(full, (2, 2), coordinate, (S0, S0)).clone()
     received = ReceivedBytes()
-    with CommDebugMode() as comm, received:
+    with priced_by("nccl"), CommDebugMode() as comm, received:
         result = redistribute_local_tensor(local, src_spec, dst_spec)
     assert comm.get_total_counts() == 1 and comm.get_comm_counts()[_c10d.all_to_all_single] == 1
     # 16x16 fp32: a rank holds 4 rows, needs 4 columns, shares a 4x4 block: 48 elements arrive.
@@ -246,12 +247,13 @@ def test_the_gradient_of_a_joint_redistribution_plans_its_own_joint_step() -> No
     weight = full_tensor((8, 12), 6)
     coordinate = tuple(mesh.get_coordinate() or ())
     local = select_local_shard(full, (2, 2), coordinate, (S0, S0)).clone().requires_grad_(True)
-    source = DTensor.from_local(local, mesh, [S0, S0])
-    moved = source.redistribute(mesh, [S1, S1])
-    assert moved.placements == (S1, S1)
-    loss = (moved.to_local() * select_local_shard(weight, (2, 2), coordinate, (S1, S1))).sum()
-    with CommDebugMode() as comm:
-        loss.backward()
+    with priced_by("nccl"):
+        source = DTensor.from_local(local, mesh, [S0, S0])
+        moved = source.redistribute(mesh, [S1, S1])
+        assert moved.placements == (S1, S1)
+        loss = (moved.to_local() * select_local_shard(weight, (2, 2), coordinate, (S1, S1))).sum()
+        with CommDebugMode() as comm:
+            loss.backward()
     # The gradient comes back (S1, S1) -> (S0, S0): one joint all-to-all, nothing else.
     assert comm.get_total_counts() == 1 and comm.get_comm_counts()[_c10d.all_to_all_single] == 1
     assert local.grad is not None
@@ -287,7 +289,7 @@ def test_the_gradient_of_a_joint_reduction_goes_back_replicated_over_the_partial
     coordinate = tuple(mesh.get_coordinate() or ())
     local = source_locals(full, (2, 2), (S0, P_SUM), 10)[coordinate].clone().requires_grad_(True)
     source = DTensor.from_local(local, mesh, [S0, P_SUM])
-    with CommDebugMode() as forward:
+    with priced_by("nccl"), CommDebugMode() as forward:
         moved = source.redistribute(mesh, [S1, S1])
     # Forward: one all-to-all whose receivers add the two contributions.
     assert forward.get_total_counts() == 1 and forward.get_comm_counts()[_c10d.all_to_all_single] == 1

@@ -170,17 +170,26 @@ def test_free_local_redistribution_beats_any_collective() -> None:
     assert placements_in(matmul) == [(Shard(1),), (Shard(0),)] and placements_out(matmul) == (P,)
 
 
-def test_the_smaller_tensor_is_the_one_moved() -> None:
-    # Column-sharded big x plus a row-sharded [64, 1] column: gathering the column (64 values) is cheaper
-    # than an all-to-all of x (64x64 values), so the output follows x.
-    x, column = spec(MESH_4, [Shard(1)], 64, 64), spec(MESH_4, [Shard(0)], 64, 1)
+def test_the_smaller_tensor_is_the_one_moved_when_bandwidth_dominates() -> None:
+    # Column-sharded big x (2048x2048 fp32, 4 MB a rank) plus a row-sharded [2048, 1] column: on gloo's
+    # profile, gathering the column (8 KB) takes about an all-gather's latency, the all-to-all of x
+    # its latency plus 3 MB over the wire, so the output follows x.
+    x, column = spec(MESH_4, [Shard(1)], 2048, 2048), spec(MESH_4, [Shard(0)], 2048, 1)
     decision = propagate_op_sharding(aten.add.Tensor, (x, column), {})
     assert placements_in(decision) == [(Shard(1),), (R,)]
     assert placements_out(decision) == (Shard(1),)
     # The other way round the big one stays and the small one moves again.
-    x_rows, wide = spec(MESH_4, [Shard(0)], 64, 64), spec(MESH_4, [Shard(1)], 1, 64)
+    x_rows, wide = spec(MESH_4, [Shard(0)], 2048, 2048), spec(MESH_4, [Shard(1)], 1, 2048)
     other = propagate_op_sharding(aten.add.Tensor, (x_rows, wide), {})
     assert placements_in(other) == [(Shard(0),), (R,)]
+
+
+def test_the_faster_move_wins_when_latency_dominates() -> None:
+    # The same layouts at 64x64: every move is latency-bound, and gloo's all-to-all (one round) beats
+    # its all-gather (a ring of p - 1 rounds), so x moves to the column's Shard(0) although it is bigger.
+    x, column = spec(MESH_4, [Shard(1)], 64, 64), spec(MESH_4, [Shard(0)], 64, 1)
+    decision = propagate_op_sharding(aten.add.Tensor, (x, column), {})
+    assert placements_in(decision) == [(Shard(0),), (Shard(0),)]
 
 
 def test_ties_are_broken_deterministically() -> None:

@@ -69,6 +69,7 @@ class SharedCaches:
         "scalar_specs",
         "plans_by_problem",
         "plans_by_specs",
+        "step_pricers",
         "simulated_programs",
         "draw_carriers",
     )
@@ -83,6 +84,8 @@ class SharedCaches:
         # planner problems and (src, dst, ...) -> cheapest plan (``_redistribute_plan``).
         self.plans_by_problem: dict[Any, Any] = {}
         self.plans_by_specs: dict[Any, Any] = {}
+        # (mesh, cost profile setting) -> the planner's step pricer for that mesh (``_cost_model``).
+        self.step_pricers: dict[Any, Any] = {}
         # (src, dst, simulated rank) -> that rank's program under LocalTensorMode (``_redistribute``).
         self.simulated_programs: dict[Any, Any] = {}
         # device -> the tensor random draws are carried on (``_random``).

@@ -1,7 +1,7 @@
 """The time a redistribution step or plan takes on a mesh: alpha + bytes / beta per collective.
 
 Pure pricing over a ``shardwise.mesh`` cost profile (``shardwise.mesh._cost_profile``); nothing here
-communicates, and nothing here is used by the planner or strategy choice yet.
+communicates.
 
 Units: ``nbytes`` is what one rank *receives* in the collective, exactly as the planner counts a
 step's ``bytes_per_rank`` (so beta is nccl-tests' bus bandwidth), or, for ``local_copy``, the bytes
@@ -12,22 +12,17 @@ given, else ``$SHARDWISE_COST_PROFILE``, else the default of the mesh's backend 
 for gloo, ``nccl`` for NCCL: intra-node figures, inter-node ones for groups that span nodes);
 ``shardwise.mesh._cost_profile.active_cost_profile`` is the one place that decides.
 
-How to wire it in (left to the planner's owner; the exact edits)
-----------------------------------------------------------------
+Where it is used
+----------------
 
-1. **Planner** (``_redistribute_plan.find_cheapest_plan``): today an edge's weight is
-   ``step.bytes_per_rank``. Make it ``price(step)`` with ``price = StepPricer(mesh, profile)``
-   built once per (mesh, profile): ``StepPricer.step_time(kind, mesh_dims, bytes_per_rank,
-   local_copy_bytes)``. Compare paths by the tuple ``(total time, number of collectives,
-   PyTorch-order rank)`` so ties go to fewer collectives, then to PyTorch's choice. The search
-   needs the mesh (node spans, calibrated per-dim tables) where it now takes ``mesh_shape``: pass the
-   pricer instead, and add ``pricer.cache_key`` (profile identity + per-dim (alpha, beta)) to
-   ``_ProblemKey`` and the by-spec key, so a changed profile never hands out a plan priced by the old one.
-   Keep ``plan_bytes_per_rank`` for the byte figures the tests assert.
-2. **Strategy choice** (sharding propagation's "cheapest redistribution of the inputs"): replace
-   ``redistribute_cost_bytes(src, dst)`` by ``plan_time(plan_redistribute(src, dst), src.mesh)``.
-3. **Local copies**: a step that pads before a collective and trims after, or chunks locally, adds
-   ``local_copy`` of the bytes it copies (``step_time(..., local_copy_bytes=...)``).
+* **Planner**: ``_redistribute_plan.plan_redistribute`` searches with ``pricer_for_mesh(mesh)
+  .step_picoseconds`` as the edge weight and ranks plans by (time, collectives, joint steps, bytes,
+  steps); the pricer's ``cache_key`` is part of the cached problem's key.
+* **Strategy choice**: ``_propagation`` ranks a rule's candidate input placements by
+  ``redistribute_cost_picoseconds`` (the fastest plan's time), not by bytes.
+* Byte figures (``plan_bytes_per_rank``, ``redistribute_cost_bytes``, the lower bound) are kept for
+  what the tests and benchmarks report; ``find_cheapest_plan`` without ``step_price`` still gives the
+  fewest-bytes plan (bandwidth alone).
 
 When the bytes lower bound is also the time optimum
 ---------------------------------------------------
@@ -38,8 +33,8 @@ fastest once the saved bytes per extra collective exceed alpha * beta; the alter
 weighs differ by a fixed fraction of the tensor (typically (p-1)/p of a local shard), so from a
 tensor size of about ``alpha * beta * p / (p - 1)`` per extra collective on bandwidth decides:
 
-* gloo on loopback (measured here, 4 ranks on the loaded 2-core machine): alpha * beta ~ 1.0 MB
-  (reduce-scatter), 1.5 MB (all-gather), 5.1 MB (all-to-all), 6.7 MB (all-reduce); so below a
+* gloo on loopback (measured here, groups of 4 on the shared 2-core machine): alpha * beta ~ 2.3 MB
+  (all-to-all), 2.6 MB (all-gather), 3.8 MB (all-reduce), 4.3 MB (reduce-scatter); so below a
   few MB per rank fewer collectives win, and almost every tensor of the toy Transformer is below.
 * NCCL within an H100 node (published busbw, assumed alphas): 8 ranks, all-gather 15 us x 360 GB/s
   ~ 5.4 MB; all-reduce 17 us x 460 GB/s ~ 7.8 MB.
@@ -50,13 +45,17 @@ tensor size of about ``alpha * beta * p / (p - 1)`` per extra collective on band
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
 
 from shardwise.mesh._cost_profile import COLLECTIVE_KINDS, CostProfile, active_cost_profile
+
+from ._caches import SHARED_CACHES, store
+from ._options import current_options
 
 __all__ = [
     "StepPricer",
@@ -64,6 +63,7 @@ __all__ = [
     "collective_time",
     "crossover_table",
     "plan_time",
+    "pricer_for_mesh",
     "priced_kind",
 ]
 
@@ -77,11 +77,13 @@ _KIND_OF_STEP = {
     "joint_all_to_all": "all_to_all",
     "joint_reduce_scatter": "reduce_scatter",
     "joint_all_to_all_reduce": "all_to_all",
+    "joint_all_reduce": "all_reduce",
     # Local steps copy (or zero-fill) their output on the rank's device.
     "local_chunk": "local_copy",
     "local_partial": "local_copy",
     "shard_to_partial": "local_copy",
 }
+_MAX_PRICERS = 256
 # Changes nothing but the label (a mesh dim of size 1): free.
 _FREE_KINDS = frozenset({"relabel"})
 
@@ -98,14 +100,23 @@ def priced_kind(kind: object) -> str | None:
 
 
 def _mesh_backend(mesh: Any) -> str | None:
-    """The c10d backend of the mesh's groups, or None where the mesh has none (test doubles, outside ranks)."""
-    get_group = getattr(mesh, "get_group", None)
-    if get_group is None or not dist.is_initialized():
+    """The c10d backend the mesh's device type uses in the default group, or None without one.
+
+    Read from the default group's backend config (``cpu:gloo,cuda:nccl``), never from the mesh's
+    own groups: those may be created lazily, and pricing must not create a group.
+    """
+    if not dist.is_initialized():
         return None
+    device_type = str(getattr(mesh, "device_type", "cpu"))
     try:
-        return str(dist.get_backend(get_group(0)))
-    except (RuntimeError, ValueError, KeyError):
+        config = str(dist.get_backend_config())
+    except (RuntimeError, ValueError):
         return None
+    for entry in config.split(","):
+        device, _, backend = entry.partition(":")
+        if device.strip() == device_type and backend:
+            return backend.strip()
+    return None
 
 
 def _profile_for(mesh: Any, profile: CostProfile | str | os.PathLike[str] | None) -> CostProfile:
@@ -157,27 +168,53 @@ def bytes_worth_one_collective(
 
 @dataclass(frozen=True)
 class StepPricer:
-    """Prices planner steps on one mesh under one profile (what the planner would build once and reuse)."""
+    """Prices planner steps on one mesh under one profile (built once per mesh and reused)."""
 
     mesh: Any
     profile: CostProfile
+    # What chose the profile (a built-in name or a file path; None: the backend's default): part of cache keys.
+    setting: str | None = None
+    # (priced kind, mesh dims) -> (the cost that applies, group size): the profile's lookup, done once.
+    _costs: dict[tuple[str, tuple[int, ...]], tuple[Any, int]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @staticmethod
     def for_mesh(mesh: Any, profile: CostProfile | str | os.PathLike[str] | None = None) -> StepPricer:
-        return StepPricer(mesh, _profile_for(mesh, profile))
+        setting = None if profile is None or isinstance(profile, CostProfile) else os.fspath(profile)
+        return StepPricer(mesh, _profile_for(mesh, profile), setting)
+
+    def _cost(self, priced: str, mesh_dims: tuple[int, ...]) -> tuple[Any, int]:
+        key = (priced, mesh_dims)
+        found = self._costs.get(key)
+        if found is None:
+            found = self.profile.cost(priced, self.mesh, mesh_dims)
+            self._costs[key] = found
+        return found
 
     def step_time(self, kind: object, mesh_dims: int | Sequence[int], bytes_per_rank: float, local_copy_bytes: float = 0.0) -> float:
+        """Seconds one step of ``kind`` over ``mesh_dims`` takes when a rank receives ``bytes_per_rank``."""
+        if bytes_per_rank < 0:
+            raise ValueError(f"step_time: bytes_per_rank must be >= 0, got {bytes_per_rank}")
         priced = priced_kind(kind)
         if priced is None:
             return 0.0
+        dims = _dims(mesh_dims)
         if priced == "local_copy":
-            return collective_time("local_copy", bytes_per_rank + local_copy_bytes, self.mesh, mesh_dims, profile=self.profile)
-        seconds = collective_time(priced, bytes_per_rank, self.mesh, mesh_dims, profile=self.profile)
+            cost, group_size = self._cost("local_copy", dims)
+            return float(cost.time(bytes_per_rank + local_copy_bytes, group_size))
+        cost, group_size = self._cost(priced, dims)
+        seconds = 0.0 if group_size <= 1 else float(cost.time(bytes_per_rank, group_size))
         if local_copy_bytes:
-            seconds += collective_time("local_copy", local_copy_bytes, self.mesh, mesh_dims, profile=self.profile)
+            copy, copy_group = self._cost("local_copy", dims)
+            seconds += float(copy.time(local_copy_bytes, copy_group))
         return seconds
 
-    @property
+    def step_picoseconds(self, kind: object, mesh_dims: tuple[int, ...], bytes_per_rank: int) -> int:
+        """``step_time`` as whole picoseconds: what the planner adds up, so equal plans tie exactly."""
+        return round(self.step_time(kind, mesh_dims, bytes_per_rank) * 1e12)
+
+    @functools.cached_property
     def cache_key(self) -> tuple[object, ...]:
         """What a cached plan priced by this pricer depends on besides the specs."""
         shape = tuple(int(size) for size in self.mesh.shape)
@@ -187,6 +224,23 @@ class StepPricer:
             for kind in COLLECTIVE_KINDS
         )
         return (self.profile.name, shape, per_dim)
+
+
+def pricer_for_mesh(mesh: Any) -> StepPricer:
+    """The pricer the planner uses for ``mesh``: the ``cost_profile`` option (``_options``;
+    ``$SHARDWISE_COST_PROFILE``) if set, else the mesh backend's default; cached per mesh and setting.
+
+    Plans are cached per setting; decisions and redistribution programs already cached keep the
+    profile they were made with: choose the profile before the first redistribution, or clear the
+    caches (``_caches.clear_all_caches``) after changing it.
+    """
+    setting = current_options().cost_profile
+    key = (mesh, setting)
+    pricer = SHARED_CACHES.step_pricers.get(key)
+    if pricer is None:
+        pricer = StepPricer.for_mesh(mesh, setting)
+        store(SHARED_CACHES.step_pricers, key, pricer, _MAX_PRICERS)
+    return pricer
 
 
 def plan_time(plan: Iterable[Any], mesh: Any, *, profile: CostProfile | str | os.PathLike[str] | None = None) -> float:

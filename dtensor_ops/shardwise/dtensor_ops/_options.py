@@ -1,13 +1,18 @@
 """dtensor_ops's configuration, read in one place: one options object, with environment overrides.
 
-=====================  ==============================  =======  ==============================================
-option                 environment override            default  what it changes
-=====================  ==============================  =======  ==============================================
-``gloo_all_to_all``    ``SHARDWISE_GLOO_ALL_TO_ALL=1``  off      redistribution runs each reduce-scatter and
-                                                                all-gather on a gloo group as one all-to-all
-                                                                (same bytes, lower latency on gloo; CommDebugMode
-                                                                then counts all-to-alls, not PyTorch's kinds)
-=====================  ==============================  =======  ==============================================
+=====================  ================================  =======  ==============================================
+option                 environment override              default  what it changes
+=====================  ================================  =======  ==============================================
+``gloo_all_to_all``    ``SHARDWISE_GLOO_ALL_TO_ALL=1``   off      redistribution runs each reduce-scatter and
+                                                                  all-gather on a gloo group as one all-to-all
+                                                                  (same bytes, lower latency on gloo; CommDebugMode
+                                                                  then counts all-to-alls, not PyTorch's kinds)
+``cost_profile``       ``SHARDWISE_COST_PROFILE=NAME``   None     the cost profile plans and strategies are priced
+                                                                  by: a built-in name (``gloo-loopback``,
+                                                                  ``nccl``, ...) or a JSON file written by
+                                                                  ``shardwise.tools.calibrate``; None: the mesh
+                                                                  backend's default (``shardwise.mesh``)
+=====================  ================================  =======  ==============================================
 
 :func:`current_options` answers what is in force: the options given to :func:`use_options`
 (innermost ``with`` block of this thread) if any, else :data:`DEFAULT_OPTIONS` with the environment
@@ -25,6 +30,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
+from shardwise.mesh._cost_profile import COST_PROFILE_ENV_VAR
+
 __all__ = ["DEFAULT_OPTIONS", "ENVIRONMENT_OVERRIDES", "Options", "current_options", "use_options"]
 
 
@@ -33,26 +40,36 @@ class Options:
     """Process-level switches of dtensor_ops (see the module docstring for each)."""
 
     gloo_all_to_all: bool = False
+    cost_profile: str | None = None
 
 
 DEFAULT_OPTIONS = Options()
 
-# option name -> the environment variable that overrides it ("1" on, "0" or unset: the default).
-ENVIRONMENT_OVERRIDES: Mapping[str, str] = {"gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL"}
+# option name -> the environment variable that overrides it (switches: "1" on, "0" or unset the
+# default; text options: the value as given).
+ENVIRONMENT_OVERRIDES: Mapping[str, str] = {
+    "gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL",
+    "cost_profile": COST_PROFILE_ENV_VAR,
+}
+
+_TEXT_OPTIONS = frozenset({"cost_profile"})
 
 _scoped = threading.local()
 
 
 def _from_environment(environ: Mapping[str, str]) -> Options:
-    changes: dict[str, bool] = {}
+    changes: dict[str, object] = {}
     for name, variable in ENVIRONMENT_OVERRIDES.items():
         value = environ.get(variable)
         if value is None or value.strip() == "":
             continue
+        if name in _TEXT_OPTIONS:
+            changes[name] = value.strip()
+            continue
         if value.strip() not in ("0", "1"):
             raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off) for option {name!r}")
         changes[name] = value.strip() == "1"
-    return dataclasses.replace(DEFAULT_OPTIONS, **changes)
+    return dataclasses.replace(DEFAULT_OPTIONS, **changes)  # type: ignore[arg-type]
 
 
 def current_options() -> Options:
@@ -64,13 +81,13 @@ def current_options() -> Options:
 
 
 @contextlib.contextmanager
-def use_options(options: Options | None = None, **changes: bool) -> Iterator[Options]:
+def use_options(options: Options | None = None, **changes: object) -> Iterator[Options]:
     """Run the block with ``options`` (or the current ones with ``changes``) in force on this thread.
 
     Cached redistribution programs keep the options they were compiled with: clear the caches
     (``_caches.clear_all_caches``) when switching options for specs already redistributed.
     """
-    chosen = dataclasses.replace(options or current_options(), **changes)
+    chosen = dataclasses.replace(options or current_options(), **changes)  # type: ignore[arg-type]
     stack: list[Options] | None = getattr(_scoped, "stack", None)
     if stack is None:
         stack = _scoped.stack = []

@@ -32,7 +32,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMe
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, ShardingRule
 from ._random import plan_random_draw
-from ._redistribute_plan import redistribute_cost_bytes
+from ._redistribute_plan import redistribute_cost_picoseconds
 from ._rules import DecideFn, ShardingPropagationError
 from ._schema import schema_facts
 from ._simulated_kernels import local_arg_overrides_for_each_simulated_rank, local_kernel_for_each_simulated_rank
@@ -288,20 +288,20 @@ def _cheapest_combination(
 ) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
     """Input and output placements of the exact n-D combination with the cheapest input redistribution.
 
-    Ranked by (bytes moved per rank, placements changed, enumeration order): free
-    local steps still lose to no step at all, and equal candidates resolve the same
-    way on every rank.
+    Ranked by (seconds the inputs' redistribution takes under the mesh's cost profile, placements
+    changed, enumeration order): free local steps still lose to no step at all, and equal candidates
+    resolve the same way on every rank.
     """
     rule_specs = call.input_specs
-    best_rank: tuple[float, int, int] | None = None
+    best_rank: tuple[int, int, int] | None = None
     best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
-    costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
+    costs: dict[tuple[int, tuple[Placement, ...]], int] = {}
     for order, combo in enumerate(itertools.product(*per_mesh_dim)):
         inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
         outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
         if rule.is_valid is not None and not rule.is_valid(call, inputs_nd, outputs_nd):
             continue
-        moved = 0.0
+        moved = 0
         changed = 0
         for index, target in enumerate(inputs_nd):
             current = rule_specs[index].placements
@@ -432,6 +432,6 @@ def decide_with_rule(
     )
 
 
-def _redistribute_cost(spec: DTensorSpec[Any], target: tuple[Placement, ...]) -> float:
-    """Bytes per rank the redistribute planner's cheapest plan moves (the planner caches it)."""
-    return float(redistribute_cost_bytes(spec, spec.with_placements(target)))
+def _redistribute_cost(spec: DTensorSpec[Any], target: tuple[Placement, ...]) -> int:
+    """Picoseconds the redistribute planner's fastest plan takes under the mesh's cost profile (plans cached)."""
+    return redistribute_cost_picoseconds(spec, spec.with_placements(target))

@@ -98,7 +98,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from shardwise.placement import (
     DTensorSpec,
@@ -111,6 +111,7 @@ from shardwise.placement import (
 )
 
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
+from ._cost_model import pricer_for_mesh
 
 __all__ = [
     "StepKind",
@@ -130,11 +131,14 @@ __all__ = [
     "reduce_ops_commute",
     "plan_redistribute",
     "redistribute_cost_bytes",
+    "redistribute_cost_picoseconds",
     "redistribute_lower_bound_bytes",
     "check_redistribute_specs",
 ]
 
 Placements = tuple[Placement, ...]
+# What a step costs in the planner's search: (kind, mesh dims, bytes per rank) -> a non-negative integer.
+StepPrice = Callable[["StepKind", tuple[int, ...], int], int]
 
 _LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})
 
@@ -625,11 +629,18 @@ def find_cheapest_plan(
     itemsize: int,
     *,
     allow_joint_steps: bool = False,
+    step_price: StepPrice | None = None,
 ) -> tuple[RedistributeStep, ...]:
-    """The plan from ``src`` to ``dst`` moving the fewest bytes per rank (then fewest collectives, steps).
+    """The cheapest plan from ``src`` to ``dst``.
+
+    ``step_price``: what a step costs (any non-negative integer unit; the time model's picoseconds,
+    ``_cost_model.StepPricer.step_picoseconds``). Plans are then ranked by (total price,
+    collectives, joint steps, bytes, steps): ties go to fewer collectives, then to plans without
+    joint steps (PyTorch's one-dim steps), then to fewer bytes. Without it, by bytes per rank (then
+    joint steps, collectives, steps): the plan when bandwidth alone counts, the lower-bound view.
 
     ``allow_joint_steps``: also consider steps changing several mesh dims with one collective over
-    their joint group (the mesh must have those groups); used only where they move fewer bytes.
+    their joint group (the mesh must have those groups).
     """
     src, dst = tuple(src), tuple(dst)
     _check_problem(global_shape, mesh_shape, src, dst, itemsize)
@@ -659,19 +670,29 @@ def find_cheapest_plan(
             largest_shapes[state] = shape
         return shape
 
-    Cost = tuple[int, int, int, int]  # bytes, joint steps, collectives, steps
-    best: dict[Placements, Cost] = {src: (0, 0, 0, 0)}
+    # By price: (price, collectives, joint steps, bytes, steps); by bytes: (bytes, joint steps,
+    # collectives, bytes, steps). Every entry is an integer sum, so equal plans tie exactly.
+    Cost = tuple[int, int, int, int, int]
+    zero: Cost = (0, 0, 0, 0, 0)
+    best: dict[Placements, Cost] = {src: zero}
     came_from: dict[Placements, tuple[Placements, RedistributeStep]] = {}
     order = itertools.count()
-    frontier: list[tuple[Cost, int, Placements]] = [((0, 0, 0, 0), next(order), src)]
+    frontier: list[tuple[Cost, int, Placements]] = [(zero, next(order), src)]
     done: set[Placements] = set()
 
     def relax(state: Placements, cost: Cost, new_state: Placements, step: RedistributeStep) -> None:
+        collective = int(step.kind.is_collective)
+        joint = int(bool(step.joint))
+        if step_price is None:
+            added = (step.bytes_per_rank, joint, collective, step.bytes_per_rank, 1)
+        else:
+            added = (step_price(step.kind, step.mesh_dims, step.bytes_per_rank), collective, joint, step.bytes_per_rank, 1)
         new_cost = (
-            cost[0] + step.bytes_per_rank,
-            cost[1] + int(bool(step.joint)),
-            cost[2] + int(step.kind.is_collective),
-            cost[3] + 1,
+            cost[0] + added[0],
+            cost[1] + added[1],
+            cost[2] + added[2],
+            cost[3] + added[3],
+            cost[4] + added[4],
         )
         known = best.get(new_state)
         if known is None or new_cost < known:
@@ -903,7 +924,7 @@ def lower_bound_bytes_per_rank(
 # Caches are dicts cleared when full (_caches.store): a hit must stay a plain dict lookup.
 _MAX_CACHE_ENTRIES = 8192
 
-_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements, bool]
+_ProblemKey = tuple[tuple[int, ...], tuple[int, ...], int, Placements, Placements, bool, tuple[object, ...]]
 
 
 # -- planning ------------------------------------------------------------------------------
@@ -941,7 +962,7 @@ def mesh_supports_joint_steps(mesh: Any) -> bool:
 
 
 def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
-    """The cheapest plan (by bytes moved per rank) from ``src`` to ``dst``; ``()`` when they match.
+    """The fastest plan from ``src`` to ``dst`` under the mesh's cost profile; ``()`` when they match.
 
     Both specs need ``tensor_meta`` and the same mesh and global shape.  Joint steps are
     considered when the mesh has a process group for every set of its dims
@@ -951,7 +972,8 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
         # Planned on the _StridedShard form of the same layouts (see shardwise.placement._shard_order).
         return plan_redistribute(src.as_layout_spec(), dst.as_layout_spec())
     joint = mesh_supports_joint_steps(src.mesh)
-    key = (src, dst, joint)
+    pricer = pricer_for_mesh(src.mesh)
+    key = (src, dst, joint, pricer.setting)
     plan = lookup(SHARED_CACHES.plans_by_specs, key)
     if plan is SYMBOLIC:
         return _plan_for_symbolic_shape(src, dst)
@@ -961,11 +983,17 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
     assert src.tensor_meta is not None
     mesh_shape = tuple(src.mesh.shape)
     itemsize = src.tensor_meta.dtype.itemsize
-    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements, joint)
+    problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements, joint, pricer.cache_key)
     plan = SHARED_CACHES.plans_by_problem.get(problem)
     if plan is None:
         plan = find_cheapest_plan(
-            global_shape, mesh_shape, src.placements, dst.placements, itemsize, allow_joint_steps=joint
+            global_shape,
+            mesh_shape,
+            src.placements,
+            dst.placements,
+            itemsize,
+            allow_joint_steps=joint,
+            step_price=pricer.step_picoseconds,
         )
         store(SHARED_CACHES.plans_by_problem, problem, plan, _MAX_CACHE_ENTRIES)
     store(SHARED_CACHES.plans_by_specs, key, plan, _MAX_CACHE_ENTRIES)
@@ -984,12 +1012,17 @@ def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
     assert src.tensor_meta is not None
     example_shape = tuple(optimization_hint(size) for size in global_shape)
     return find_cheapest_plan(
-        example_shape, tuple(src.mesh.shape), src.placements, dst.placements, src.tensor_meta.dtype.itemsize
+        example_shape,
+        tuple(src.mesh.shape),
+        src.placements,
+        dst.placements,
+        src.tensor_meta.dtype.itemsize,
+        step_price=pricer_for_mesh(src.mesh).step_picoseconds,
     )
 
 
-def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
-    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match).
+def _plan_that_prices(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
+    """The plan whose steps price redistributing ``src`` to ``dst`` (``()`` when they match).
 
     Layouts with ``_StridedShard`` (or a shard order, which is one) have no step-by-step plan: they
     are moved through the whole tensor (``_strided_redistribute``), so they cost gathering ``src``
@@ -998,11 +1031,28 @@ def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int
     """
     src, dst = src.as_layout_spec(), dst.as_layout_spec()
     if src == dst:
-        return 0
+        return ()
     if any(type(p) is _StridedShard for p in (*src.placements, *dst.placements)):
         plain = src.with_placements([Shard(p.dim) if type(p) is _StridedShard else p for p in src.placements])
-        return plan_bytes_per_rank(plan_redistribute(plain, plain.with_placements([Replicate()] * len(plain.placements))))
-    return plan_bytes_per_rank(plan_redistribute(src, dst))
+        return plan_redistribute(plain, plain.with_placements([Replicate()] * len(plain.placements)))
+    return plan_redistribute(src, dst)
+
+
+def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """Bytes per rank that redistributing ``src`` to ``dst`` moves (0 when they match)."""
+    return plan_bytes_per_rank(_plan_that_prices(src, dst))
+
+
+def redistribute_cost_picoseconds(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
+    """Picoseconds redistributing ``src`` to ``dst`` takes under the mesh's cost profile (0 when they match).
+
+    Whole picoseconds, as the planner sums them, so equal plans cost exactly the same.
+    """
+    plan = _plan_that_prices(src, dst)
+    if not plan:
+        return 0
+    pricer = pricer_for_mesh(src.mesh)
+    return sum(pricer.step_picoseconds(step.kind, step.mesh_dims, step.bytes_per_rank) for step in plan)
 
 
 def redistribute_lower_bound_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:

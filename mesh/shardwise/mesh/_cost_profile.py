@@ -48,19 +48,30 @@ _FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class CollectiveCost:
-    """alpha + bytes / beta, with alpha growing by ``alpha_per_peer_s`` for every further group member."""
+    """alpha + bytes / beta, with alpha growing by ``alpha_per_peer_s`` for every further group member.
+
+    ``measured_alpha_s``: (group size, alpha) pairs measured at those sizes, which win over the
+    line for groups of exactly that size (latency need not grow linearly: on an oversubscribed
+    machine a group of 4 costs far more than twice a group of 2).
+    """
 
     alpha_s: float
     beta_bytes_per_s: float
     alpha_per_peer_s: float = 0.0
+    measured_alpha_s: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and self.alpha_per_peer_s >= 0 and self.beta_bytes_per_s > 0):
             raise MeshError(
                 f"a collective cost needs alpha_s >= 0, alpha_per_peer_s >= 0 and beta_bytes_per_s > 0, got {self}"
             )
+        if any(size < 1 or alpha < 0 for size, alpha in self.measured_alpha_s):
+            raise MeshError(f"measured_alpha_s needs group sizes >= 1 and alphas >= 0, got {self.measured_alpha_s}")
 
     def alpha(self, group_size: int) -> float:
+        for size, alpha in self.measured_alpha_s:
+            if size == group_size:
+                return alpha
         return self.alpha_s + self.alpha_per_peer_s * max(group_size - 1, 0)
 
     def time(self, received_bytes: float, group_size: int) -> float:
@@ -139,7 +150,7 @@ class CostProfile:
         return cost.beta_bytes_per_s
 
     def _calibrated(self, kind: str, mesh: MeshLike, dim: int) -> CollectiveCost | None:
-        names = mesh.mesh_dim_names
+        names = getattr(mesh, "mesh_dim_names", None)
         for key in ((names[dim],) if names else ()) + (str(dim),):
             table = self.dim_costs.get(key)
             if table is not None and kind in table:
@@ -147,18 +158,26 @@ class CostProfile:
         return None
 
     def _spans_nodes(self, mesh: MeshLike, dims: tuple[int, ...]) -> bool:
+        """Whether any group over ``dims`` spans nodes: the same answer on every rank (so every rank
+        prices, and plans, alike) and read from the rank grid alone (no coordinate, which may be
+        symbolic while torch.compile traces)."""
         per_node = self.ranks_per_node if self.ranks_per_node is not None else _local_world_size()
         if per_node is None:
             return False
-        ranks = _ranks_along(mesh, dims)
-        return ranks is not None and len({rank // per_node for rank in ranks}) > 1
+        groups = _groups_along(mesh, dims)
+        return groups is not None and any(len({rank // per_node for rank in group}) > 1 for group in groups)
 
     # -------------------------------------------------------------------------- persistence
 
     def to_json(self) -> dict[str, Any]:
-        def table(costs: Mapping[str, CollectiveCost]) -> dict[str, dict[str, float]]:
+        def table(costs: Mapping[str, CollectiveCost]) -> dict[str, dict[str, Any]]:
             return {
-                kind: {"alpha_s": c.alpha_s, "alpha_per_peer_s": c.alpha_per_peer_s, "beta_bytes_per_s": c.beta_bytes_per_s}
+                kind: {
+                    "alpha_s": c.alpha_s,
+                    "alpha_per_peer_s": c.alpha_per_peer_s,
+                    "beta_bytes_per_s": c.beta_bytes_per_s,
+                    "measured_alpha_s": {str(size): alpha for size, alpha in c.measured_alpha_s},
+                }
                 for kind, c in costs.items()
             }
 
@@ -189,6 +208,9 @@ class CostProfile:
                         alpha_s=float(entry["alpha_s"]),
                         beta_bytes_per_s=float(entry["beta_bytes_per_s"]),
                         alpha_per_peer_s=float(entry.get("alpha_per_peer_s", 0.0)),
+                        measured_alpha_s=tuple(
+                            sorted((int(size), float(alpha)) for size, alpha in entry.get("measured_alpha_s", {}).items())
+                        ),
                     )
                     for kind, entry in raw.items()
                 }
@@ -217,41 +239,86 @@ def _local_world_size() -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _ranks_along(mesh: MeshLike, dims: tuple[int, ...]) -> list[int] | None:
-    """Global ranks of this rank's group over ``dims``, or None where the mesh cannot tell."""
+def _groups_along(mesh: MeshLike, dims: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """The global ranks of every group over each of ``dims``, or None where the mesh cannot tell.
+
+    A group over several dims spans nodes exactly when a group over one of them does (within a
+    node along every dim stays within it), so the groups of each dim alone answer for joint ones.
+    From shardwise's mesh layout in plain Python (no tensor: this also runs while torch.compile
+    traces a redistribution), else from the rank grid (``mesh.mesh``: other meshes, test doubles).
+    """
+    layout = getattr(mesh, "_layout", None)
+    if layout is not None and hasattr(layout, "root_ranks"):
+        return [group for dim in dims for group in _layout_groups(layout, dim % len(layout.dims))]
     grid = getattr(mesh, "mesh", None)
-    coordinate = mesh.get_coordinate() if hasattr(mesh, "get_coordinate") else None
-    if not isinstance(grid, torch.Tensor) or coordinate is None:
+    if not isinstance(grid, torch.Tensor):
         return None
-    index: list[Any] = [slice(None) if dim in dims else int(value) for dim, value in enumerate(coordinate)]
-    return [int(rank) for rank in grid[tuple(index)].reshape(-1).tolist()]
+    groups: list[tuple[int, ...]] = []
+    for dim in dims:
+        rows = grid.movedim(dim % grid.ndim, -1).reshape(-1, int(grid.shape[dim])).tolist()
+        groups += [tuple(int(rank) for rank in row) for row in rows]
+    return groups
+
+
+def _layout_groups(layout: Any, dim: int) -> list[tuple[int, ...]]:
+    """Every rank list over view dim ``dim`` of a ``MeshLayout`` (root shape, row-major root ranks)."""
+    spanned = set(layout.dims[dim])
+    shape = tuple(layout.root_shape)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for position, rank in enumerate(layout.root_ranks):
+        key = []
+        for size in reversed(shape):
+            position, within = divmod(position, size)
+            key.append(within)
+        index = tuple(reversed(key))
+        fixed = tuple(value for root_dim, value in enumerate(index) if root_dim not in spanned)
+        groups.setdefault(fixed, []).append(int(rank))
+    return [tuple(group) for group in groups.values()]
 
 
 # ---------------------------------------------------------------------------------- defaults
 #
-# gloo on loopback, measured here with `python -m shardwise.tools.calibrate --nproc N --sizes
-# 1K,16K,256K,1M,4M --iters 15|20` for N = 2 and 4 (1-D mesh), twice each, on the shared 2-core CPU
-# machine under load (load average 9-12). Means of the two runs (alpha us / beta GB/s):
-#   2 ranks: all_gather 932 / 0.307, reduce_scatter 1386 / 0.285, all_reduce 625 / 0.694,
-#            all_to_all 631 / 0.713, local copy 2.7 / 33.4
-#   4 ranks: all_gather 4392 / 0.364, reduce_scatter 8023 / 0.138, all_reduce 8446 / 0.854,
-#            all_to_all 7408 / 0.749, local copy 2.0 / 19.8
-# alpha grows faster than the number of peers here (4 processes share 2 cores, so latency is mostly
-# waiting to be scheduled): a straight line through both sizes would need a negative base, so alpha
-# is fitted as alpha_per_peer * (p - 1) through zero (least squares over p = 2, 4). beta is the
-# 4-rank figure (what this project's 4-rank runs see). Run-to-run spread on this machine is about 2x.
+# gloo on loopback, measured here on the shared 2-core CPU machine (load average 3-7, 2026-11-27,
+# torch 2.13), the kinds timed in turn within every iteration (so load swings hit all alike):
+# `python -m shardwise.tools.calibrate --nproc 4 --sizes 1K,64K,1M --iters 40` twice and a plain c10d
+# loop (1 KB and 64 KB, 150 iterations) twice on a 1-D mesh of 4, and `--nproc 4 --mesh 2x2 --iters 30`
+# twice (groups of 2 inside the same 4-process world). Medians over those runs (alpha us):
+#   groups of 2: all_gather 487, reduce_scatter 561, all_reduce 529, all_to_all 307, local copy 2.5
+#   groups of 4: all_gather 5490, reduce_scatter 8530, all_reduce 8620, all_to_all 3066
+# beta (GB/s, groups of 4, medians of the fits where alpha did not swamp the slope): all_gather 0.48,
+# reduce_scatter 0.50, all_reduce 0.44, all_to_all 0.74, local copy 37.
+# A group of 4 costs ~10x a group of 2 here (4 processes share 2 cores: every round of a collective
+# waits to be scheduled), so both sizes are kept as measured (``measured_alpha_s``); other sizes use
+# alpha_per_peer * (p - 1) fitted through zero over both. The order held in every interleaved run:
+# all-to-all (one round: every peer gets its block) < all-gather (a ring of p - 1 rounds) <
+# reduce-scatter ~ all-reduce (gloo's reduce-scatter takes as long as its all-reduce: their medians
+# differ by less than the spread, so both get the pooled alphas, 545 and 8575 us). Timed one kind
+# after another under load 9-12, an earlier calibration had put all-to-all above all-gather;
+# interleaved runs never did. Calibrate on your own machine for anything else.
 _GLOO_LOOPBACK = CostProfile(
     name="gloo-loopback",
     source=(
-        "measured: shardwise.tools.calibrate, gloo over loopback, 2 and 4 ranks, shared 2-core CPU machine "
-        "under load (torch 2.13); alpha = alpha_per_peer * (p - 1) fitted over p = 2, 4; beta from 4 ranks"
+        "measured: shardwise.tools.calibrate (kinds interleaved) and a plain c10d loop, gloo over loopback, "
+        "groups of 2 and 4 in a 4-process world, shared 2-core CPU machine at load 3-7 (torch 2.13, "
+        "2026-11-27); alpha as measured for groups of 2 and 4, alpha_per_peer * (p - 1) fitted through "
+        "zero for other sizes; beta from groups of 4"
     ),
     costs={
-        "all_gather": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=1411e-6, beta_bytes_per_s=0.364e9),
-        "reduce_scatter": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2545e-6, beta_bytes_per_s=0.138e9),
-        "all_reduce": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2596e-6, beta_bytes_per_s=0.854e9),
-        "all_to_all": CollectiveCost(alpha_s=0.0, alpha_per_peer_s=2286e-6, beta_bytes_per_s=0.749e9),
-        "local_copy": CollectiveCost(alpha_s=2.3e-6, beta_bytes_per_s=26.6e9),
+        "all_gather": CollectiveCost(
+            alpha_s=0.0, alpha_per_peer_s=1696e-6, beta_bytes_per_s=0.48e9, measured_alpha_s=((2, 487e-6), (4, 5490e-6))
+        ),
+        # gloo's reduce-scatter takes as long as its all-reduce (the medians differ by less than the
+        # run-to-run spread): both get the pooled alphas, so bytes decide between them.
+        "reduce_scatter": CollectiveCost(
+            alpha_s=0.0, alpha_per_peer_s=2627e-6, beta_bytes_per_s=0.50e9, measured_alpha_s=((2, 545e-6), (4, 8575e-6))
+        ),
+        "all_reduce": CollectiveCost(
+            alpha_s=0.0, alpha_per_peer_s=2627e-6, beta_bytes_per_s=0.44e9, measured_alpha_s=((2, 545e-6), (4, 8575e-6))
+        ),
+        "all_to_all": CollectiveCost(
+            alpha_s=0.0, alpha_per_peer_s=950e-6, beta_bytes_per_s=0.74e9, measured_alpha_s=((2, 307e-6), (4, 3066e-6))
+        ),
+        "local_copy": CollectiveCost(alpha_s=2.5e-6, beta_bytes_per_s=37e9),
     },
 )
 

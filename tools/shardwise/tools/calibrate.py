@@ -128,22 +128,33 @@ def _slowest_median(samples: list[float], group: dist.ProcessGroup, device: torc
     return float(value.item())
 
 
-def measure_collective(kind: str, group: dist.ProcessGroup, sizes: Sequence[int], iters: int, device: torch.device) -> CollectiveCost:
-    points: list[tuple[float, float]] = []
+def measure_collectives(
+    kinds: Sequence[str], group: dist.ProcessGroup, sizes: Sequence[int], iters: int, device: torch.device
+) -> dict[str, CollectiveCost]:
+    """alpha and beta of every kind over ``group``.
+
+    Per size, the kinds take turns within each iteration (one run of each, then the next
+    iteration), so a change in machine load lands on every kind alike and their order is measured
+    in the same conditions; timed one kind after another, a loaded machine swapped them.
+    """
+    points: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
     for size in sizes:
-        run, counted_bytes = _operation(kind, size, group, device)
-        for _ in range(_WARMUP_ITERS):
-            run()
-        samples = []
+        operations = {kind: _operation(kind, size, group, device) for kind in kinds}
+        for run, _ in operations.values():
+            for _ in range(_WARMUP_ITERS):
+                run()
+        samples: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(iters):
-            dist.barrier(group=group)
-            _synchronize(device)
-            start = time.perf_counter()
-            run()
-            _synchronize(device)
-            samples.append(time.perf_counter() - start)
-        points.append((counted_bytes, _slowest_median(samples, group, device)))
-    return fit_alpha_beta([x for x, _ in points], [y for _, y in points])
+            for kind, (run, _) in operations.items():
+                dist.barrier(group=group)
+                _synchronize(device)
+                start = time.perf_counter()
+                run()
+                _synchronize(device)
+                samples[kind].append(time.perf_counter() - start)
+        for kind, (_, counted_bytes) in operations.items():
+            points[kind].append((counted_bytes, _slowest_median(samples[kind], group, device)))
+    return {kind: fit_alpha_beta([x for x, _ in found], [y for _, y in found]) for kind, found in points.items()}
 
 
 def measure_local_copy(sizes: Sequence[int], iters: int, device: torch.device) -> CollectiveCost:
@@ -171,7 +182,7 @@ def calibrate_mesh(mesh: DeviceMesh, config: CalibrateConfig, device: torch.devi
         if mesh.size(dim) < 2:
             continue  # a dim of size 1 moves nothing: no collective to time
         group = mesh.get_group(dim)
-        costs = {kind: measure_collective(kind, group, config.sizes, config.iters, device) for kind in COLLECTIVE_KINDS if kind != "local_copy"}
+        costs = measure_collectives([kind for kind in COLLECTIVE_KINDS if kind != "local_copy"], group, config.sizes, config.iters, device)
         keys = [str(dim)] + ([config.dim_names[dim]] if config.dim_names else [])
         for key in keys:
             dim_costs[key] = costs

@@ -10,7 +10,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec
 
 from .._collectives import launch_all_to_all, mesh_dim_group_name, wait
-from .._redistribute_plan import redistribute_cost_bytes
+from .._redistribute_plan import redistribute_cost_picoseconds
 
 __all__ = ["pad_tensor", "redistribute_cost", "shard_dim_alltoall", "unpad_tensor"]
 
@@ -18,16 +18,16 @@ __all__ = ["pad_tensor", "redistribute_cost", "shard_dim_alltoall", "unpad_tenso
 def redistribute_cost(current_spec: DTensorSpec[Any], target_spec: DTensorSpec[Any]) -> float:
     """The communication cost of redistributing ``current_spec`` to ``target_spec``.
 
-    As PyTorch's: 0 for the same placements or a replicated source, ``inf`` across meshes. The
-    unit differs: shardwise's planner counts the bytes one rank receives on its cheapest plan
-    (PyTorch estimates a time from a bandwidth model); both order plans the same way for
-    choosing between them. Needs ``tensor_meta`` on both specs.
+    As PyTorch's: 0 for the same placements or a replicated source, ``inf`` across meshes, else an
+    estimated time in microseconds: here the fastest plan's time under the mesh's cost profile
+    (``_cost_model``; PyTorch prices its own plan with its own bandwidth model). Needs
+    ``tensor_meta`` on both specs.
     """
     if current_spec.mesh != target_spec.mesh:
         return float("inf")
     if current_spec.layout_placements == target_spec.layout_placements or current_spec.is_replicated():
         return 0.0
-    return float(redistribute_cost_bytes(current_spec, target_spec))
+    return redistribute_cost_picoseconds(current_spec, target_spec) * 1e-6
 
 
 def shard_dim_alltoall(

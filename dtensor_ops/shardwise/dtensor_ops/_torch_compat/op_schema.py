@@ -39,7 +39,7 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _StridedShard
 
 from .._caches import clear_all_caches
-from .._redistribute_plan import redistribute_cost_bytes
+from .._redistribute_plan import redistribute_cost_picoseconds
 from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule
 
 __all__ = [
@@ -290,14 +290,15 @@ def _flatten(values: Sequence[object]) -> list[object]:
 
 
 def generate_redistribute_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec[Any]) -> list[float]:
-    """Bytes per rank to move each of ``src_strategy``'s output specs to ``dst_spec`` (one OpSpec cost row)."""
+    """Microseconds to move each of ``src_strategy``'s output specs to ``dst_spec`` (one OpSpec cost row),
+    priced as ``redistribute_cost``: the fastest plan under the mesh's cost profile."""
     return [_cost(strategy.output_spec, dst_spec.placements) for strategy in src_strategy.strategies]
 
 
 def _cost(spec: DTensorSpec[Any], target: tuple[Placement, ...]) -> float:
     if tuple(spec.placements) == tuple(target):
         return 0.0
-    return float(redistribute_cost_bytes(spec, spec.with_placements(tuple(target))))
+    return redistribute_cost_picoseconds(spec, spec.with_placements(tuple(target))) * 1e-6
 
 
 def _strategy_inputs(schema: OpSchema) -> list[OpStrategy]:
