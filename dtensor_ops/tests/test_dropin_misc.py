@@ -51,3 +51,40 @@ def test_raw_constructor_warns_when_it_detaches_the_local_tensor() -> None:
     assert DTensor(local, spec, requires_grad=True).requires_grad
     with pytest.warns(UserWarning, match="To construct"):
         DTensor(local, spec, requires_grad=False)
+
+
+def test_philox_state_reads_and_writes_seed_and_offset_as_64_bit_tensors() -> None:
+    from shardwise.dtensor_ops._random import _PhiloxState
+
+    state = _PhiloxState(torch.zeros(16, dtype=torch.uint8))
+    big_seed = torch.tensor([2**63 + 5], dtype=torch.uint64)  # does not fit an int64
+    state.seed = big_seed
+    state.seed = state.seed.clone()  # read back and written again unchanged
+    state.offset = torch.tensor([12], dtype=torch.int64)
+    assert state.seed.item() == big_seed.item() and state.offset.item() == 12
+    assert state.state[:8].tolist() == [5, 0, 0, 0, 0, 0, 0, 128] and state.state[8].item() == 12
+    with pytest.raises(AssertionError, match="one-element 64-bit tensor"):
+        state.offset = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="16-byte uint8"):
+        _PhiloxState(torch.zeros(8, dtype=torch.uint8))
+
+
+@multi_rank(world_size=4)
+def test_distribute_tensor_scatters_shards_with_one_c10d_scatter_even_or_uneven() -> None:
+    import torch.distributed as dist
+
+    from shardwise.dtensor_ops import Shard, distribute_tensor
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    rank = dist.get_rank()
+    for shape, dim in (((8, 3), 0), ((3, 7), 1), ((2, 5), 0)):
+        full = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+        mine = full if rank == 0 else full + 100  # only the source rank's values count
+        with CommDebugMode() as comms:
+            sharded = distribute_tensor(mine, mesh, [Shard(dim)])
+        assert comms.get_comm_counts()[torch.ops.c10d.scatter_] == 1, comms.get_comm_counts()
+        expected = torch.chunk(full, 4, dim)
+        piece = expected[rank] if rank < len(expected) else full.narrow(dim, 0, 0)
+        assert torch.equal(sharded.to_local(), piece)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.placement import chunk_sizes, pad_dim, split_tensor, unpad_dim
+from shardwise.placement import Shard, chunk_sizes, pad_dim, split_tensor, unpad_dim
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -75,3 +75,27 @@ def test_pad_and_unpad_reject_wrong_sizes() -> None:
         unpad_dim(torch.ones(4, 2), 1, 3)
     with pytest.raises(ValueError, match="to -1"):
         unpad_dim(torch.ones(4, 2), 1, -1)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("size,chunks", [(16, 4), (17, 4), (7, 4), (3, 4), (8, 1), (8, 16)])
+def test_select_split_tensor_is_one_piece_of_split_tensor(dim: int, size: int, chunks: int) -> None:
+    tensor = torch.arange(size * 3).reshape((size, 3) if dim == 0 else (3, size))
+    for with_padding in (False, True):
+        pieces, _ = Shard(dim)._split_tensor(tensor, chunks, with_padding=with_padding)
+        for index, piece in enumerate(pieces):
+            selected = Shard(dim)._select_split_tensor(tensor, chunks, index, with_padding=with_padding)
+            assert torch.equal(selected, piece)
+            assert selected.data_ptr() != tensor.data_ptr() or selected.numel() == 0  # cloned by default
+    view = Shard(dim)._select_split_tensor(tensor, chunks, 0, with_padding=False, contiguous=False, clone=False)
+    assert view.numel() == 0 or view.data_ptr() == tensor.data_ptr()
+
+
+def test_select_split_tensor_with_padding_needs_a_concrete_index() -> None:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+
+    tensor = torch.arange(40).reshape(10, 4)
+    unbacked = ShapeEnv().create_unbacked_symint()
+    # Padding needs the piece's concrete size: an index only known at run time cannot give it.
+    with pytest.raises(GuardOnDataDependentSymNode):
+        Shard(0)._select_split_tensor(tensor, 4, unbacked, with_padding=True)

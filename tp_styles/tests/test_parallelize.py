@@ -269,7 +269,7 @@ def _parameter_values_after_parallelize(src_data_rank: int | None) -> tuple[torc
         parallelize_module(model, mesh, ColwiseParallel(), src_data_rank=src_data_rank)
     counts = mode.get_comm_counts()
     functional = torch.ops.c10d_functional
-    named = {"broadcast": counts[functional.broadcast], "all_to_all_single": counts[functional.all_to_all_single]}
+    named = {"broadcast": counts[functional.broadcast], "scatter": counts[torch.ops.c10d.scatter_]}
     return model.weight.to_local(), dict(named, total=mode.get_total_counts())
 
 
@@ -280,7 +280,7 @@ def test_src_data_rank() -> None:
     # The scatter, after one small broadcast of the source's shape, stride and dtype (every rank
     # sizes the scatter from the source's tensor: ranks holding other shapes cannot corrupt it).
     assert torch.equal(from_rank_zero, torch.zeros(2, 4))
-    assert collectives == {"all_to_all_single": 1, "broadcast": 1, "total": 2}, collectives
+    assert collectives == {"scatter": 1, "broadcast": 1, "total": 2}, collectives
     own_values, collectives = _parameter_values_after_parallelize(None)
     assert torch.equal(own_values, torch.full((2, 4), float(rank))) and collectives["total"] == 0
 

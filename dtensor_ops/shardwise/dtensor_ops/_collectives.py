@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from shardwise.mesh import DeviceMesh
@@ -230,34 +231,29 @@ def scatter_along_mesh_dim(
 
     Every rank must pass a tensor of the source's shape and dtype (``distribute_tensor`` agrees on
     them first): the receive sizes come from it, and gloo fills a larger receive only partly and
-    aborts on a smaller one.  ``torch.ops._c10d_functional`` has no scatter, so this is an
-    ``all_to_all_single`` in which only the source sends: each rank receives exactly its piece.
-    (The aborts at exit once blamed on it came from meshes keeping gloo groups alive past
-    ``destroy_process_group``; see ``shardwise.mesh._process_groups``.)
+    aborts on a smaller one.  One c10d ``scatter`` from the source, as PyTorch's ``distribute_tensor``
+    issues (``CommDebugMode`` counts it as ``c10d.scatter_``): pieces are padded to the largest
+    one (uneven shards) and trimmed on arrival.  A mesh dim of one rank keeps its tensor.
     """
     group_size = mesh.shape[mesh_dim]
     dim_size = tensor.size(tensor_dim)
     sizes = chunk_sizes(dim_size, group_size)
+    if group_size == 1:
+        return tensor.contiguous()
+    largest = sizes[0]
     # Move the split dim to the front so every piece is one contiguous run of elements.
-    front = tensor.movedim(tensor_dim, 0)
-    rest_shape = tuple(front.shape[1:])
-    row_numel = 1
-    for extent in rest_shape:
-        row_numel *= extent
+    front = _to_wire(tensor.movedim(tensor_dim, 0).contiguous())
+    received = torch.empty((largest, *front.shape[1:]), dtype=front.dtype, device=front.device)
+    pieces: list[torch.Tensor] | None = None
     if my_index == src:
-        send = _to_wire(front.contiguous()).reshape(-1)
-        input_splits = [size * row_numel * _wire_factor(tensor.dtype) for size in sizes]
-    else:
-        send = _to_wire(torch.empty((0,), dtype=tensor.dtype, device=tensor.device)).reshape(-1)
-        input_splits = [0] * group_size
-    output_splits = [0] * group_size
-    output_splits[src] = sizes[my_index] * row_numel * _wire_factor(tensor.dtype)
-    received = wait(
-        _functional.all_to_all_single.default(send, output_splits, input_splits, mesh_dim_group_name(mesh, mesh_dim))
-    )
-    if tensor.is_complex():
-        received = received.reshape(-1, 2)
-    piece = _from_wire(received, tensor.dtype).reshape((sizes[my_index], *rest_shape))
+        pieces = []
+        for piece in front.split(sizes, dim=0):
+            if piece.size(0) < largest:
+                padding = piece.new_zeros((largest - piece.size(0), *piece.shape[1:]))
+                piece = torch.cat([piece, padding])
+            pieces.append(piece.contiguous())
+    dist.scatter(received, pieces, group=mesh.get_group(mesh_dim), group_src=src)
+    piece = _from_wire(received[: sizes[my_index]], tensor.dtype)
     return piece.movedim(0, tensor_dim).contiguous()
 
 

@@ -68,6 +68,46 @@ __all__ = [
 aten = torch.ops.aten
 _T = TypeVar("_T")
 
+
+class _PhiloxState:
+    """A view of a Philox generator's state (``get_rng_state()`` of a CUDA generator: 16 bytes) as
+    its two fields, PyTorch's accessor of the same name: ``seed`` (bytes 0-7, uint64) and ``offset``
+    (bytes 8-15, int64), each a one-element tensor viewing the state, so a seed with the top bit set
+    reads and writes back unchanged (as an int it would not fit int64). The state is kept on the CPU,
+    where ``set_rng_state`` takes it.
+    """
+
+    def __init__(self, state: torch.Tensor) -> None:
+        if state.dtype != torch.uint8 or state.numel() != 16:
+            raise ValueError(f"_PhiloxState: expected a 16-byte uint8 generator state, got {state.dtype} of {state.numel()} elements")
+        self._state = state.to("cpu")
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self._state
+
+    @property
+    def seed(self) -> torch.Tensor:
+        return self._state[:8].view(torch.uint64)
+
+    @seed.setter
+    def seed(self, seed: torch.Tensor) -> None:
+        self._state[:8] = self._bytes_of(seed, "seed")
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return self._state[8:].view(torch.int64)
+
+    @offset.setter
+    def offset(self, offset: torch.Tensor) -> None:
+        self._state[8:] = self._bytes_of(offset, "offset")
+
+    @staticmethod
+    def _bytes_of(value: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.element_size() != 8:
+            raise AssertionError(f"_PhiloxState.{name} takes a one-element 64-bit tensor, got {value!r}")
+        return value.reshape(1).cpu().view(torch.uint8)
+
 _U32 = 1 << 32
 
 

@@ -152,6 +152,39 @@ class Shard(Placement):
             pieces.append(piece.contiguous() if contiguous else piece)
         return pieces, pad_sizes
 
+    def _select_split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        index: Any,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+        clone: bool = True,
+    ) -> torch.Tensor:
+        """Piece ``index`` of :meth:`_split_tensor`'s ``num_chunks`` pieces, without making the others.
+
+        ``index`` may be a SymInt (a rank read while tracing): the piece is then narrowed out with
+        symbolic bounds. Padding needs the piece's concrete size, so a symbolic ``index`` with
+        ``with_padding`` guards on it (an unbacked one raises torch's data-dependent guard error).
+        ``clone`` copies the piece; otherwise ``contiguous`` makes it contiguous.
+        """
+        if isinstance(index, int) or with_padding:
+            pieces, _ = self._split_tensor(tensor, num_chunks, with_padding=with_padding, contiguous=False)
+            piece = pieces[index]
+        else:
+            dim = self.dim + tensor.ndim if self.dim < 0 else self.dim
+            if not 0 <= dim < tensor.ndim:
+                raise AssertionError(f"Sharding dim {self.dim} out of range for a tensor with {tensor.ndim} dims")
+            dim_size = tensor.size(dim)
+            full_chunk = -(-dim_size // num_chunks)
+            # torch.chunk's layout: full pieces first, then what is left, then empty ones.
+            start = torch.sym_min(full_chunk * index, dim_size)
+            piece = tensor.narrow(dim, start, torch.sym_min(full_chunk, dim_size - start))
+        if clone:
+            return piece.clone()
+        return piece.contiguous() if contiguous else piece
+
 
 class _StridedShard(Placement):
     """Shard tensor dim ``dim`` along a mesh dim as if ``split_factor`` pieces had been cut first.
