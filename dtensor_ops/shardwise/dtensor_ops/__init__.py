@@ -24,6 +24,7 @@ from shardwise.placement import _spec as _placement_spec
 from shardwise.placement._placements import install_mesh_dim_gather
 
 from ._api import distribute_module, distribute_tensor
+from ._conversions import redistribute_together
 from ._dispatch import torch_dispatch
 from ._dtensor import DTensor
 from ._extensions import load_extensions

@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, cast
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops import DTensor, redistribute_together
 from shardwise.dtensor_ops.debug import CommDebugMode
 
 from ._data import CharCorpus
@@ -74,15 +74,29 @@ def reduce_partial_gradients(model: nn.Module, distributed_type: type[torch.Tens
     ``Partial`` gradients: each rank holds the contribution of its part of the sequence.  Left
     as they are, every optimizer op that reads such a gradient reduces it again (AdamW reads it
     three times, so three all-reduces per parameter per step, as with PyTorch's DTensor).
-    ``distributed_type``: the DTensor class (the benchmark passes PyTorch's to do the same there).
+    With shardwise's DTensor they go through ``redistribute_together``: the gradients are small, so
+    their all-reduces are latency-bound, and it runs those of one mesh dim as one all-reduce.
+    ``distributed_type``: the DTensor class (the benchmark passes PyTorch's, which has no such call:
+    there each gradient is redistributed on its own).
     """
+    partial: list[tuple[nn.Parameter, Any]] = []
     for parameter in model.parameters():
         if not (isinstance(parameter.grad, distributed_type) and isinstance(parameter, distributed_type)):
             continue
         # Typed as plain tensors here; both DTensor classes have these attributes.
-        gradient, target = cast(Any, parameter.grad), cast(Any, parameter)
+        gradient = cast(Any, parameter.grad)
         if any(placement.is_partial() for placement in gradient.placements):
-            parameter.grad = gradient.redistribute(target.device_mesh, target.placements)
+            partial.append((parameter, gradient))
+    if distributed_type is DTensor:
+        reduced = redistribute_together(
+            [gradient for _, gradient in partial], [cast(Any, parameter).placements for parameter, _ in partial]
+        )
+        for (parameter, _), gradient in zip(partial, reduced):
+            parameter.grad = gradient
+        return
+    for parameter, gradient in partial:
+        target = cast(Any, parameter)
+        parameter.grad = gradient.redistribute(target.device_mesh, target.placements)
 
 
 def clip_gradients(
