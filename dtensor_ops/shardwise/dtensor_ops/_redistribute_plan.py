@@ -88,6 +88,12 @@ mesh ndim is small.  Costs are compared as ``(bytes, joint steps, collectives, s
 that among equally cheap plans the one without joint steps, then with fewer collectives,
 then fewer steps, wins.  Ties are broken by a fixed exploration order, so every rank
 computes the same plan.
+
+Where no joint step is searched, the search runs in C++ when the optional ``_plan_search_ext``
+module is built (``dtensor_ops/csrc/plan_search.cpp``, ``python dtensor_ops/csrc/build.py``): a
+port of the Python search (``_search_in_python``, the reference and the fallback) that returns the
+same plans, ties included, 15-40x faster on 3-D and 4-D meshes (tools/README.md,
+``bench_mesh_scale``).  ``SHARDWISE_PLAN_SEARCH=python`` turns it off.
 """
 
 from __future__ import annotations
@@ -95,9 +101,15 @@ from __future__ import annotations
 import enum
 import functools
 import heapq
+import importlib
+import importlib.machinery
+import importlib.util
 import itertools
 import math
+import os
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
 from shardwise.placement import (
@@ -641,6 +653,9 @@ def find_cheapest_plan(
 
     ``allow_joint_steps``: also consider steps changing several mesh dims with one collective over
     their joint group (the mesh must have those groups).
+
+    ``step_price`` must be a pure function: the C++ search (used where no joint step is searched and
+    the module is built) calls it once per distinct (kind, mesh dims, bytes).
     """
     src, dst = tuple(src), tuple(dst)
     _check_problem(global_shape, mesh_shape, src, dst, itemsize)
@@ -652,6 +667,30 @@ def find_cheapest_plan(
         if allow_joint_steps and math.prod(mesh_shape) <= _JOINT_SEARCH_MAX_RANKS
         else []
     )
+    if not joint_dim_sets:
+        extension = _plan_search_extension()
+        if extension is not None:
+            plan = _search_in_cpp(extension, global_shape, mesh_shape, src, dst, itemsize, candidates, step_price)
+            if plan is not None:
+                return plan
+    return _search_in_python(global_shape, mesh_shape, src, dst, itemsize, candidates, joint_dim_sets, step_price)
+
+
+def _search_in_python(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    src: Placements,
+    dst: Placements,
+    itemsize: int,
+    candidates: Sequence[Sequence[Placement]],
+    joint_dim_sets: Sequence[tuple[int, ...]],
+    step_price: StepPrice | None,
+) -> tuple[RedistributeStep, ...]:
+    """The search itself, in Python: the reference (``_search_in_cpp`` must return exactly its plans).
+
+    Uniform-cost search from ``src`` to ``dst`` (``src != dst``, both checked) over one-dim steps to
+    ``candidates`` and joint steps over ``joint_dim_sets``; see ``find_cheapest_plan``.
+    """
     all_boxes: dict[Placements, dict[tuple[int, ...], _Box]] = {}
 
     def boxes(state: Placements) -> dict[tuple[int, ...], _Box]:
@@ -746,6 +785,122 @@ def find_cheapest_plan(
         state, step = came_from[state]
         steps.append(step)
     steps.reverse()
+    return tuple(steps)
+
+
+# -- the search in C++ (optional) ----------------------------------------------------------------
+
+# "cpp" (the default): the compiled one-dim search where it is built; "python": never. Read once.
+PLAN_SEARCH_ENV_VAR = "SHARDWISE_PLAN_SEARCH"
+# The path of a built module to load instead of the one inside the package (a Bazel output).
+PLAN_SEARCH_EXT_ENV_VAR = "SHARDWISE_PLAN_SEARCH_EXT"
+# The interface of dtensor_ops/csrc/plan_search.cpp this module speaks (its kInterfaceVersion).
+_PLAN_SEARCH_INTERFACE_VERSION = 1
+# plan_search.cpp's Kind codes, in order.
+_CPP_STEP_KINDS = (
+    StepKind.ALL_GATHER,
+    StepKind.ALL_REDUCE,
+    StepKind.REDUCE_SCATTER,
+    StepKind.ALL_TO_ALL,
+    StepKind.LOCAL_CHUNK,
+    StepKind.LOCAL_PARTIAL,
+    StepKind.SHARD_TO_PARTIAL,
+    StepKind.RELABEL,
+)
+# Sizes the C++ search takes (its integers are 64-bit; larger ones go to the Python search).
+_CPP_MAX_SIZE = 2**62
+
+
+@functools.cache
+def _plan_search_extension() -> ModuleType | None:
+    """The compiled ``_plan_search_ext`` (``dtensor_ops/csrc/plan_search.cpp``), or None: search in Python.
+
+    None where it is not built (a source checkout without ``python dtensor_ops/csrc/build.py``,
+    another platform), built from another interface version, or switched off with
+    ``SHARDWISE_PLAN_SEARCH=python``. ``SHARDWISE_PLAN_SEARCH_EXT=<path>`` loads a built module from
+    that path (a Bazel output, which does not sit inside the package).
+    """
+    choice = os.environ.get(PLAN_SEARCH_ENV_VAR, "cpp").strip().lower() or "cpp"
+    if choice not in ("cpp", "python"):
+        raise ValueError(f"{PLAN_SEARCH_ENV_VAR}={choice!r}: expected 'cpp' or 'python' (unset means 'cpp')")
+    if choice == "python":
+        return None
+    name = __name__.rpartition(".")[0] + "._plan_search_ext"
+    path = os.environ.get(PLAN_SEARCH_EXT_ENV_VAR)
+    try:
+        if path and name not in sys.modules:
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            module_spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+            if module_spec is None:
+                return None
+            module = importlib.util.module_from_spec(module_spec)
+            loader.exec_module(module)
+            sys.modules[name] = module
+        else:
+            module = importlib.import_module(name)
+    except ImportError:
+        return None
+    if getattr(module, "INTERFACE_VERSION", None) != _PLAN_SEARCH_INTERFACE_VERSION:
+        return None
+    return module
+
+
+def _search_in_cpp(
+    extension: ModuleType,
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    src: Placements,
+    dst: Placements,
+    itemsize: int,
+    candidates: Sequence[Sequence[Placement]],
+    step_price: StepPrice | None,
+) -> tuple[RedistributeStep, ...] | None:
+    """``_search_in_python`` over one-dim steps (no joint steps), in C++; None where it cannot run it.
+
+    The same plan, ties included (``test_plan_search_ext`` compares them on random problems).
+    ``step_price`` is called once per distinct (kind, mesh dim, bytes), so it must be pure; where it
+    returns something other than an int, or a sum leaves 64 bits, None (the Python search decides).
+    """
+    if (
+        type(itemsize) is not int
+        or itemsize >= _CPP_MAX_SIZE
+        or any(type(size) is not int or not 1 <= size < _CPP_MAX_SIZE for size in mesh_shape)
+        or any(type(size) is not int or not 0 <= size < _CPP_MAX_SIZE for size in global_shape)
+    ):
+        return None
+    reduce_ops: dict[str, int] = {}
+    encoded = []
+    for options in candidates:
+        row = []
+        for placement in options:
+            if isinstance(placement, Shard):
+                row.append((1, placement.dim, 0, False))
+            elif isinstance(placement, Replicate):
+                row.append((0, 0, 0, False))
+            else:
+                assert isinstance(placement, Partial)
+                op = placement.reduce_op
+                row.append((2, 0, reduce_ops.setdefault(op, len(reduce_ops)), op in _LINEAR_REDUCE_OPS))
+        encoded.append(row)
+    found = extension.search(
+        list(mesh_shape),
+        list(global_shape),
+        itemsize,
+        encoded,
+        [list(options).index(placement) for options, placement in zip(candidates, src)],
+        [list(options).index(placement) for options, placement in zip(candidates, dst)],
+        step_price,
+        list(_CPP_STEP_KINDS),
+    )
+    if found is None:
+        return None
+    # Each step's ``before`` is the object the Python search has there: src's own until the dim changes.
+    current = list(src)
+    steps = []
+    for mesh_dim, after_index, kind_code, moved in found:
+        after = candidates[mesh_dim][after_index]
+        steps.append(RedistributeStep(mesh_dim, current[mesh_dim], after, _CPP_STEP_KINDS[kind_code], moved))
+        current[mesh_dim] = after
     return tuple(steps)
 
 
