@@ -13,6 +13,7 @@
 # Needs: python3 with venv and pip, unshare (util-linux), root (mount namespaces with tmpfs), and the
 # registries for the first install of BuildGrid.
 set -uo pipefail
+script_started=$(date +%s)
 cd "$(dirname "$0")/../.."
 repo_root="$(pwd)"
 
@@ -35,7 +36,8 @@ output_base="$state/client_output_base"
 workspace="$state/workspace"
 venv="${SHARDWISE_BUILDGRID_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardwise/buildgrid-$BUILDGRID_VERSION}"
 server_pid="" worker_pid="" gpu_workers=()
-bazel=("$workspace/tools/bazel" "--output_base=$output_base")
+# A client server left behind by a killed run goes away by itself.
+bazel=("$workspace/tools/bazel" "--output_base=$output_base" --max_idle_secs=600)
 
 log() { echo "loopback: $*" >&2; }
 
@@ -53,6 +55,9 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT
+# Killed (CI's timeout, Ctrl-C): still stop what was started.
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 for tool in unshare python3; do
   command -v "$tool" >/dev/null || { log "$tool is needed"; exit 2; }
@@ -173,6 +178,7 @@ if [[ -n "$gpu_count" ]]; then
   for pid in "${gpu_workers[@]}"; do kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; done
 fi
 
+log "done in $(( $(date +%s) - script_started )) s (before stopping the server and workers)"
 summary="$(python3 tools/remote/bep_counts.py "$state/bep_first.json")"
 if [[ $first_status -ne 0 || $second_status -ne 0 ]]; then
   echo "$summary"
