@@ -686,10 +686,14 @@ def _search_in_python(
     joint_dim_sets: Sequence[tuple[int, ...]],
     step_price: StepPrice | None,
 ) -> tuple[RedistributeStep, ...]:
-    """The search itself, in Python: the reference (``_search_in_cpp`` must return exactly its plans).
+    """The search itself, in Python: the reference and the fallback of ``_search_in_cpp``.
 
     Uniform-cost search from ``src`` to ``dst`` (``src != dst``, both checked) over one-dim steps to
-    ``candidates`` and joint steps over ``joint_dim_sets``; see ``find_cheapest_plan``.
+    ``candidates`` and joint steps over ``joint_dim_sets``; see ``find_cheapest_plan``. Pure work is
+    done once: a step's price once per (kind, mesh dims, bytes), the largest local shape once per
+    state (by torch.chunk arithmetic), a step's rules only into states not yet done, a step object
+    only for the plan's own steps (``test_plan_search_ext`` checks this against the straightforward
+    search on random problems).
     """
     all_boxes: dict[Placements, dict[tuple[int, ...], _Box]] = {}
 
@@ -701,43 +705,50 @@ def _search_in_python(
         return found
 
     largest_shapes: dict[Placements, tuple[int, ...]] = {}
+    # torch.chunk's first piece of an extent s >= 0 cut in n >= 1 is ceil(s / n): the local shape at
+    # coordinate 0 is global_shape with each Shard's ceil division applied left to right. Other
+    # sizes (negative, not plain ints) take the layout function, which says what is wrong with them.
+    by_arithmetic = all(type(size) is int and size >= 0 for size in global_shape) and all(
+        type(size) is int and size >= 1 for size in mesh_shape
+    )
 
     def largest(state: Placements) -> tuple[int, ...]:
         shape = largest_shapes.get(state)
         if shape is None:
-            shape = _largest_local_shape(global_shape, mesh_shape, state)
+            if by_arithmetic:
+                sizes = list(global_shape)
+                for placement, size in zip(state, mesh_shape):
+                    if isinstance(placement, Shard):
+                        sizes[placement.dim] = -(-sizes[placement.dim] // size)
+                shape = tuple(sizes)
+            else:
+                shape = _largest_local_shape(global_shape, mesh_shape, state)
             largest_shapes[state] = shape
         return shape
+
+    prices: dict[tuple[StepKind, tuple[int, ...], int], int] = {}
+
+    def price(kind: StepKind, mesh_dims: tuple[int, ...], moved: int) -> int:
+        key = (kind, mesh_dims, moved)
+        found = prices.get(key)
+        if found is None:
+            assert step_price is not None
+            found = prices[key] = step_price(kind, mesh_dims, moved)
+        return found
 
     # By price: (price, collectives, joint steps, bytes, steps); by bytes: (bytes, joint steps,
     # collectives, bytes, steps). Every entry is an integer sum, so equal plans tie exactly.
     Cost = tuple[int, int, int, int, int]
     zero: Cost = (0, 0, 0, 0, 0)
     best: dict[Placements, Cost] = {src: zero}
-    came_from: dict[Placements, tuple[Placements, RedistributeStep]] = {}
+    # state -> (the state before, its one-dim step's mesh dim, placement after, kind, bytes) or, for a
+    # joint step, (the state before, the step): steps are built for the plan only.
+    came_from: dict[Placements, tuple[Any, ...]] = {}
     order = itertools.count()
     frontier: list[tuple[Cost, int, Placements]] = [(zero, next(order), src)]
     done: set[Placements] = set()
-
-    def relax(state: Placements, cost: Cost, new_state: Placements, step: RedistributeStep) -> None:
-        collective = int(step.kind.is_collective)
-        joint = int(bool(step.joint))
-        if step_price is None:
-            added = (step.bytes_per_rank, joint, collective, step.bytes_per_rank, 1)
-        else:
-            added = (step_price(step.kind, step.mesh_dims, step.bytes_per_rank), collective, joint, step.bytes_per_rank, 1)
-        new_cost = (
-            cost[0] + added[0],
-            cost[1] + added[1],
-            cost[2] + added[2],
-            cost[3] + added[3],
-            cost[4] + added[4],
-        )
-        known = best.get(new_state)
-        if known is None or new_cost < known:
-            best[new_state] = new_cost
-            came_from[new_state] = (state, step)
-            heapq.heappush(frontier, (new_cost, next(order), new_state))
+    by_bytes = step_price is None
+    one_dim_sets = [(mesh_dim,) for mesh_dim in range(len(mesh_shape))]
 
     while frontier:
         cost, _, state = heapq.heappop(frontier)
@@ -746,27 +757,36 @@ def _search_in_python(
         if state == dst:
             break
         done.add(state)
+        c0, c1, c2, c3, c4 = cost
         for mesh_dim, options in enumerate(candidates):
+            head, tail = state[:mesh_dim], state[mesh_dim + 1 :]
             for after in options:
+                new_state = head + (after,) + tail
+                if new_state in done:  # also every after equal to state[mesh_dim]: new_state is state
+                    continue
                 kind = transition_kind(state, mesh_shape, mesh_dim, after)
                 if kind is None:
                     continue
-                new_state = state[:mesh_dim] + (after,) + state[mesh_dim + 1 :]
-                if new_state in done:
-                    continue
-                moved = _kind_bytes(
-                    kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after
-                )
-                relax(state, cost, new_state, RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
+                moved = _kind_bytes(kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after)
+                collective = 1 if kind in _COLLECTIVE_KINDS else 0
+                if by_bytes:
+                    new_cost = (c0 + moved, c1, c2 + collective, c3 + moved, c4 + 1)
+                else:
+                    new_cost = (c0 + price(kind, one_dim_sets[mesh_dim], moved), c1 + collective, c2, c3 + moved, c4 + 1)
+                known = best.get(new_state)
+                if known is None or new_cost < known:
+                    best[new_state] = new_cost
+                    came_from[new_state] = (state, mesh_dim, after, kind, moved)
+                    heapq.heappush(frontier, (new_cost, next(order), new_state))
         for mesh_dims, afters in _joint_moves(state, src, dst, joint_dim_sets, candidates):
-            kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
-            if kind is None:
-                continue
             changed = list(state)
             for mesh_dim, after in zip(mesh_dims, afters):
                 changed[mesh_dim] = after
             new_state = tuple(changed)
             if new_state in done:
+                continue
+            kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
+            if kind is None:
                 continue
             elements = _joint_elements(kind, state, mesh_shape, mesh_dims, boxes(state), boxes(new_state))
             if not elements:
@@ -774,7 +794,16 @@ def _search_in_python(
             joint = tuple((d, state[d], after) for d, after in zip(mesh_dims, afters))
             first_dim, first_before, first_after = joint[0]
             step = RedistributeStep(first_dim, first_before, first_after, kind, elements * itemsize, joint)
-            relax(state, cost, new_state, step)
+            moved = step.bytes_per_rank
+            if by_bytes:
+                new_cost = (c0 + moved, c1 + 1, c2 + 1, c3 + moved, c4 + 1)
+            else:
+                new_cost = (c0 + price(kind, step.mesh_dims, moved), c1 + 1, c2 + 1, c3 + moved, c4 + 1)
+            known = best.get(new_state)
+            if known is None or new_cost < known:
+                best[new_state] = new_cost
+                came_from[new_state] = (state, step)
+                heapq.heappush(frontier, (new_cost, next(order), new_state))
     if dst not in came_from:
         # Every state reaches all-Replicate and all-Replicate reaches every state, so this
         # means a bug in the transition rules, not bad input.
@@ -782,7 +811,12 @@ def _search_in_python(
     steps: list[RedistributeStep] = []
     state = dst
     while state != src:
-        state, step = came_from[state]
+        entry = came_from[state]
+        if len(entry) == 2:
+            state, step = entry
+        else:
+            state, mesh_dim, after, kind, moved = entry
+            step = RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved)
         steps.append(step)
     steps.reverse()
     return tuple(steps)
