@@ -24,7 +24,10 @@
 set -eu
 
 digest=@DIGEST@
-archive="$(dirname "$0")/@ARCHIVE@"
+case $0 in
+  */*) archive="${0%/*}/@ARCHIVE@" ;;
+  *) archive="./@ARCHIVE@" ;;
+esac
 
 fail() {
   echo "shardwise python launcher: $*" >&2
@@ -62,8 +65,16 @@ cache_usable() {
   return 0
 }
 
-[ -f "$archive" ] || fail "the environment archive $archive is not among this action's inputs"
 cache_root=${SHARDWISE_PYTHON_ENV_CACHE:-/tmp/shardwise-python-env-$(id -u)}
+# The common case, without forking: unpacked before, by this user (an environment someone else put
+# under our digest is never used).
+env_dir="$cache_root/$digest"
+if [ "$cache_root" != none ] && [ ! -L "$cache_root" ] && [ -O "$cache_root" ] && [ -O "$env_dir" ] \
+  && [ -x "$env_dir/bin/python3" ]; then
+  exec "$env_dir/bin/python3" "$@"
+fi
+
+[ -f "$archive" ] || fail "the environment archive $archive is not among this action's inputs"
 if cache_usable "$cache_root"; then
   env_dir="$cache_root/$digest"
   if [ ! -x "$env_dir/bin/python3" ]; then
