@@ -1,11 +1,12 @@
 // The redistribute planner's search over one-mesh-dim steps, in C++ (pybind11 module _plan_search_ext).
 //
-// A line-for-line port of the Python search in shardwise/dtensor_ops/_redistribute_plan.py
-// (_dijkstra_plan, which stays the reference and the fallback): the same states, the same step
-// rules (transition_kind), the same bytes per step (_kind_bytes over the largest local shape, the
-// one at coordinate 0), the same cost tuples and the same exploration order (mesh dims in order,
-// each dim's candidates in order; heap entries ordered by (cost, push counter)), so it returns the
-// same steps, ties included. Joint steps are not searched here: the Python search does them.
+// A port of the Python search in shardwise/dtensor_ops/_redistribute_plan.py (_search_in_python,
+// which stays the reference and the fallback): the same states, the same step rules
+// (transition_kind), the same bytes per step (_kind_bytes over the largest local shape, the one at
+// coordinate 0), the same cost tuples and the same exploration order (mesh dims in order, each
+// dim's candidates in order; heap entries ordered by (cost, push counter)), so it returns the same
+// steps, ties included (dtensor_ops/csrc/tests/test_plan_search_ext.py, dtensor_ops/tests/
+// test_plan_search.py). Joint steps are not searched here: the Python search does them.
 //
 // Anything it cannot reproduce exactly (a price that is not an int, an integer that overflows 64
 // bits, a state space too large to number) makes it return None, and the Python search runs.

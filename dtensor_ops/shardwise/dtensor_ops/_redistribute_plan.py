@@ -92,7 +92,7 @@ computes the same plan.
 Where no joint step is searched, the search runs in C++ when the optional ``_plan_search_ext``
 module is built (``dtensor_ops/csrc/plan_search.cpp``, ``python dtensor_ops/csrc/build.py``): a
 port of the Python search (``_search_in_python``, the reference and the fallback) that returns the
-same plans, ties included, 15-40x faster on 3-D and 4-D meshes (tools/README.md,
+same plans, ties included, 10-40x faster on 3-D and 4-D meshes (tools/README.md,
 ``bench_mesh_scale``).  ``SHARDWISE_PLAN_SEARCH=python`` turns it off.
 """
 
