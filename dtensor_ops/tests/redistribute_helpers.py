@@ -200,8 +200,8 @@ def priced_by(cost_profile: str) -> Iterator[None]:
 
     Caches are cleared on the way in and out, so nothing planned under another profile is reused.
     Joint steps (one collective over several mesh dims) pay off where a collective's latency barely
-    grows with its group, as on NCCL; gloo on this 2-core machine prices a group of 4 at ~10x a
-    group of 2, so tests of joint steps plan under ``"nccl"``.
+    grows with its group, as on NCCL: tests of joint steps plan under ``"nccl"``, so they do not
+    depend on the default profile's figures.
     """
     clear_all_caches()
     try:

@@ -110,10 +110,9 @@ def test_the_profile_comes_from_the_argument_or_the_environment(tmp_path: Path, 
     assert collective_time("all_gather", 2.0, MESH_2X4, 0) == pytest.approx(3.0)
     assert collective_time("all_gather", 2.0, MESH_2X4, 0, profile=_profile(alpha=0.0, beta=2.0)) == pytest.approx(1.0)
     monkeypatch.delenv(COST_PROFILE_ENV_VAR)
-    # No argument, no variable, no process group: gloo's measured default (groups of 4 as measured,
-    # other sizes on the fitted line).
-    assert collective_time("all_gather", 0, ShapeMesh((4,)), 0) == pytest.approx(5490e-6)
-    assert collective_time("all_gather", 0, ShapeMesh((8,)), 0) == pytest.approx(7 * 1696e-6)
+    # No argument, no variable, no process group: gloo's measured default (a latency per collective).
+    assert collective_time("all_gather", 0, ShapeMesh((4,)), 0) == pytest.approx(487e-6)
+    assert collective_time("all_gather", 0, ShapeMesh((8,)), 0) == pytest.approx(487e-6)
 
 
 def test_crossover_table_lists_alpha_times_beta_per_kind_and_group_size() -> None:
@@ -184,8 +183,8 @@ def test_specs_are_planned_under_the_cost_profile_option(tmp_path: Path) -> None
     # The plan cached under one setting is not handed out under the other.
     assert _kinds(on_gloo) == ["all_gather"] and _kinds(on_bandwidth) == ["all_to_all", "all_gather"]
     # redistribute_cost is PyTorch's unit: an estimated time in microseconds (gloo: one all-gather's
-    # 5.5 ms latency; bandwidth only: 168 B at 1 GB/s).
-    assert gloo_cost == pytest.approx(5490, rel=0.01) and bandwidth_cost == pytest.approx(0.168, rel=0.01)
+    # 487 us latency and 24 B; bandwidth only: 168 B at 1 GB/s).
+    assert gloo_cost == pytest.approx(487, rel=0.01) and bandwidth_cost == pytest.approx(0.168, rel=0.01)
 
 
 def test_the_cost_profile_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

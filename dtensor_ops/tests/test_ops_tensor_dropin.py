@@ -124,12 +124,15 @@ def _same_size_on(name: str) -> list[bool]:
     other = api.distribute_tensor(torch.ones(4, 8), mesh, [api.Shard(0)])
     with api.debug.CommDebugMode() as comm:
         answers = [rows.is_same_size(cols), rows.is_same_size(whole), rows.is_same_size(other)]
+        # A plain tensor on either side is compared by its own shape (no implicit replication needed).
+        answers += [torch.ones(8, 4).is_same_size(rows), rows.is_same_size(torch.ones(2, 4))]
     return [*answers, comm.get_total_counts()]
 
 
 def test_is_same_size_compares_global_shapes_without_moving_data() -> None:
     ours = run_on_threads(_same_size_on, "shardwise", world_size=WORLD)
-    assert ours == run_on_threads(_same_size_on, "torch", world_size=WORLD) == [[True, True, False, 0]] * WORLD
+    expected = [[True, True, False, True, False, 0]] * WORLD
+    assert ours == run_on_threads(_same_size_on, "torch", world_size=WORLD) == expected
 
 
 def _gather_on(name: str, mesh_shape: tuple[int, ...]) -> list[tuple[Any, ...]]:
@@ -166,11 +169,12 @@ def test_gather_of_one_position_per_row_stays_local_as_pytorch(mesh_shape: tuple
     ours = run_on_threads(_gather_on, "shardwise", mesh_shape, world_size=WORLD)
     theirs = run_on_threads(_gather_on, "torch", mesh_shape, world_size=WORLD)
     assert all(correct for rank in ours for *_, correct in rank)
-    # Where PyTorch 2.13 answers right, the same placements and collective counts; where it does not (a
-    # row-sharded self with fewer index rows: sharded output of wrong values; nested shards of the gathered
-    # dim: an error), shardwise answers right anyway (checked above).
+    # Where PyTorch 2.13 answers right, the same placements and at most its collectives (nested shards
+    # gathered whole: one all-to-all over both mesh dims where PyTorch all-gathers per dim); where it does
+    # not (a row-sharded self with fewer index rows: sharded output of wrong values; nested shards of the
+    # gathered dim: an error), shardwise answers right anyway (checked above).
     compared = [(mine, oracle) for mine, oracle in zip(ours[0], theirs[0]) if oracle[-1]]
-    assert compared and all(mine == oracle for mine, oracle in compared)
+    assert compared and all(mine[:3] == oracle[:3] and mine[3] <= oracle[3] for mine, oracle in compared)
     rows = {(layout, shape): (kinds, count) for layout, shape, kinds, count, _ in ours[0]}
     if mesh_shape == (WORLD,):
         assert rows[("S1", (4, 1, 8))] == ("P", 0)  # picked locally, summed later

@@ -219,10 +219,15 @@ def test_the_project_comm_debug_mode_counts_the_same_collectives() -> None:
     full = full_tensor(shape, 5)
     coordinate = tuple(mesh.get_coordinate() or ())
     transitions = [
-        ((Shard(0), Shard(0)), (Replicate(), Replicate()), {_functional.all_gather_into_tensor: 2}),
-        ((Partial("sum"), Shard(1)), (Shard(0), Shard(1)), {_functional.reduce_scatter_tensor: 1}),
+        # One all-to-all over both dims (one latency, the same bytes) rather than two all-gathers.
+        ((Shard(0), Shard(0)), (Replicate(), Replicate()), {_functional.all_to_all_single: 1}),
+        # One all-to-all whose receivers add the contributions: gloo's all-to-all latency is below its
+        # reduce-scatter's (mesh/_cost_profile.py).
+        ((Partial("sum"), Shard(1)), (Shard(0), Shard(1)), {_functional.all_to_all_single: 1}),
         ((Replicate(), Shard(0)), (Shard(0), Shard(1)), {_functional.all_to_all_single: 1}),
-        ((Partial("max"), Replicate()), (Replicate(), Replicate()), {_functional.all_reduce: 1}),
+        # Likewise an all-to-all of the contributions over both dims, reduced on arrival (the same
+        # bytes as the all-reduce over the partial dim, a lower latency on gloo).
+        ((Partial("max"), Replicate()), (Replicate(), Replicate()), {_functional.all_to_all_single: 1}),
     ]
     for src, dst, expected in transitions:
         local = source_locals(full, (2, 2), src, 9)[coordinate]

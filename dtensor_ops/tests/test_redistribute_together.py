@@ -16,7 +16,7 @@ def test_partial_sums_share_one_all_reduce_and_the_rest_goes_one_by_one() -> Non
     from shardwise.dtensor_ops.debug import CommDebugMode
     from shardwise.mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu", (4,))
     rank = dist.get_rank()
     torch.manual_seed(rank)  # every rank holds its own contribution
     sums = [torch.randn(3), torch.randn(2, 5), torch.randn(4, 3).t()]  # the last one not contiguous
@@ -24,12 +24,12 @@ def test_partial_sums_share_one_all_reduce_and_the_rest_goes_one_by_one() -> Non
     averaged = torch.randn(3)
     row_shard = torch.randn(2, 3)
     inputs = (
-        [DTensor.from_local(t, mesh, [Replicate(), Partial("sum")]) for t in sums]
-        + [DTensor.from_local(t, mesh, [Replicate(), Partial("max")]) for t in maxima]
-        + [DTensor.from_local(averaged, mesh, [Replicate(), Partial("avg")])]
-        + [DTensor.from_local(row_shard, mesh, [Shard(0), Replicate()])]
+        [DTensor.from_local(t, mesh, [Partial("sum")]) for t in sums]
+        + [DTensor.from_local(t, mesh, [Partial("max")]) for t in maxima]
+        + [DTensor.from_local(averaged, mesh, [Partial("avg")])]
+        + [DTensor.from_local(row_shard, mesh, [Shard(0)])]
     )
-    targets = [[Replicate(), Replicate()]] * len(inputs)
+    targets = [[Replicate()]] * len(inputs)
     with CommDebugMode() as comms:
         together = redistribute_together(inputs, targets)
     counts = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items() if n}

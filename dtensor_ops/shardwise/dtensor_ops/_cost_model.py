@@ -33,9 +33,9 @@ fastest once the saved bytes per extra collective exceed alpha * beta; the alter
 weighs differ by a fixed fraction of the tensor (typically (p-1)/p of a local shard), so from a
 tensor size of about ``alpha * beta * p / (p - 1)`` per extra collective on bandwidth decides:
 
-* gloo on loopback (measured here, groups of 4 on the shared 2-core machine): alpha * beta ~ 2.3 MB
-  (all-to-all), 2.6 MB (all-gather), 3.8 MB (all-reduce), 4.3 MB (reduce-scatter); so below a
-  few MB per rank fewer collectives win, and almost every tensor of the toy Transformer is below.
+* gloo on loopback (the built-in profile, measured here): alpha * beta ~ 0.23 MB (all-gather,
+  all-to-all), 0.24 MB (all-reduce), 0.27 MB (reduce-scatter); so below a few hundred KB per rank
+  fewer collectives win, and almost every tensor of the toy Transformer is below.
 * NCCL within an H100 node (published busbw, assumed alphas): 8 ranks, all-gather 15 us x 360 GB/s
   ~ 5.4 MB; all-reduce 17 us x 460 GB/s ~ 7.8 MB.
 * NCCL across nodes (NDR InfiniBand, 40 GB/s busbw): 8 ranks 29 us x 40 GB/s ~ 1.2 MB.
@@ -218,12 +218,12 @@ class StepPricer:
     def cache_key(self) -> tuple[object, ...]:
         """What a cached plan priced by this pricer depends on besides the specs."""
         shape = tuple(int(size) for size in self.mesh.shape)
-        per_dim = tuple(
-            (kind, dim, self.profile.alpha(kind, self.mesh, dim), self.profile.beta(kind, self.mesh, dim))
-            for dim in range(len(shape))
-            for kind in COLLECTIVE_KINDS
-        )
-        return (self.profile.name, shape, per_dim)
+        per_dim = []
+        for dim in range(len(shape)):
+            for kind in COLLECTIVE_KINDS:
+                cost, group_size = self._cost(kind, (dim,))  # memoised: the search prices these again
+                per_dim.append((kind, dim, cost.alpha(group_size), cost.beta_bytes_per_s))
+        return (self.profile.name, shape, tuple(per_dim))
 
 
 def pricer_for_mesh(mesh: Any) -> StepPricer:

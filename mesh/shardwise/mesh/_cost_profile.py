@@ -287,37 +287,28 @@ def _layout_groups(layout: Any, dim: int) -> list[tuple[int, ...]]:
 #   groups of 4: all_gather 5490, reduce_scatter 8530, all_reduce 8620, all_to_all 3066
 # beta (GB/s, groups of 4, medians of the fits where alpha did not swamp the slope): all_gather 0.48,
 # reduce_scatter 0.50, all_reduce 0.44, all_to_all 0.74, local copy 37.
-# A group of 4 costs ~10x a group of 2 here (4 processes share 2 cores: every round of a collective
-# waits to be scheduled), so both sizes are kept as measured (``measured_alpha_s``); other sizes use
-# alpha_per_peer * (p - 1) fitted through zero over both. The order held in every interleaved run:
-# all-to-all (one round: every peer gets its block) < all-gather (a ring of p - 1 rounds) <
-# reduce-scatter ~ all-reduce (gloo's reduce-scatter takes as long as its all-reduce: their medians
-# differ by less than the spread, so both get the pooled alphas, 545 and 8575 us). Timed one kind
-# after another under load 9-12, an earlier calibration had put all-to-all above all-gather;
-# interleaved runs never did. Calibrate on your own machine for anything else.
+# The order held in every interleaved run: all-to-all (one round: every peer gets its block) <
+# all-gather (a ring of p - 1 rounds) < reduce-scatter ~ all-reduce (gloo's reduce-scatter takes as
+# long as its all-reduce: their medians differ by less than the spread, so both get the pooled
+# alpha). Groups of 4 cost ~10x groups of 2 here only because 4 processes share 2 cores (every round
+# waits to be scheduled): that is this machine, not gloo, and a default that priced it would split
+# every joint or merged collective into smaller ones on machines with a core per rank. So the
+# default prices a collective's latency as its groups-of-2 figure whatever the group size (what a
+# loopback collective costs when its ranks run), and bytes over the groups-of-4 bandwidth. Calibrate
+# (`measured_alpha_s` keeps per-size figures) where group size matters. Timed one kind after another
+# under load 9-12, an earlier calibration had put all-to-all above all-gather; interleaved runs never did.
 _GLOO_LOOPBACK = CostProfile(
     name="gloo-loopback",
     source=(
         "measured: shardwise.tools.calibrate (kinds interleaved) and a plain c10d loop, gloo over loopback, "
-        "groups of 2 and 4 in a 4-process world, shared 2-core CPU machine at load 3-7 (torch 2.13, "
-        "2026-11-27); alpha as measured for groups of 2 and 4, alpha_per_peer * (p - 1) fitted through "
-        "zero for other sizes; beta from groups of 4"
+        "shared 2-core CPU machine at load 3-7 (torch 2.13, 2026-11-27); alpha: groups of 2 in a 4-process "
+        "world, the same for every group size; beta: groups of 4"
     ),
     costs={
-        "all_gather": CollectiveCost(
-            alpha_s=0.0, alpha_per_peer_s=1696e-6, beta_bytes_per_s=0.48e9, measured_alpha_s=((2, 487e-6), (4, 5490e-6))
-        ),
-        # gloo's reduce-scatter takes as long as its all-reduce (the medians differ by less than the
-        # run-to-run spread): both get the pooled alphas, so bytes decide between them.
-        "reduce_scatter": CollectiveCost(
-            alpha_s=0.0, alpha_per_peer_s=2627e-6, beta_bytes_per_s=0.50e9, measured_alpha_s=((2, 545e-6), (4, 8575e-6))
-        ),
-        "all_reduce": CollectiveCost(
-            alpha_s=0.0, alpha_per_peer_s=2627e-6, beta_bytes_per_s=0.44e9, measured_alpha_s=((2, 545e-6), (4, 8575e-6))
-        ),
-        "all_to_all": CollectiveCost(
-            alpha_s=0.0, alpha_per_peer_s=950e-6, beta_bytes_per_s=0.74e9, measured_alpha_s=((2, 307e-6), (4, 3066e-6))
-        ),
+        "all_gather": CollectiveCost(alpha_s=487e-6, beta_bytes_per_s=0.48e9),
+        "reduce_scatter": CollectiveCost(alpha_s=545e-6, beta_bytes_per_s=0.50e9),
+        "all_reduce": CollectiveCost(alpha_s=545e-6, beta_bytes_per_s=0.44e9),
+        "all_to_all": CollectiveCost(alpha_s=307e-6, beta_bytes_per_s=0.74e9),
         "local_copy": CollectiveCost(alpha_s=2.5e-6, beta_bytes_per_s=37e9),
     },
 )
