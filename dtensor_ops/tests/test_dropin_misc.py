@@ -88,3 +88,25 @@ def test_distribute_tensor_scatters_shards_with_one_c10d_scatter_even_or_uneven(
         expected = torch.chunk(full, 4, dim)
         piece = expected[rank] if rank < len(expected) else full.narrow(dim, 0, 0)
         assert torch.equal(sharded.to_local(), piece)
+
+
+@multi_rank(world_size=4)
+def test_constant_pad_keeps_a_pending_reduction_where_padding_commutes_with_it() -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from shardwise.dtensor_ops import DTensor, Partial, Replicate
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    contributions = [torch.arange(12.0).reshape(3, 4) * (rank + 1) for rank in range(4)]
+    mine = contributions[dist.get_rank()]
+    for reduce_op, value, keeps in (("sum", 0.0, True), ("sum", 1.0, False), ("max", 2.0, True), ("avg", 3.0, True)):
+        partial = DTensor.from_local(mine, mesh, [Partial(reduce_op)])
+        with CommDebugMode() as comms:
+            padded = F.pad(partial, [1, 2], value=value)
+        assert (padded.placements == (Partial(reduce_op),)) is keeps, (reduce_op, value, padded.placements)
+        assert (comms.get_total_counts() == 0) is keeps
+        whole = partial.redistribute(mesh, [Replicate()]).to_local()
+        torch.testing.assert_close(padded.full_tensor(), F.pad(whole, [1, 2], value=value))

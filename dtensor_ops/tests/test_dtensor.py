@@ -111,9 +111,11 @@ def test_from_local_checks() -> None:
         with pytest.raises(ValueError, match="out of range"):
             DTensor.from_local(torch.ones(2), mesh, [Shard(1)])
         with pytest.raises(ValueError, match="expected local shape"):
-            DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], shape=(9, 2))
-        with pytest.raises(ValueError, match="stride without shape"):
+            DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0)], shape=(9, 2), stride=(2, 1))
+        with pytest.raises(RuntimeError, match="both shape and stride.*stride without shape"):
             DTensor.from_local(torch.ones(3, 2), mesh, [Shard(0)], stride=(2, 1))
+        with pytest.raises(RuntimeError, match="both shape and stride.*shape without stride"):
+            DTensor.from_local(torch.ones(3, 2), mesh, [Shard(0)], shape=(9, 2))
         with pytest.raises(TypeError, match="plain torch.Tensor"):
             DTensor.from_local(DTensor.from_local(torch.ones(1), mesh), mesh)
     dist.barrier()

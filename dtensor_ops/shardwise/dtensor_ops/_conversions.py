@@ -53,8 +53,13 @@ def from_local(
             f"DTensor.from_local expects a plain torch.Tensor as local_tensor, got {type(local_tensor).__name__}"
         )
     placement_tuple = normalize_placements(placements, mesh, local_tensor.ndim, "DTensor.from_local")
-    if (shape is None) != (stride is None) and shape is None:
-        raise ValueError("DTensor.from_local got stride without shape; pass shape (and optionally stride)")
+    if (shape is None) != (stride is None):
+        # PyTorch's words first (code may match on them), then which one is missing.
+        given, missing = ("shape", "stride") if stride is None else ("stride", "shape")
+        raise RuntimeError(
+            f"Please pass both shape and stride at the same time. DTensor.from_local got {given} without "
+            f"{missing}: the global {missing} cannot be told from one rank's local tensor"
+        )
     if mesh.device_type != local_tensor.device.type and not local_tensor.is_meta:
         local_tensor = local_tensor.to(mesh.device_type)
     global_shape: tuple[int, ...] | None = tuple(shape) if shape is not None else None

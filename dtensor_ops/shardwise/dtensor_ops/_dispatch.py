@@ -42,6 +42,9 @@ __all__ = ["torch_dispatch"]
 _Tensor = torch.Tensor
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 _TYPE_TAGGED_TYPES: frozenset[type] = frozenset({float, bool, complex})
+# Ops that read only their tensors' shapes: a plain tensor beside a DTensor is compared by its own
+# shape (as replicated), as PyTorch answers them; no values are mixed, so no implicit replication is needed.
+_SHAPE_ONLY_OPS: frozenset[Any] = frozenset({torch.ops.aten.is_same_size.default})
 
 
 
@@ -57,7 +60,7 @@ def _replicated_spec_for_plain_tensor(
             spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, TensorMeta(torch.Size(()), (), tensor.dtype))
             SHARED_CACHES.scalar_specs[cache_key] = spec
         return spec
-    if not is_implicit_replication_enabled():
+    if not is_implicit_replication_enabled() and op not in _SHAPE_ONLY_OPS:
         if tensor.numel() == 1:
             warnings.warn(
                 f"{op}: a plain torch.Tensor of shape {tuple(tensor.shape)} (one element) is used with DTensors; "

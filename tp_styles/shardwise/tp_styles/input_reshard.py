@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
 from shardwise.mesh import DeviceMesh
+from shardwise.placement import strides_in_local_dim_order
 
 __all__ = ["input_reshard"]
 
@@ -97,7 +98,13 @@ class _SavedTensorResharding:
         with torch.no_grad():
             if isinstance(saved, _ShardedPlainTensor):
                 dim = self._shard_dim(len(saved.global_shape))
-                sharded = DTensor.from_local(saved.shard, mesh, [Shard(dim if dim is not None else 0)], shape=saved.global_shape)
+                sharded = DTensor.from_local(
+                    saved.shard,
+                    mesh,
+                    [Shard(dim if dim is not None else 0)],
+                    shape=saved.global_shape,
+                    stride=strides_in_local_dim_order(saved.shard, saved.global_shape),
+                )
                 return sharded.redistribute(mesh, [Replicate()]).to_local()
             if isinstance(saved, _ShardedDTensor):
                 return saved.sharded.redistribute(mesh, [Replicate()])

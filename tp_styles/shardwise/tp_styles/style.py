@@ -136,7 +136,7 @@ class _InputTensorHook:
             f"uneven ({pieces}, and empty ones for missing pieces) and a local tensor cannot tell its global size (it "
             "would be taken as its local size times the number of ranks). Uneven shards need DTensors between "
             "modules: give the module that produces this input use_local_output=False (e.g. "
-            "ColwiseParallel(use_local_output=False)), or pass DTensor.from_local(x, mesh, [Shard(-1)], shape=...)"
+            "ColwiseParallel(use_local_output=False)), or pass DTensor.from_local(x, mesh, [Shard(-1)], shape=..., stride=...)"
         )
 
     def __call__(

@@ -102,7 +102,21 @@ def _spatial_strategies(call: OpCall) -> list[OneDimStrategy]:
         if any(call.input_shape(index)[dim] != call.input_shape(0)[dim] for index in range(len(ndims))):
             continue
         strategies.append(aligned_strategy(call, (dim,) * len(ndims), tuple(dim for _ in output_ndims)))
+    strategies.extend(_pad_partial_strategies(call))
     strategies.append(replicated_strategy(call))
+    return strategies
+
+
+def _pad_partial_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``constant_pad_nd`` of a pending reduction, where padding each contribution pads the result:
+    sum with a zero pad (the pads add up to zero), avg, max and min with any pad value (v reduces to v)."""
+    if call.op._schema.name != "aten::constant_pad_nd":
+        return []
+    value = call.arg(2, "value", 0)
+    strategies = []
+    for reduce_op in sorted(call.partial_reduce_ops):
+        if reduce_op in ("avg", "max", "min") or (reduce_op == "sum" and value == 0):
+            strategies.append(OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op),)))
     return strategies
 
 
