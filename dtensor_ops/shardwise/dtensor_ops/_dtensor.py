@@ -192,8 +192,9 @@ class DTensor(torch.Tensor):
         """Build a DTensor from each rank's local piece (differentiable).
 
         Without ``shape``/``stride`` the global shape assumes even shards (each
-        sharded dim is ``local size * number of shards``); pass ``shape`` for uneven
-        shards, or ``run_check=True``, which gathers every rank's local shape,
+        sharded dim is ``local size * number of shards``); pass both ``shape`` and
+        ``stride`` for uneven shards (one without the other is refused, as in
+        PyTorch), or ``run_check=True``, which gathers every rank's local shape,
         infers the global shape from them (uneven shards included), checks that
         they agree with the placements and broadcasts the data of replicated mesh
         dims from their first rank.

@@ -200,11 +200,12 @@ class DTensorExtensions(fsdp_extensions.FSDPExtensions):
             sharded[-2] = Shard(0)
             sharded[-1] = tensor.placements[0]
             shape: torch.Size | None = tensor.shape
+            stride: tuple[int, ...] | None = tensor.stride()
         else:
             local = tensor.detach().clone()
             sharded[0] = Shard(0)
-            shape = None
-        whole = DTensor.from_local(local, root, replicated, run_check=False, shape=shape, stride=None)
+            shape, stride = None, None
+        whole = DTensor.from_local(local, root, replicated, run_check=False, shape=shape, stride=stride)
         return whole.redistribute(root, sharded)
 
     def pre_load_state_dict_transform(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
