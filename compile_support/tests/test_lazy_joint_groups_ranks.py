@@ -18,10 +18,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from shardwise.dtensor_ops import DTensor, Shard, distribute_tensor
-from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._options import use_options
 from shardwise.mesh import DeviceMesh
-from shardwise.testing import multi_rank
+from shardwise.testing import multi_rank, priced_by
 
 WORLD = 5
 
@@ -46,18 +44,6 @@ def member_groups_created() -> Iterator[list[list[int]]]:
         c10d._new_process_group_helper = original
 
 
-@contextlib.contextmanager
-def priced_like_nccl() -> Iterator[None]:
-    """Plans priced by the NCCL profile, where one all-to-all over the joint group beats two over one
-    dim each: the test does not depend on the default profile's figures."""
-    clear_all_caches()
-    try:
-        with use_options(cost_profile="nccl"):
-            yield
-    finally:
-        clear_all_caches()
-
-
 def _columns(mesh: DeviceMesh, full: torch.Tensor) -> torch.Tensor:
     """This rank's (Shard(1), Shard(1)) piece of ``full`` on a 2x2 mesh."""
     a, b = mesh.get_coordinate()  # type: ignore[misc]
@@ -72,12 +58,12 @@ def test_a_redistribution_over_both_dims_creates_their_joint_group_on_its_member
     if rank != 0:
         full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
         source = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
-        with priced_like_nccl(), member_groups_created() as created:
+        with priced_by("nccl"), member_groups_created() as created:
             moved = source.redistribute(mesh, [Shard(1), Shard(1)])
         # (S0, S0) -> (S1, S1) is one all-to-all over the joint group, which did not exist before.
         assert created == [[1, 2, 3, 4]]
         assert torch.equal(moved.to_local(), _columns(mesh, full))
-        with priced_like_nccl(), member_groups_created() as created:
+        with priced_by("nccl"), member_groups_created() as created:
             again = source.redistribute(mesh, [Shard(1), Shard(1)])
         assert created == [] and torch.equal(again.to_local(), _columns(mesh, full))
     dist.barrier()
@@ -100,7 +86,7 @@ def test_a_joint_group_first_needed_inside_torch_compile_is_created_while_tracin
         a, b = mesh.get_coordinate()  # type: ignore[misc]
         local = full[4 * a + 2 * b : 4 * a + 2 * b + 2]
         compiled = torch.compile(_compiled_redistribution, backend="aot_eager", fullgraph=True)
-        with priced_like_nccl():
+        with priced_by("nccl"):
             with member_groups_created() as created:
                 got = compiled(local, mesh)
             assert created == [[0, 1, 2, 3]]

@@ -7,17 +7,15 @@ tensor, and results are reduced here before being compared with the full tensor.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._options import use_options
 from shardwise.dtensor_ops._redistribute_plan import StepKind
 from shardwise.placement import Partial, Placement, Replicate, Shard, select_local_shard
+from shardwise.testing import priced_by as priced_by  # re-exported for the tests that import it here
 
 Coordinate = tuple[int, ...]
 
@@ -193,19 +191,3 @@ class CollectiveLog(TorchDispatchMode):
     def collectives(self) -> list[str]:
         return [name for name in self.names if name != "wait"]
 
-
-@contextlib.contextmanager
-def priced_by(cost_profile: str) -> Iterator[None]:
-    """Plans and strategies priced by ``cost_profile`` (a built-in name) inside the block.
-
-    Caches are cleared on the way in and out, so nothing planned under another profile is reused.
-    Joint steps (one collective over several mesh dims) pay off where a collective's latency barely
-    grows with its group, as on NCCL: tests of joint steps plan under ``"nccl"``, so they do not
-    depend on the default profile's figures.
-    """
-    clear_all_caches()
-    try:
-        with use_options(cost_profile=cost_profile):
-            yield
-    finally:
-        clear_all_caches()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,6 @@ from torch.distributed._local_tensor import LocalTensor
 import shardwise.dtensor_ops as dtensor_ops
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops.debug import CommDebugMode
-from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._options import use_options
 from shardwise.mesh._simulation import mode_disabled
 from shardwise.testing import (
     DTensorContinuousTestBase,
@@ -33,21 +31,11 @@ from shardwise.testing import (
     ThreadedLocalDTensorTestBase,
     create_local_tensor_test_class,
     map_local_for_rank,
+    priced_by,
     with_comms,
 )
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
 
-
-@contextlib.contextmanager
-def priced_like_nccl() -> Iterator[None]:
-    """Plans priced by the NCCL profile, where one collective over a joint group beats several: the
-    test does not depend on the default profile's figures."""
-    clear_all_caches()
-    try:
-        with use_options(cost_profile="nccl"):
-            yield
-    finally:
-        clear_all_caches()
 
 funcol = torch.ops.c10d_functional  # CommDebugMode counts under these keys, as PyTorch's
 
@@ -211,7 +199,7 @@ class SimulatedRanksTest(_Checks):
             full = torch.arange(64.0).reshape(8, 8)
             expected = whole(full)
             nested = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
-            with priced_like_nccl(), CommDebugMode() as comm_mode:
+            with priced_by("nccl"), CommDebugMode() as comm_mode:
                 moved = nested.redistribute(mesh, [Shard(1), Shard(1)])
             self.assertEqual(comm_mode.get_comm_counts(), {funcol.all_to_all_single: 1})
             self.assert_every_rank_equals(moved.full_tensor(), expected)
@@ -440,7 +428,7 @@ class EightRanksTest(LocalDTensorOpTestBase):
             self.assertEqual(flat.get_local_rank().node._local_ints, {r: r % 4 for r in range(8)})
             full = torch.arange(96.0).reshape(12, 8)
             expected = whole(full)
-            gloo, nccl = contextlib.nullcontext, priced_like_nccl
+            gloo, nccl = contextlib.nullcontext, lambda: priced_by("nccl")
             for submesh, source, target, pricing, collectives in (
                 # One all-to-all over both dims of the slice (one latency rather than two collectives).
                 (mesh["dp", "tp"], [Shard(0), Shard(1)], [Shard(1), Replicate()], gloo, {funcol.all_to_all_single: 1}),

@@ -21,6 +21,7 @@ from shardwise.testing._protocol import RemoteError
 from shardwise.testing._rank_pool import MultiRankError, MultiRankTimeout, shutdown_pools
 from shardwise.testing._converter import DTensorConverter
 from shardwise.testing._fake_mesh import FakeMesh
+from shardwise.testing._pricing import priced_by
 from shardwise.testing._llama import Llama, LlamaArgs
 from shardwise.testing._model_zoo import (
     Attention,
@@ -135,6 +136,7 @@ __all__ = [
     "shutdown_pools",
     "DTensorConverter",
     "FakeMesh",
+    "priced_by",
     "run_on_threads",
     *_LAZY_NAMES,
     "Attention",
