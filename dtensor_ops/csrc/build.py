@@ -1,7 +1,7 @@
 """Build the planner's C++ search (plan_search.cpp) into shardwise/dtensor_ops/ for this interpreter.
 
     python dtensor_ops/csrc/build.py          # from the repository root, with the pinned interpreter
-    python dtensor_ops/csrc/build.py --output out/_plan_search_ext.so   # what the Bazel genrule runs
+    python dtensor_ops/csrc/build.py --output out/_plan_search_ext.so   # what Bazel's //dtensor_ops/csrc:plan_search_ext runs
 
 Compiles against pybind11's headers from the installed ``pybind11`` package (pinned in
 third_party/python/requirements.lock) and the running interpreter's headers (``sysconfig``), and
@@ -9,8 +9,8 @@ writes ``_plan_search_ext<EXT_SUFFIX>`` next to the package's ``__init__.py`` th
 file and a rename, so processes that have the old module loaded keep a valid mapping.  Without the
 module the planner searches in pure Python (the reference), with the same results.
 
-``-ffp-contract=off``: no floating point is computed in the module today, but nothing it may compute
-later should differ from Python's arithmetic.
+``-ffp-contract=off``: the module prices steps from a pricer's terms (``round((alpha + bytes / beta) *
+1e12)``) and must get Python's result to the last picosecond, so no multiply-add may be fused.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@
 //
 // Anything it cannot reproduce exactly (a price that is not an int, an integer that overflows 64
 // bits, a state space too large to number) makes it return None, and the Python search runs.
-// step_price is called once per distinct (kind, mesh dim, bytes): it must be a pure function.
+// Prices come either from price_terms, per mesh dim and Kind code (alpha seconds, beta bytes per
+// second) or None (free), computed here with the pricer's own arithmetic (round((alpha + bytes /
+// beta) * 1e12) in IEEE doubles, ties to even as Python's round), or, without terms, from calling
+// step_price once per distinct (kind, mesh dim, bytes): then it must be a pure function.
 //
 // Input (built by _redistribute_plan._one_dim_plan_in_cpp):
 //   mesh_shape, global_shape: ints (mesh sizes >= 1, tensor sizes >= 0)
@@ -20,13 +23,18 @@
 //   src, dst: per mesh dim, the index of its placement among that dim's candidates
 //   step_price: None (rank by bytes) or callable(StepKind, (mesh_dim,), bytes) -> int
 //   kinds: the StepKind objects, indexed by the Kind codes below
+//   price_terms: None, or per mesh dim a list indexed by Kind code of (alpha_s, beta_bytes_per_s) or
+//     None: the step is free (StepPricer.one_dim_terms); given, it prices every step and step_price
+//     is not called
 // Output: None, or [(mesh_dim, index of the placement after, kind code, bytes)] from src to dst.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <queue>
 #include <tuple>
 #include <unordered_map>
@@ -36,7 +44,7 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kInterfaceVersion = 1;
+constexpr int kInterfaceVersion = 2;
 
 enum Kind : int8_t {
   kNone = -1,
@@ -49,6 +57,14 @@ enum Kind : int8_t {
   kShardToPartial = 6,
   kRelabel = 7,
 };
+constexpr int kKindCount = 8;
+
+// alpha + bytes / beta of one (mesh dim, kind); absent: the step is free.
+struct PriceTerm {
+  double alpha_s;
+  double beta_bytes_per_s;
+};
+using PriceTerms = std::vector<std::array<std::optional<PriceTerm>, kKindCount>>;
 
 inline bool is_collective(int8_t kind) { return kind >= kAllGather && kind <= kAllToAll; }
 
@@ -110,16 +126,18 @@ struct PriceKeyHash {
 class Search {
  public:
   Search(std::vector<int64_t> mesh_shape, std::vector<int64_t> global_shape, int64_t itemsize,
-         std::vector<std::vector<Candidate>> candidates, py::object step_price, py::list kinds)
+         std::vector<std::vector<Candidate>> candidates, py::object step_price, py::list kinds,
+         std::optional<PriceTerms> terms)
       : mesh_(std::move(mesh_shape)),
         global_(std::move(global_shape)),
         itemsize_(itemsize),
         candidates_(std::move(candidates)),
         step_price_(std::move(step_price)),
         kinds_(std::move(kinds)),
+        terms_(std::move(terms)),
         ndim_(static_cast<int>(mesh_.size())),
         tensor_ndim_(static_cast<int>(global_.size())) {
-    timed_ = !step_price_.is_none();
+    timed_ = terms_.has_value() || !step_price_.is_none();
     // Number states in mixed radix over the per-dim candidate counts.
     uint64_t total = 1;
     strides_.resize(ndim_);
@@ -131,7 +149,10 @@ class Search {
       total *= count;
     }
     dense_ = total <= (uint64_t{1} << 14);
-    if (dense_) dense_index_.assign(total, -1);
+    if (dense_) {
+      dense_index_.assign(total, -1);
+      reserve(static_cast<size_t>(total));  // every state may be numbered: no regrowth while searching
+    }
   }
 
   py::object run(const std::vector<int>& src, const std::vector<int>& dst) {
@@ -187,6 +208,21 @@ class Search {
   }
 
  private:
+  void reserve(size_t states) {
+    states_.reserve(states * ndim_);
+    done_.reserve(states);
+    has_best_.reserve(states);
+    best_.reserve(states);
+    has_from_.reserve(states);
+    from_.reserve(states);
+    from_dim_.reserve(states);
+    from_after_.reserve(states);
+    from_kind_.reserve(states);
+    from_bytes_.reserve(states);
+    has_largest_.reserve(states);
+    largest_.reserve(states * tensor_ndim_);
+  }
+
   int32_t intern(const std::vector<uint8_t>& state) {
     uint64_t code = 0;
     for (int d = 0; d < ndim_; ++d) code += strides_[d] * state[d];
@@ -300,6 +336,7 @@ class Search {
   }
 
   int64_t price(int8_t kind, int d, int64_t moved) {
+    if (terms_) return priced_by_terms((*terms_)[d][kind], moved);
     const PriceKey key{moved, d, kind};
     auto found = prices_.find(key);
     if (found != prices_.end()) return found->second;
@@ -311,6 +348,16 @@ class Search {
     if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
     prices_.emplace(key, value);
     return value;
+  }
+
+  // Mirrors StepPricer.step_picoseconds: round((alpha + bytes / beta) * 1e12), the same double
+  // operations in the same order (built with -ffp-contract=off), ties to even.
+  static int64_t priced_by_terms(const std::optional<PriceTerm>& term, int64_t moved) {
+    if (!term) return 0;
+    const double seconds = term->alpha_s + static_cast<double>(moved) / term->beta_bytes_per_s;
+    const double picoseconds = seconds * 1e12;
+    if (!(picoseconds >= 0.0 && picoseconds < 9.2e18)) throw Unsupported{};
+    return static_cast<int64_t>(std::nearbyint(picoseconds));
   }
 
   void relax(int32_t state, const Cost& cost, int32_t new_state, int d, int after, int8_t kind, int64_t moved,
@@ -344,6 +391,7 @@ class Search {
   std::vector<std::vector<Candidate>> candidates_;
   py::object step_price_;
   py::list kinds_;
+  std::optional<PriceTerms> terms_;
   int ndim_;
   int tensor_ndim_;
   bool timed_ = false;
@@ -372,7 +420,7 @@ class Search {
 
 py::object search(std::vector<int64_t> mesh_shape, std::vector<int64_t> global_shape, int64_t itemsize,
                   std::vector<std::vector<std::tuple<int, int, int, bool>>> candidates, std::vector<int> src,
-                  std::vector<int> dst, py::object step_price, py::list kinds) {
+                  std::vector<int> dst, py::object step_price, py::list kinds, py::object price_terms) {
   const size_t ndim = mesh_shape.size();
   if (candidates.size() != ndim || src.size() != ndim || dst.size() != ndim || itemsize <= 0) {
     throw py::value_error("plan_search.search: inconsistent arguments");
@@ -396,9 +444,25 @@ py::object search(std::vector<int64_t> mesh_shape, std::vector<int64_t> global_s
       throw py::value_error("plan_search.search: src/dst index out of range");
     }
   }
+  std::optional<PriceTerms> terms;
+  if (!price_terms.is_none()) {
+    const auto rows = price_terms.cast<std::vector<py::sequence>>();
+    if (rows.size() != ndim) throw py::value_error("plan_search.search: price_terms needs one row per mesh dim");
+    terms.emplace(ndim);
+    for (size_t d = 0; d < ndim; ++d) {
+      if (rows[d].size() != kKindCount) throw py::value_error("plan_search.search: a price_terms row needs one entry per kind");
+      for (int kind = 0; kind < kKindCount; ++kind) {
+        const py::object entry = rows[d][kind];
+        if (entry.is_none()) continue;
+        const auto [alpha, beta] = entry.cast<std::pair<double, double>>();
+        if (!(alpha >= 0.0 && beta > 0.0)) throw py::value_error("plan_search.search: price terms need alpha >= 0 and beta > 0");
+        (*terms)[d][kind] = PriceTerm{alpha, beta};
+      }
+    }
+  }
   try {
     Search run(std::move(mesh_shape), std::move(global_shape), itemsize, std::move(placements), std::move(step_price),
-               std::move(kinds));
+               std::move(kinds), std::move(terms));
     return run.run(src, dst);
   } catch (const Unsupported&) {
     return py::none();
@@ -411,5 +475,6 @@ PYBIND11_MODULE(_plan_search_ext, module) {
   module.doc() = "The redistribute planner's one-mesh-dim search (see dtensor_ops/csrc/plan_search.cpp)";
   module.attr("INTERFACE_VERSION") = kInterfaceVersion;
   module.def("search", &search, py::arg("mesh_shape"), py::arg("global_shape"), py::arg("itemsize"),
-             py::arg("candidates"), py::arg("src"), py::arg("dst"), py::arg("step_price"), py::arg("kinds"));
+             py::arg("candidates"), py::arg("src"), py::arg("dst"), py::arg("step_price"), py::arg("kinds"),
+             py::arg("price_terms") = py::none());
 }

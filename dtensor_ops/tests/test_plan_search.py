@@ -297,3 +297,40 @@ def test_each_distinct_price_is_asked_once() -> None:
     asked.clear()
     assert plan == straightforward_plan((64, 64), (4, 4, 4), src, dst, 4, step_price=price)
     assert len(set(ours)) == len(ours) and set(ours) == set(asked) and len(ours) < len(asked)
+
+
+def test_symbolic_shapes_are_planned_once_per_example_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under torch.compile with dynamic shapes a spec's sizes are SymInts (unhashable: specs are not
+    # cached); the plan only depends on the example sizes, so the search runs once for them.
+    import torch
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from shardwise.dtensor_ops import _redistribute_plan as planner
+    from shardwise.dtensor_ops._caches import clear_all_caches
+    from shardwise.placement import DTensorSpec, TensorMeta
+    from shardwise.testing import FakeMesh
+
+    searches: list[object] = []
+    real_search = planner.find_cheapest_plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(args)
+        return real_search(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "find_cheapest_plan", counted)
+    clear_all_caches()
+    env = ShapeEnv()
+    rows = env.create_symintnode(env.create_symbol(66, ConstantSource("rows")), hint=66)
+    mesh = FakeMesh((4,))
+
+    def specs(size: Any) -> tuple[DTensorSpec[Any], DTensorSpec[Any]]:
+        meta = TensorMeta(torch.Size([size, 8]), (8, 1), torch.float32)
+        return DTensorSpec(mesh, (Shard(0),), meta), DTensorSpec(mesh, (Shard(1),), meta)
+
+    symbolic = planner.plan_redistribute(*specs(rows))
+    assert planner.plan_redistribute(*specs(rows)) == symbolic  # retraced: no new search
+    assert planner.plan_redistribute(*specs(66)) == symbolic  # the concrete example: the same problem
+    assert len(searches) == 1
+    assert [step.kind for step in symbolic] == [StepKind.ALL_TO_ALL]
+    clear_all_caches()

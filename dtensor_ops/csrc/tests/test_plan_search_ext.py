@@ -4,9 +4,9 @@ The Python search (``_redistribute_plan._search_in_python``) is the reference: o
 (meshes of 1 to 4 dims with dims of size 1, uneven and empty tensor dims, 0-d tensors, every Partial
 kind and ``_MaskPartial``, item sizes 1 to 8) and under several prices (bytes, the gloo and NCCL
 profiles, prices built to tie), both return the same steps: same order, kinds, bytes, placements
-(the very objects), so ties are broken alike. Under Bazel the module is the genrule's output
-(``SHARDWISE_PLAN_SEARCH_EXT``); outside it, the one ``python dtensor_ops/csrc/build.py`` writes into
-the package, and the comparisons skip where it is not built.
+(the very objects), so ties are broken alike. Under Bazel the module is the one //dtensor_ops
+packages; outside it, the one ``python dtensor_ops/csrc/build.py`` writes into the package, and the
+comparisons skip where it is not built.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from shardwise.dtensor_ops import _redistribute_plan as planner
 from shardwise.dtensor_ops._cost_model import StepPricer
@@ -33,7 +34,7 @@ from shardwise.dtensor_ops._redistribute_plan import (
     _search_in_python,
     find_cheapest_plan,
 )
-from shardwise.mesh._cost_profile import BUILTIN_PROFILES
+from shardwise.mesh._cost_profile import BUILTIN_PROFILES, COLLECTIVE_KINDS, CollectiveCost, CostProfile
 from shardwise.placement import Partial, Placement, Replicate, Shard, _MaskPartial
 
 EXTENSION = _plan_search_extension()
@@ -47,8 +48,24 @@ class ShapeMesh:
     shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...] | None = None
 
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The rank grid (torchrun's row-major layout), which tells the profile which groups span nodes."""
+        return torch.arange(math.prod(self.shape)).reshape(self.shape)
+
 
 Price = Callable[[StepKind, tuple[int, ...], int], int]
+
+# Costs that differ by dim and across nodes: mesh dim 1 calibrated on its own, groups spanning
+# nodes of 4 ranks priced by the inter-node table.
+_UNEVEN = CostProfile(
+    name="uneven",
+    source="test",
+    costs={kind: CollectiveCost(3e-5 + 1e-6 * i, 1.7e9 + 3e8 * i, alpha_per_peer_s=2e-7) for i, kind in enumerate(COLLECTIVE_KINDS)},
+    inter_node_costs={"all_gather": CollectiveCost(9e-5, 2.1e8), "all_to_all": CollectiveCost(7.7e-5, 3.3e8)},
+    dim_costs={"1": {"all_reduce": CollectiveCost(1.3e-5, 9.1e9, measured_alpha_s=((2, 4e-6),)), "local_copy": CollectiveCost(1e-7, 3e10)}},
+    ranks_per_node=4,
+)
 
 
 def _prices(mesh_shape: tuple[int, ...]) -> dict[str, Price | None]:
@@ -57,6 +74,11 @@ def _prices(mesh_shape: tuple[int, ...]) -> dict[str, Price | None]:
         "bytes": None,
         "gloo": StepPricer(mesh, BUILTIN_PROFILES["gloo-loopback"]).step_picoseconds,
         "nccl": StepPricer(mesh, BUILTIN_PROFILES["nccl"]).step_picoseconds,
+        # The pricers themselves: the C++ search prices from their terms (one_dim_price_terms), the
+        # Python one by calling them.
+        "gloo terms": StepPricer(mesh, BUILTIN_PROFILES["gloo-loopback"]),
+        "nccl terms": StepPricer(mesh, BUILTIN_PROFILES["nccl"]),
+        "uneven terms": StepPricer(mesh, _UNEVEN),
         # Every collective costs the same: plans tie on price and are told apart by the later keys.
         "latency only": lambda kind, dims, nbytes: 5 if kind.is_collective else 0,
         # Everything is free: only collectives, bytes and step counts, then exploration order, decide.
@@ -109,12 +131,14 @@ def _compare(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: Pl
     return expected
 
 
-def test_the_built_module_is_the_one_the_planner_uses() -> None:
-    path = os.environ.get(PLAN_SEARCH_EXT_ENV_VAR)
-    if not path:
-        pytest.skip(f"{PLAN_SEARCH_EXT_ENV_VAR} is not set (Bazel sets it to the genrule's output)")
-    assert EXTENSION is not None, f"{PLAN_SEARCH_EXT_ENV_VAR}={path} did not load"
-    assert EXTENSION.__file__ is not None and os.path.samefile(EXTENSION.__file__, path)
+def test_the_packaged_module_is_the_one_the_planner_uses() -> None:
+    if not os.environ.get("TEST_SRCDIR"):
+        pytest.skip("outside Bazel the module is whatever build.py last wrote (or none)")
+    # Under Bazel //dtensor_ops packages the genrule's output (native_modules): it must load, from there.
+    assert EXTENSION is not None, "shardwise/dtensor_ops/_plan_search_ext.so did not load"
+    assert EXTENSION.__file__ is not None
+    assert EXTENSION.__file__.endswith(os.path.join("shardwise", "dtensor_ops", "_plan_search_ext.so")), EXTENSION.__file__
+    assert not os.environ.get(PLAN_SEARCH_EXT_ENV_VAR)
 
 
 @needs_extension
@@ -168,6 +192,35 @@ def test_what_the_cpp_search_cannot_reproduce_goes_to_the_python_search() -> Non
     assert EXTENSION is not None
     assert _search_in_cpp(EXTENSION, huge, (2, 2), src, dst, 8, candidates, None) is None
     assert find_cheapest_plan(huge, (2, 2), src, dst, 8) == _search_in_python(huge, (2, 2), src, dst, 8, candidates, [], None)
+
+
+@needs_extension
+def test_a_pricer_is_priced_in_cpp_without_calling_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = (Shard(0), Shard(1), Partial()), (Shard(1), Replicate(), Shard(0))
+    pricer = StepPricer(ShapeMesh((4, 2, 3)), _UNEVEN)
+    expected = _search_in_python((64, 48), (4, 2, 3), src, dst, 4, _candidates(src, dst, 2), [], pricer)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the C++ search called the pricer back")
+
+    monkeypatch.setattr(StepPricer, "__call__", refuse)
+    monkeypatch.setattr(StepPricer, "step_picoseconds", refuse)
+    assert find_cheapest_plan((64, 48), (4, 2, 3), src, dst, 4, step_price=pricer) == expected
+
+
+def test_price_terms_are_the_pricers_picoseconds_to_the_last_one() -> None:
+    # The formula plan_search.cpp applies to a term (round((alpha + bytes / beta) * 1e12), the same
+    # double operations, built without FMA contraction) gives step_picoseconds exactly, per kind code.
+    rng = random.Random(7)
+    for _ in range(200):
+        size = rng.choice((1, 2, 3, 4, 8))
+        pricer = StepPricer(ShapeMesh((size,)), rng.choice((_UNEVEN, BUILTIN_PROFILES["nccl"], BUILTIN_PROFILES["gloo-loopback"])))
+        terms = pricer.one_dim_price_terms(planner._CPP_PRICED_KINDS)
+        for code, kind in enumerate(planner._CPP_STEP_KINDS):
+            nbytes = rng.randrange(0, 2**rng.randrange(1, 50))
+            term = terms[0][code]
+            by_terms = 0 if term is None else round((term[0] + nbytes / term[1]) * 1e12)
+            assert by_terms == pricer.step_picoseconds(kind, (0,), nbytes), (kind, nbytes, term)
 
 
 @needs_extension

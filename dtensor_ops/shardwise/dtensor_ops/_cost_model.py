@@ -168,7 +168,12 @@ def bytes_worth_one_collective(
 
 @dataclass(frozen=True)
 class StepPricer:
-    """Prices planner steps on one mesh under one profile (built once per mesh and reused)."""
+    """Prices planner steps on one mesh under one profile (built once per mesh and reused).
+
+    Called as ``pricer(kind, mesh_dims, bytes_per_rank)`` it is ``step_picoseconds``: the
+    ``step_price`` the planner's search takes. ``one_dim_price_terms`` hands the C++ search the same
+    prices as numbers, so it prices one-dim steps itself with the same arithmetic.
+    """
 
     mesh: Any
     profile: CostProfile
@@ -178,13 +183,23 @@ class StepPricer:
     _costs: dict[tuple[str, tuple[int, ...]], tuple[Any, int]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
+    # priced kinds -> one_dim_price_terms of them.
+    _terms: dict[tuple[str | None, ...], list[list[tuple[float, float] | None]]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @staticmethod
     def for_mesh(mesh: Any, profile: CostProfile | str | os.PathLike[str] | None = None) -> StepPricer:
         setting = None if profile is None or isinstance(profile, CostProfile) else os.fspath(profile)
         return StepPricer(mesh, _profile_for(mesh, profile), setting)
 
+    @functools.cached_property
+    def _one_dim_costs(self) -> tuple[dict[str, tuple[Any, int]], ...]:
+        return self.profile.one_dim_costs(self.mesh)
+
     def _cost(self, priced: str, mesh_dims: tuple[int, ...]) -> tuple[Any, int]:
+        if len(mesh_dims) == 1 and 0 <= mesh_dims[0] < len(self._one_dim_costs):
+            return self._one_dim_costs[mesh_dims[0]][priced]
         key = (priced, mesh_dims)
         found = self._costs.get(key)
         if found is None:
@@ -214,16 +229,46 @@ class StepPricer:
         """``step_time`` as whole picoseconds: what the planner adds up, so equal plans tie exactly."""
         return round(self.step_time(kind, mesh_dims, bytes_per_rank) * 1e12)
 
+    __call__ = step_picoseconds
+
+    def one_dim_price_terms(self, priced_kinds: Sequence[str | None]) -> list[list[tuple[float, float] | None]]:
+        """Per mesh dim, per entry of ``priced_kinds`` (``priced_kind`` of a step kind): (alpha seconds,
+        beta bytes/s), or None for a free step.
+
+        ``step_picoseconds(kind, (dim,), b)`` is ``round((alpha + b / beta) * 1e12)`` of that entry
+        (0 where None): the C++ search computes exactly that, in the same double operations.
+        """
+        key = tuple(priced_kinds)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = [[None if priced is None else per_kind[priced] for priced in key] for per_kind in self._one_dim_terms]
+            self._terms[key] = terms
+        return terms
+
+    @functools.cached_property
+    def _one_dim_terms(self) -> tuple[dict[str, tuple[float, float] | None], ...]:
+        """Per mesh dim, per collective kind: (alpha, beta) there, or None where it moves nothing (one rank)."""
+        # Dims that share a cost table (one_dim_costs gives equal dims one object) share their terms.
+        by_table: dict[int, dict[str, tuple[float, float] | None]] = {}
+        rows = []
+        for per_kind in self._one_dim_costs:
+            row = by_table.get(id(per_kind))
+            if row is None:
+                row = by_table[id(per_kind)] = {
+                    kind: (
+                        None
+                        if kind != "local_copy" and group_size <= 1
+                        else (float(cost.alpha(group_size)), float(cost.beta_bytes_per_s))
+                    )
+                    for kind, (cost, group_size) in per_kind.items()
+                }
+            rows.append(row)
+        return tuple(rows)
+
     @functools.cached_property
     def cache_key(self) -> tuple[object, ...]:
         """What a cached plan priced by this pricer depends on besides the specs."""
-        shape = tuple(int(size) for size in self.mesh.shape)
-        per_dim = []
-        for dim in range(len(shape)):
-            for kind in COLLECTIVE_KINDS:
-                cost, group_size = self._cost(kind, (dim,))  # memoised: the search prices these again
-                per_dim.append((kind, dim, cost.alpha(group_size), cost.beta_bytes_per_s))
-        return (self.profile.name, shape, tuple(per_dim))
+        return (self.profile.name, tuple(tuple(per_kind.items()) for per_kind in self._one_dim_terms))
 
 
 def pricer_for_mesh(mesh: Any) -> StepPricer:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -58,9 +59,15 @@ _scoped = threading.local()
 
 
 def _from_environment(environ: Mapping[str, str]) -> Options:
+    return _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()))
+
+
+@functools.lru_cache(maxsize=16)
+def _from_values(values: tuple[str | None, ...]) -> Options:
+    """The options the override variables' values (in ``ENVIRONMENT_OVERRIDES`` order) give; memoised,
+    since the planner asks on every lookup and the values rarely change."""
     changes: dict[str, object] = {}
-    for name, variable in ENVIRONMENT_OVERRIDES.items():
-        value = environ.get(variable)
+    for (name, variable), value in zip(ENVIRONMENT_OVERRIDES.items(), values):
         if value is None or value.strip() == "":
             continue
         if name in _TEXT_OPTIONS:

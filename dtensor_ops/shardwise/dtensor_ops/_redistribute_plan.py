@@ -123,7 +123,7 @@ from shardwise.placement import (
 )
 
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
-from ._cost_model import pricer_for_mesh
+from ._cost_model import StepPricer, priced_kind, pricer_for_mesh
 
 __all__ = [
     "StepKind",
@@ -829,7 +829,7 @@ PLAN_SEARCH_ENV_VAR = "SHARDWISE_PLAN_SEARCH"
 # The path of a built module to load instead of the one inside the package (a Bazel output).
 PLAN_SEARCH_EXT_ENV_VAR = "SHARDWISE_PLAN_SEARCH_EXT"
 # The interface of dtensor_ops/csrc/plan_search.cpp this module speaks (its kInterfaceVersion).
-_PLAN_SEARCH_INTERFACE_VERSION = 1
+_PLAN_SEARCH_INTERFACE_VERSION = 2
 # plan_search.cpp's Kind codes, in order.
 _CPP_STEP_KINDS = (
     StepKind.ALL_GATHER,
@@ -841,6 +841,9 @@ _CPP_STEP_KINDS = (
     StepKind.SHARD_TO_PARTIAL,
     StepKind.RELABEL,
 )
+_CPP_STEP_KINDS_LIST = list(_CPP_STEP_KINDS)
+# The collective kind that prices each (None: free), as StepPricer.one_dim_price_terms takes them.
+_CPP_PRICED_KINDS = tuple(priced_kind(kind) for kind in _CPP_STEP_KINDS)
 # Sizes the C++ search takes (its integers are 64-bit; larger ones go to the Python search).
 _CPP_MAX_SIZE = 2**62
 
@@ -877,6 +880,15 @@ def _plan_search_extension() -> ModuleType | None:
     if getattr(module, "INTERFACE_VERSION", None) != _PLAN_SEARCH_INTERFACE_VERSION:
         return None
     return module
+
+
+def _index_of(options: Sequence[Placement], placement: Placement) -> int:
+    """Where ``placement`` is among ``options``: by identity first (``_candidates`` puts src's and
+    dst's own objects there), so no placement ``__eq__`` runs in the common case."""
+    for index, option in enumerate(options):
+        if option is placement:
+            return index
+    return list(options).index(placement)
 
 
 def _search_in_cpp(
@@ -916,15 +928,20 @@ def _search_in_cpp(
                 op = placement.reduce_op
                 row.append((2, 0, reduce_ops.setdefault(op, len(reduce_ops)), op in _LINEAR_REDUCE_OPS))
         encoded.append(row)
+    src_indices = [_index_of(options, placement) for options, placement in zip(candidates, src)]
+    dst_indices = [_index_of(options, placement) for options, placement in zip(candidates, dst)]
+    # A pricer that gives its prices as numbers is priced in C++ (StepPricer.one_dim_price_terms).
+    terms_of = getattr(step_price, "one_dim_price_terms", None)
     found = extension.search(
         list(mesh_shape),
         list(global_shape),
         itemsize,
         encoded,
-        [list(options).index(placement) for options, placement in zip(candidates, src)],
-        [list(options).index(placement) for options, placement in zip(candidates, dst)],
+        src_indices,
+        dst_indices,
         step_price,
-        list(_CPP_STEP_KINDS),
+        _CPP_STEP_KINDS_LIST,
+        None if terms_of is None else terms_of(_CPP_PRICED_KINDS),
     )
     if found is None:
         return None
@@ -1170,6 +1187,16 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
         return plan
     global_shape = check_redistribute_specs(src, dst)
     assert src.tensor_meta is not None
+    plan = _plan_problem(global_shape, src, dst, joint, pricer)
+    store(SHARED_CACHES.plans_by_specs, key, plan, _MAX_CACHE_ENTRIES)
+    return plan
+
+
+def _plan_problem(
+    global_shape: tuple[int, ...], src: DTensorSpec[Any], dst: DTensorSpec[Any], joint: bool, pricer: StepPricer
+) -> tuple[RedistributeStep, ...]:
+    """The plan for this global shape (concrete ints), memoised by the problem alone (not the specs)."""
+    assert src.tensor_meta is not None
     mesh_shape = tuple(src.mesh.shape)
     itemsize = src.tensor_meta.dtype.itemsize
     problem: _ProblemKey = (mesh_shape, global_shape, itemsize, src.placements, dst.placements, joint, pricer.cache_key)
@@ -1182,32 +1209,26 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
             dst.placements,
             itemsize,
             allow_joint_steps=joint,
-            step_price=pricer.step_picoseconds,
+            step_price=pricer,
         )
         store(SHARED_CACHES.plans_by_problem, problem, plan, _MAX_CACHE_ENTRIES)
-    store(SHARED_CACHES.plans_by_specs, key, plan, _MAX_CACHE_ENTRIES)
     return plan
 
 
 def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
     """The plan for specs with symbolic (SymInt) global shapes, while torch.compile traces with dynamic shapes.
 
-    Planned (uncached) for the traced example's sizes, which adds no guard: every plan is correct for any
-    shape (execution pads and trims by the actual sizes), only its cost ranking used the example.
+    Planned for the traced example's sizes, which adds no guard: every plan is correct for any shape
+    (execution pads and trims by the actual sizes), only its cost ranking used the example. What a
+    plan depends on is then concrete (the example sizes, placements, mesh, pricer), so it is memoised
+    by that problem: retracing, or another spec with the same example sizes, searches no more. One-dim
+    steps only (a joint step's cost looks at every rank's piece).
     """
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
     global_shape = check_redistribute_specs(src, dst)
-    assert src.tensor_meta is not None
-    example_shape = tuple(optimization_hint(size) for size in global_shape)
-    return find_cheapest_plan(
-        example_shape,
-        tuple(src.mesh.shape),
-        src.placements,
-        dst.placements,
-        src.tensor_meta.dtype.itemsize,
-        step_price=pricer_for_mesh(src.mesh).step_picoseconds,
-    )
+    example_shape = tuple(int(optimization_hint(size)) for size in global_shape)
+    return _plan_problem(example_shape, src, dst, False, pricer_for_mesh(src.mesh))
 
 
 def _plan_that_prices(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:

@@ -133,13 +133,34 @@ class CostProfile:
         group_size = 1
         for dim in dims:
             group_size *= shape[dim]
+        return self._cost_for(kind, mesh, tuple(dim % len(shape) for dim in dims)), group_size
+
+    def one_dim_costs(self, mesh: MeshLike) -> tuple[dict[str, tuple[CollectiveCost, int]], ...]:
+        """Per mesh dim, every kind's ``cost(kind, mesh, dim)``, in one pass (what a pricer reads per mesh).
+
+        Treat the tables as read-only: dims with equal costs may share one.
+        """
+        shape = tuple(int(size) for size in mesh.shape)
+        if not self.dim_costs and self.inter_node_costs is None:
+            # The same costs on every dim: dims of one size share one table (the same object).
+            by_size: dict[int, dict[str, tuple[CollectiveCost, int]]] = {}
+            for size in shape:
+                if size not in by_size:
+                    by_size[size] = {kind: (self.costs[kind], size) for kind in COLLECTIVE_KINDS}
+            return tuple(by_size[size] for size in shape)
+        return tuple(
+            {kind: (self._cost_for(kind, mesh, (dim,)), size) for kind in COLLECTIVE_KINDS} for dim, size in enumerate(shape)
+        )
+
+    def _cost_for(self, kind: str, mesh: MeshLike, dims: tuple[int, ...]) -> CollectiveCost:
+        """The cost of ``kind`` over ``dims`` (checked, normalised): calibrated, else across nodes, else within one."""
         if len(dims) == 1:
-            calibrated = self._calibrated(kind, mesh, dims[0] % len(shape))
+            calibrated = self._calibrated(kind, mesh, dims[0])
             if calibrated is not None:
-                return calibrated, group_size
+                return calibrated
         if self.inter_node_costs is not None and kind in self.inter_node_costs and self._spans_nodes(mesh, dims):
-            return self.inter_node_costs[kind], group_size
-        return self.costs[kind], group_size
+            return self.inter_node_costs[kind]
+        return self.costs[kind]
 
     def alpha(self, kind: str, mesh: MeshLike, mesh_dims: int | Sequence[int]) -> float:
         cost, group_size = self.cost(kind, mesh, mesh_dims)
@@ -150,6 +171,8 @@ class CostProfile:
         return cost.beta_bytes_per_s
 
     def _calibrated(self, kind: str, mesh: MeshLike, dim: int) -> CollectiveCost | None:
+        if not self.dim_costs:
+            return None
         names = getattr(mesh, "mesh_dim_names", None)
         for key in ((names[dim],) if names else ()) + (str(dim),):
             table = self.dim_costs.get(key)
