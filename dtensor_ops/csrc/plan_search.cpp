@@ -13,7 +13,7 @@
 // Prices come either from price_terms, per mesh dim and Kind code (alpha seconds, beta bytes per
 // second) or None (free), computed here with the pricer's own arithmetic (round((alpha + bytes /
 // beta) * 1e12) in IEEE doubles, ties to even as Python's round), or, without terms, from calling
-// step_price once per distinct (kind, mesh dim, bytes): then it must be a pure function.
+// step_price once per distinct (kind, mesh dim, bytes, copied bytes): then it must be a pure function.
 //
 // Input (built by _redistribute_plan._one_dim_plan_in_cpp):
 //   mesh_shape, global_shape: ints (mesh sizes >= 1, tensor sizes >= 0)
@@ -21,12 +21,14 @@
 //   candidates: per mesh dim, the placements the dim may take, each (type, shard dim, reduce op id,
 //     linear op): type 0 = Replicate, 1 = Shard, 2 = Partial
 //   src, dst: per mesh dim, the index of its placement among that dim's candidates
-//   step_price: None (rank by bytes) or callable(StepKind, (mesh_dim,), bytes) -> int
+//   step_price: None (rank by bytes) or callable(StepKind, (mesh_dim,), bytes, copied bytes) -> int
 //   kinds: the StepKind objects, indexed by the Kind codes below
 //   price_terms: None, or per mesh dim a list indexed by Kind code of (alpha_s, beta_bytes_per_s) or
-//     None: the step is free (StepPricer.one_dim_terms); given, it prices every step and step_price
-//     is not called
-// Output: None, or [(mesh_dim, index of the placement after, kind code, bytes)] from src to dst.
+//     None: the step is free, then the dim's local-copy term (StepPricer.one_dim_price_terms); given,
+//     it prices every step and step_price is not called
+//   (Partial reduce op id 0 is "sum": _search_in_cpp numbers it first, see kSumOp.)
+// Output: None, or [(mesh_dim, index of the placement after, kind code, bytes, local copy bytes)]
+// from src to dst.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -44,7 +46,7 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kInterfaceVersion = 2;
+constexpr int kInterfaceVersion = 3;
 
 enum Kind : int8_t {
   kNone = -1,
@@ -58,13 +60,18 @@ enum Kind : int8_t {
   kRelabel = 7,
 };
 constexpr int kKindCount = 8;
+// Index of the local-copy term in a price_terms row, after the kinds'.
+constexpr int kCopyTerm = kKindCount;
+// The reduce op id of "sum".
+constexpr int kSumOp = 0;
 
 // alpha + bytes / beta of one (mesh dim, kind); absent: the step is free.
 struct PriceTerm {
   double alpha_s;
   double beta_bytes_per_s;
 };
-using PriceTerms = std::vector<std::array<std::optional<PriceTerm>, kKindCount>>;
+using PriceRow = std::array<std::optional<PriceTerm>, kKindCount + 1>;
+using PriceTerms = std::vector<PriceRow>;
 
 inline bool is_collective(int8_t kind) { return kind >= kAllGather && kind <= kAllToAll; }
 
@@ -108,16 +115,17 @@ struct HeapEntry {
 
 struct PriceKey {
   int64_t bytes;
+  int64_t copied;
   int32_t mesh_dim;
   int8_t kind;
   bool operator==(const PriceKey& other) const {
-    return bytes == other.bytes && mesh_dim == other.mesh_dim && kind == other.kind;
+    return bytes == other.bytes && copied == other.copied && mesh_dim == other.mesh_dim && kind == other.kind;
   }
 };
 
 struct PriceKeyHash {
   size_t operator()(const PriceKey& key) const {
-    uint64_t h = static_cast<uint64_t>(key.bytes) * 0x9E3779B97F4A7C15ULL;
+    uint64_t h = static_cast<uint64_t>(key.bytes) * 0x9E3779B97F4A7C15ULL ^ static_cast<uint64_t>(key.copied) * 0xC2B2AE3D27D4EB4FULL;
     h ^= (static_cast<uint64_t>(key.mesh_dim) << 8 | static_cast<uint8_t>(key.kind)) + 0x632BE59BD9B4E019ULL + (h << 6) + (h >> 2);
     return static_cast<size_t>(h);
   }
@@ -191,7 +199,9 @@ class Search {
           const int32_t new_state = intern(next);
           if (done_[new_state]) continue;
           const int64_t moved = kind_bytes(kind, state, new_state, d, after);
-          relax(state, cost, new_state, d, after, kind, moved, frontier, order);
+          // Copies are priced, not counted: the by-bytes ranking ignores them (as the Python search).
+          const int64_t copied = timed_ ? copy_bytes(kind, state, new_state, d, after) : 0;
+          relax(state, cost, new_state, d, after, kind, moved, copied, frontier, order);
         }
       }
     }
@@ -202,7 +212,7 @@ class Search {
     for (auto it = path.rbegin(); it != path.rend(); ++it) {
       const int32_t state = *it;
       steps.append(py::make_tuple(from_dim_[state], from_after_[state], static_cast<int>(from_kind_[state]),
-                                  from_bytes_[state]));
+                                  from_bytes_[state], from_copied_[state]));
     }
     return std::move(steps);
   }
@@ -219,6 +229,7 @@ class Search {
     from_after_.reserve(states);
     from_kind_.reserve(states);
     from_bytes_.reserve(states);
+    from_copied_.reserve(states);
     has_largest_.reserve(states);
     largest_.reserve(states * tensor_ndim_);
   }
@@ -246,6 +257,7 @@ class Search {
     from_after_.push_back(0);
     from_kind_.push_back(kNone);
     from_bytes_.push_back(0);
+    from_copied_.push_back(0);
     has_largest_.push_back(0);
     largest_.resize(largest_.size() + tensor_ndim_);
     return id;
@@ -335,12 +347,52 @@ class Search {
     return checked_mul(count, itemsize_);
   }
 
-  int64_t price(int8_t kind, int d, int64_t moved) {
-    if (terms_) return priced_by_terms((*terms_)[d][kind], moved);
-    const PriceKey key{moved, d, kind};
+  // Mirrors local_copy_bytes.
+  int64_t copy_bytes(int8_t kind, int32_t state, int32_t new_state, int d, int after) {
+    const Candidate& was = placement(state, d);
+    const Candidate& now = candidates_[d][after];
+    const int64_t* before = largest(state);
+    const int64_t* next = largest(new_state);
+    const int64_t n = mesh_[d];
+    const int64_t before_elements = elements(before);
+    const int64_t after_elements = elements(next);
+    int64_t count = 0;
+    if (kind == kAllGather) {
+      const int i = was.dim;
+      const bool uneven = checked_mul(before[i], n) != next[i];
+      if (uneven) count = before_elements;
+      if (i != 0) count = checked_add(count, checked_add(checked_mul(n, before_elements), uneven ? after_elements : 0));
+    } else if (kind == kReduceScatter) {
+      const int j = now.dim;
+      const bool uneven = checked_mul(next[j], n) != before[j];
+      const int64_t sent = checked_mul(n, after_elements);
+      if (uneven) count = sent;
+      if (j != 0) count = checked_add(count, checked_add(sent, uneven ? after_elements : 0));
+    } else if (kind == kAllToAll) {
+      const int i = was.dim;
+      const int j = now.dim;
+      int64_t block = 1;
+      for (int k = 0; k < tensor_ndim_; ++k) block = checked_mul(block, k == j ? next[k] : before[k]);
+      const int64_t sent = checked_mul(n, block);
+      const bool uneven = checked_mul(before[i], n) != next[i] || checked_mul(next[j], n) != before[j];
+      const int64_t regroupings = (uneven ? 1 : 0) + (i != 0 ? 1 : 0) + (j != 0 ? 1 : 0);
+      count = checked_add(checked_mul(sent, regroupings), uneven ? after_elements : 0);
+    } else if (kind == kLocalChunk) {
+      count = now.dim != 0 ? after_elements : 0;
+    } else if (kind == kLocalPartial) {
+      count = now.op == kSumOp ? before_elements : 0;
+    } else if (kind == kShardToPartial) {
+      count = checked_add(after_elements, before_elements);
+    }
+    return checked_mul(count, itemsize_);
+  }
+
+  int64_t price(int8_t kind, int d, int64_t moved, int64_t copied) {
+    if (terms_) return priced_by_terms(kind, (*terms_)[d], moved, copied);
+    const PriceKey key{moved, copied, d, kind};
     auto found = prices_.find(key);
     if (found != prices_.end()) return found->second;
-    py::object result = step_price_(kinds_[kind], py::make_tuple(d), moved);
+    py::object result = step_price_(kinds_[kind], py::make_tuple(d), moved, copied);
     if (!PyLong_Check(result.ptr())) throw Unsupported{};
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(result.ptr(), &overflow);
@@ -350,23 +402,35 @@ class Search {
     return value;
   }
 
-  // Mirrors StepPricer.step_picoseconds: round((alpha + bytes / beta) * 1e12), the same double
-  // operations in the same order (built with -ffp-contract=off), ties to even.
-  static int64_t priced_by_terms(const std::optional<PriceTerm>& term, int64_t moved) {
-    if (!term) return 0;
-    const double seconds = term->alpha_s + static_cast<double>(moved) / term->beta_bytes_per_s;
+  // Mirrors StepPricer.step_picoseconds (step_time): the same double operations in the same order
+  // (built with -ffp-contract=off), rounded to whole picoseconds, ties to even. A collective: its
+  // alpha + bytes / beta, plus the copy term's alpha + copied / beta where it copies; a local step
+  // (priced as a local copy): alpha + (bytes + copied) / beta.
+  static int64_t priced_by_terms(int8_t kind, const PriceRow& row, int64_t moved, int64_t copied) {
+    const std::optional<PriceTerm>& term = row[kind];
+    double seconds;
+    if (is_collective(kind)) {
+      // No term: a group of one rank, which moves nothing (its copies still cost).
+      seconds = term ? term->alpha_s + static_cast<double>(moved) / term->beta_bytes_per_s : 0.0;
+      const std::optional<PriceTerm>& copy = row[kCopyTerm];
+      if (copied != 0 && copy) seconds += copy->alpha_s + static_cast<double>(copied) / copy->beta_bytes_per_s;
+    } else {
+      if (!term) return 0;  // a relabel
+      seconds = term->alpha_s + static_cast<double>(checked_add(moved, copied)) / term->beta_bytes_per_s;
+    }
     const double picoseconds = seconds * 1e12;
     if (!(picoseconds >= 0.0 && picoseconds < 9.2e18)) throw Unsupported{};
     return static_cast<int64_t>(std::nearbyint(picoseconds));
   }
 
   void relax(int32_t state, const Cost& cost, int32_t new_state, int d, int after, int8_t kind, int64_t moved,
+             int64_t copied,
              std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<HeapEntry>>& frontier,
              int64_t& order) {
     const int64_t collective = is_collective(kind) ? 1 : 0;
     Cost added;
     if (timed_) {
-      added = {price(kind, d, moved), collective, 0, moved, 1};
+      added = {price(kind, d, moved, copied), collective, 0, moved, 1};
     } else {
       added = {moved, 0, collective, moved, 1};
     }
@@ -381,6 +445,7 @@ class Search {
       from_after_[new_state] = after;
       from_kind_[new_state] = kind;
       from_bytes_[new_state] = moved;
+      from_copied_[new_state] = copied;
       frontier.push(HeapEntry{new_cost, order++, new_state});
     }
   }
@@ -412,6 +477,7 @@ class Search {
   std::vector<int> from_after_;
   std::vector<int8_t> from_kind_;
   std::vector<int64_t> from_bytes_;
+  std::vector<int64_t> from_copied_;
   std::vector<uint8_t> has_largest_;
   std::vector<int64_t> largest_;
 
@@ -450,8 +516,10 @@ py::object search(std::vector<int64_t> mesh_shape, std::vector<int64_t> global_s
     if (rows.size() != ndim) throw py::value_error("plan_search.search: price_terms needs one row per mesh dim");
     terms.emplace(ndim);
     for (size_t d = 0; d < ndim; ++d) {
-      if (rows[d].size() != kKindCount) throw py::value_error("plan_search.search: a price_terms row needs one entry per kind");
-      for (int kind = 0; kind < kKindCount; ++kind) {
+      if (rows[d].size() != kKindCount + 1) {
+        throw py::value_error("plan_search.search: a price_terms row needs one entry per kind and the copy term");
+      }
+      for (int kind = 0; kind <= kKindCount; ++kind) {
         const py::object entry = rows[d][kind];
         if (entry.is_none()) continue;
         const auto [alpha, beta] = entry.cast<std::pair<double, double>>();

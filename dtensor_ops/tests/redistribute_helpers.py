@@ -191,3 +191,20 @@ class CollectiveLog(TorchDispatchMode):
     def collectives(self) -> list[str]:
         return [name for name in self.names if name != "wait"]
 
+
+def expected_1d_collectives(src: Placement, dst: Placement, shape: Sequence[int]) -> list[str]:
+    """What a 1-D transition must issue on a mesh of 4, worked out by hand (shapes with at least one
+    element per rank somewhere)."""
+    if src == dst or isinstance(src, Replicate):
+        return []
+    if isinstance(src, Shard):
+        return {Replicate: ["all_gather"], Shard: ["all_to_all"]}.get(type(dst), [])  # S -> P: local
+    if isinstance(dst, Replicate):
+        return ["all_reduce"]
+    if isinstance(dst, Shard) or shape[0] % 4 == 0:
+        # P -> S; and P(a) -> S(0) -> P(b): half an all-reduce's bytes, where no piece is padded.
+        return ["reduce_scatter"]
+    # P(a) -> P(b) of rows that do not divide by 4: padding the pieces and zero-filling the parent
+    # around a reduce-scatter cost more local copies than the all-reduce's extra bytes on these
+    # small tensors (priced by the cost model's local_copy), so all-reduce, then split locally.
+    return ["all_reduce"]

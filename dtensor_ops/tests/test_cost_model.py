@@ -182,9 +182,15 @@ def test_specs_are_planned_under_the_cost_profile_option(tmp_path: Path) -> None
         clear_all_caches()
     # The plan cached under one setting is not handed out under the other.
     assert _kinds(on_gloo) == ["all_gather"] and _kinds(on_bandwidth) == ["all_to_all", "all_gather"]
-    # redistribute_cost is PyTorch's unit: an estimated time in microseconds (gloo: one all-gather's
-    # 487 us latency and 24 B; bandwidth only: 168 B at 1 GB/s).
-    assert gloo_cost == pytest.approx(487, rel=0.01) and bandwidth_cost == pytest.approx(0.168, rel=0.01)
+    # redistribute_cost is PyTorch's unit: an estimated time in microseconds. gloo: one all-gather's
+    # 487 us latency and 192 B at 0.48 GB/s, plus its local copies (the 5 columns are uneven over 4
+    # ranks: pad 64 B, regroup 256 B, trim 160 B) at 2.5 us + 480 B / 37 GB/s; bandwidth only: 168 B
+    # received and 168 B copied, at 1 GB/s each.
+    assert [step.local_copy_bytes for step in on_gloo] == [480]
+    assert sum(step.bytes_per_rank for step in on_bandwidth) == 168
+    assert sum(step.local_copy_bytes for step in on_bandwidth) == 168
+    assert gloo_cost == pytest.approx(487 + 0.4 + 2.513, rel=0.001)
+    assert bandwidth_cost == pytest.approx(0.336, rel=0.001)
 
 
 def test_the_cost_profile_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,7 @@ from shardwise.dtensor_ops._redistribute_plan import (
     _search_in_python,
     find_cheapest_plan,
     joint_transition_kind,
+    local_copy_bytes,
     transition_kind,
 )
 from shardwise.mesh._cost_profile import BUILTIN_PROFILES
@@ -57,7 +58,8 @@ def straightforward_plan(
     allow_joint_steps: bool = False,
     step_price: StepPrice | None = None,
 ) -> tuple[RedistributeStep, ...]:
-    """``find_cheapest_plan`` as it was before its search was made faster (commit ee1574a^), verbatim.
+    """``find_cheapest_plan`` as it was before its search was made faster (commit ee1574a^), plus the
+    local copies a one-dim step makes, priced since (``local_copy_bytes``).
 
     ``step_price``: what a step costs (any non-negative integer unit; the time model's picoseconds,
     ``_cost_model.StepPricer.step_picoseconds``). Plans are then ranked by (total price,
@@ -112,7 +114,8 @@ def straightforward_plan(
         if step_price is None:
             added = (step.bytes_per_rank, joint, collective, step.bytes_per_rank, 1)
         else:
-            added = (step_price(step.kind, step.mesh_dims, step.bytes_per_rank), collective, joint, step.bytes_per_rank, 1)
+            price = step_price(step.kind, step.mesh_dims, step.bytes_per_rank, step.local_copy_bytes)
+            added = (price, collective, joint, step.bytes_per_rank, 1)
         new_cost = (
             cost[0] + added[0],
             cost[1] + added[1],
@@ -144,7 +147,11 @@ def straightforward_plan(
                 moved = _kind_bytes(
                     kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after
                 )
-                relax(state, cost, new_state, RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved))
+                copied = 0 if step_price is None else local_copy_bytes(
+                    kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, state[mesh_dim], after
+                )
+                step = RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved, local_copy_bytes=copied)
+                relax(state, cost, new_state, step)
         for mesh_dims, afters in _joint_moves(state, src, dst, joint_dim_sets, candidates):
             kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
             if kind is None:
@@ -185,7 +192,7 @@ class ShapeMesh:
     mesh_dim_names: tuple[str, ...] | None = None
 
 
-Price = Callable[[StepKind, tuple[int, ...], int], int]
+Price = Callable[[StepKind, tuple[int, ...], int, int], int]
 
 
 def prices(mesh_shape: tuple[int, ...]) -> dict[str, Price | None]:
@@ -195,10 +202,10 @@ def prices(mesh_shape: tuple[int, ...]) -> dict[str, Price | None]:
         "gloo": StepPricer(mesh, BUILTIN_PROFILES["gloo-loopback"]).step_picoseconds,
         "nccl": StepPricer(mesh, BUILTIN_PROFILES["nccl"]).step_picoseconds,
         # Every collective costs the same: plans tie on price and are told apart by the later keys.
-        "latency only": lambda kind, dims, nbytes: 5 if kind.is_collective else 0,
+        "latency only": lambda kind, dims, nbytes, copied: 5 if kind.is_collective else 0,
         # Everything is free: collectives, bytes and step counts, then the exploration order, decide.
-        "free": lambda kind, dims, nbytes: 0,
-        "per dim": lambda kind, dims, nbytes: (dims[0] + 1) * 1000 + nbytes // 64,
+        "free": lambda kind, dims, nbytes, copied: 0,
+        "per dim": lambda kind, dims, nbytes, copied: (dims[0] + 1) * 1000 + nbytes // 64 + copied // 512,
     }
 
 
@@ -284,11 +291,11 @@ def test_the_benchmark_problems_get_the_straightforward_plans(mesh_shape: tuple[
 
 
 def test_each_distinct_price_is_asked_once() -> None:
-    asked: list[tuple[StepKind, tuple[int, ...], int]] = []
+    asked: list[tuple[StepKind, tuple[int, ...], int, int]] = []
 
-    def price(kind: StepKind, dims: tuple[int, ...], nbytes: int) -> int:
-        asked.append((kind, dims, nbytes))
-        return 1000 + nbytes
+    def price(kind: StepKind, dims: tuple[int, ...], nbytes: int, copied: int) -> int:
+        asked.append((kind, dims, nbytes, copied))
+        return 1000 + nbytes + copied // 8
 
     src, dst = (Shard(0), Shard(1), Shard(0)), (Shard(1), Shard(0), Shard(1))
     candidates = _candidates(src, dst, 2)

@@ -21,6 +21,7 @@ from redistribute_helpers import (
     check_locals,
     collective_name,
     describe,
+    expected_1d_collectives,
     full_tensor,
     placement_tuples,
     source_locals,
@@ -37,17 +38,6 @@ _functional = torch.ops._c10d_functional
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensorSpec[DeviceMesh]:
     stride = torch.empty(tuple(shape)).stride()
     return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, torch.float32))
-
-
-def expected_1d_collectives(src: Placement, dst: Placement) -> list[str]:
-    """Worked out by hand for a mesh of 4 and shapes with at least one element per rank somewhere."""
-    if src == dst or isinstance(src, Replicate):
-        return []
-    if isinstance(src, Shard):
-        return {Replicate: ["all_gather"], Shard: ["all_to_all"]}.get(type(dst), [])
-    if isinstance(dst, Replicate):
-        return ["all_reduce"]
-    return ["reduce_scatter"]  # P -> S, and P(a) -> S -> P(b), cheaper than an all-reduce
 
 
 def run_cases(
@@ -96,8 +86,8 @@ def run_cases(
             problems.append(f"{name}: ran {log.collectives}, the program issues {issued}")
         if not async_op and log.names.count("wait") != len(log.collectives):
             problems.append(f"{name}: {log.names.count('wait')} waits for {len(log.collectives)} collectives")
-        if hand_expectations and log.collectives != expected_1d_collectives(src[0], dst[0]):
-            problems.append(f"{name}: ran {log.collectives}, expected {expected_1d_collectives(src[0], dst[0])}")
+        if hand_expectations and log.collectives != expected_1d_collectives(src[0], dst[0], shape):
+            problems.append(f"{name}: ran {log.collectives}, expected {expected_1d_collectives(src[0], dst[0], shape)}")
         if any(isinstance(p, Partial) for p in dst):
             partial_results.append((index, result))
             continue

@@ -23,6 +23,7 @@ from redistribute_helpers import (
     all_coordinates,
     check_locals,
     describe,
+    expected_1d_collectives,
     full_tensor,
     placement_tuples,
     source_locals,
@@ -226,25 +227,6 @@ def planned_collectives(mesh_shape: Sequence[int], src: Sequence[Placement], dst
 # -- 1-D: hand-derived expectations ----------------------------------------------------------------
 
 
-def expected_1d_collectives(src: Placement, dst: Placement) -> list[str]:
-    """What a 1-D transition must issue on a mesh of 4 (for shapes where no piece is empty everywhere)."""
-    if src == dst:
-        return []
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
-            return ["all_gather"]
-        if isinstance(dst, Shard):
-            return ["all_to_all"]
-        return []  # back into the parent block, identity elsewhere
-    if isinstance(src, Replicate):
-        return []
-    if isinstance(dst, Replicate):
-        return ["all_reduce"]
-    # P -> S reduce-scatters; P(a) -> P(b) reduce-scatters too (to a shard, then back into a
-    # Partial locally), which is half an all-reduce.
-    return ["reduce_scatter"]
-
-
 @pytest.mark.parametrize("shape", [(8, 6), (7, 5), (3, 5)])
 def test_every_1d_pair_gives_the_full_tensor_with_the_expected_collectives(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int]
@@ -253,8 +235,8 @@ def test_every_1d_pair_gives_the_full_tensor_with_the_expected_collectives(
     for seed, (src, dst) in enumerate(itertools.product(PLACEMENTS_1D, repeat=2)):
         case_problems, kinds = run_case(monkeypatch, (4,), (src,), (dst,), shape, seed)
         problems += case_problems
-        if kinds != expected_1d_collectives(src, dst):
-            problems.append(f"{src} -> {dst} {shape}: collectives {kinds}, expected {expected_1d_collectives(src, dst)}")
+        if kinds != expected_1d_collectives(src, dst, shape):
+            problems.append(f"{src} -> {dst} {shape}: collectives {kinds}, expected {expected_1d_collectives(src, dst, shape)}")
     assert not problems, "\n".join(problems)
 
 

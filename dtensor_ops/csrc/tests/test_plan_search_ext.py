@@ -54,7 +54,7 @@ class ShapeMesh:
         return torch.arange(math.prod(self.shape)).reshape(self.shape)
 
 
-Price = Callable[[StepKind, tuple[int, ...], int], int]
+Price = Callable[[StepKind, tuple[int, ...], int, int], int]
 
 # Costs that differ by dim and across nodes: mesh dim 1 calibrated on its own, groups spanning
 # nodes of 4 ranks priced by the inter-node table.
@@ -80,10 +80,10 @@ def _prices(mesh_shape: tuple[int, ...]) -> dict[str, Price | None]:
         "nccl terms": StepPricer(mesh, BUILTIN_PROFILES["nccl"]),
         "uneven terms": StepPricer(mesh, _UNEVEN),
         # Every collective costs the same: plans tie on price and are told apart by the later keys.
-        "latency only": lambda kind, dims, nbytes: 5 if kind.is_collective else 0,
+        "latency only": lambda kind, dims, nbytes, copied: 5 if kind.is_collective else 0,
         # Everything is free: only collectives, bytes and step counts, then exploration order, decide.
-        "free": lambda kind, dims, nbytes: 0,
-        "per dim": lambda kind, dims, nbytes: (dims[0] + 1) * 1000 + nbytes // 64,
+        "free": lambda kind, dims, nbytes, copied: 0,
+        "per dim": lambda kind, dims, nbytes, copied: (dims[0] + 1) * 1000 + nbytes // 64 + copied // 512,
     }
 
 
@@ -181,7 +181,7 @@ def test_find_cheapest_plan_takes_the_cpp_search_without_joint_steps(monkeypatch
 def test_what_the_cpp_search_cannot_reproduce_goes_to_the_python_search() -> None:
     src, dst = (Shard(0), Replicate()), (Replicate(), Shard(0))
     # A price that is not an int: the Python search adds what it gets.
-    as_float: Price = lambda kind, dims, nbytes: 1.5 if kind.is_collective else 0.25  # type: ignore[assignment,return-value]
+    as_float: Price = lambda kind, dims, nbytes, copied: 1.5 if kind.is_collective else 0.25  # type: ignore[assignment,return-value]
     candidates = _candidates(src, dst, 2)
     assert _search_in_cpp(EXTENSION, (8, 8), (2, 2), src, dst, 4, candidates, as_float) is None  # type: ignore[arg-type]
     assert find_cheapest_plan((8, 8), (2, 2), src, dst, 4, step_price=as_float) == _search_in_python(
@@ -209,23 +209,32 @@ def test_a_pricer_is_priced_in_cpp_without_calling_back(monkeypatch: pytest.Monk
 
 
 def test_price_terms_are_the_pricers_picoseconds_to_the_last_one() -> None:
-    # The formula plan_search.cpp applies to a term (round((alpha + bytes / beta) * 1e12), the same
-    # double operations, built without FMA contraction) gives step_picoseconds exactly, per kind code.
+    # The formula plan_search.cpp applies to a row of terms (the same double operations in the same
+    # order, built without FMA contraction) gives step_picoseconds exactly, per kind code, with and
+    # without local copies.
     rng = random.Random(7)
     for _ in range(200):
         size = rng.choice((1, 2, 3, 4, 8))
         pricer = StepPricer(ShapeMesh((size,)), rng.choice((_UNEVEN, BUILTIN_PROFILES["nccl"], BUILTIN_PROFILES["gloo-loopback"])))
-        terms = pricer.one_dim_price_terms(planner._CPP_PRICED_KINDS)
+        row = pricer.one_dim_price_terms(planner._CPP_PRICED_KINDS)[0]
+        copy_term = row[len(planner._CPP_STEP_KINDS)]
+        assert copy_term is not None
         for code, kind in enumerate(planner._CPP_STEP_KINDS):
-            nbytes = rng.randrange(0, 2**rng.randrange(1, 50))
-            term = terms[0][code]
-            by_terms = 0 if term is None else round((term[0] + nbytes / term[1]) * 1e12)
-            assert by_terms == pricer.step_picoseconds(kind, (0,), nbytes), (kind, nbytes, term)
+            nbytes = 0 if not kind.is_collective else rng.randrange(0, 2 ** rng.randrange(1, 50))
+            copied = rng.choice((0, rng.randrange(1, 2 ** rng.randrange(1, 40))))
+            term = row[code]
+            if kind.is_collective:
+                seconds = 0.0 if term is None else term[0] + nbytes / term[1]
+                if copied:
+                    seconds += copy_term[0] + copied / copy_term[1]
+            else:
+                seconds = 0.0 if term is None else term[0] + (nbytes + copied) / term[1]
+            assert round(seconds * 1e12) == pricer.step_picoseconds(kind, (0,), nbytes, copied), (kind, nbytes, copied, term)
 
 
 @needs_extension
 def test_a_failing_price_fails_the_plan_as_in_python() -> None:
-    def broken(kind: StepKind, dims: tuple[int, ...], nbytes: int) -> int:
+    def broken(kind: StepKind, dims: tuple[int, ...], nbytes: int, copied: int) -> int:
         raise ValueError(f"no price for {kind.value} on {dims}")
 
     with pytest.raises(ValueError, match="no price for"):

@@ -15,9 +15,14 @@ for gloo, ``nccl`` for NCCL: intra-node figures, inter-node ones for groups that
 Where it is used
 ----------------
 
-* **Planner**: ``_redistribute_plan.plan_redistribute`` searches with ``pricer_for_mesh(mesh)
-  .step_picoseconds`` as the edge weight and ranks plans by (time, collectives, joint steps, bytes,
-  steps); the pricer's ``cache_key`` is part of the cached problem's key.
+* **Planner**: ``_redistribute_plan.plan_redistribute`` searches with ``pricer_for_mesh(mesh)``
+  (``step_picoseconds``) as the edge weight and ranks plans by (time, collectives, joint steps,
+  bytes, steps); the pricer's ``cache_key`` is part of the cached problem's key. A one-dim step is
+  priced with the local copies the executor makes around it (``_redistribute_plan.local_copy_bytes``:
+  padding uneven pieces, regrouping when the collective's tensor dim is not the outermost, trimming,
+  non-leading chunks, a sum's split, a shard's zero-filled parent) as ``local_copy`` time; joint
+  steps by their collective alone. The C++ search prices from ``one_dim_price_terms``, the same
+  arithmetic.
 * **Strategy choice**: ``_propagation`` ranks a rule's candidate input placements by
   ``redistribute_cost_picoseconds`` (the fastest plan's time), not by bytes.
 * Byte figures (``plan_bytes_per_rank``, ``redistribute_cost_bytes``, the lower bound) are kept for
@@ -225,23 +230,30 @@ class StepPricer:
             seconds += float(copy.time(local_copy_bytes, copy_group))
         return seconds
 
-    def step_picoseconds(self, kind: object, mesh_dims: tuple[int, ...], bytes_per_rank: int) -> int:
+    def step_picoseconds(
+        self, kind: object, mesh_dims: tuple[int, ...], bytes_per_rank: int, local_copy_bytes: int = 0
+    ) -> int:
         """``step_time`` as whole picoseconds: what the planner adds up, so equal plans tie exactly."""
-        return round(self.step_time(kind, mesh_dims, bytes_per_rank) * 1e12)
+        return round(self.step_time(kind, mesh_dims, bytes_per_rank, local_copy_bytes) * 1e12)
 
     __call__ = step_picoseconds
 
     def one_dim_price_terms(self, priced_kinds: Sequence[str | None]) -> list[list[tuple[float, float] | None]]:
         """Per mesh dim, per entry of ``priced_kinds`` (``priced_kind`` of a step kind): (alpha seconds,
-        beta bytes/s), or None for a free step.
+        beta bytes/s), or None for a free step; then the dim's local-copy term.
 
-        ``step_picoseconds(kind, (dim,), b)`` is ``round((alpha + b / beta) * 1e12)`` of that entry
-        (0 where None): the C++ search computes exactly that, in the same double operations.
+        ``step_picoseconds(kind, (dim,), b, c)`` is, with (a, B) the kind's entry and (ac, Bc) the
+        local-copy term: ``round((a + b / B + (ac + c / Bc if c else 0)) * 1e12)`` for a collective,
+        ``round((a + (b + c) / B) * 1e12)`` for a local step (its kind is priced as a local copy), 0
+        where None. The C++ search computes exactly that, in the same double operations.
         """
         key = tuple(priced_kinds)
         terms = self._terms.get(key)
         if terms is None:
-            terms = [[None if priced is None else per_kind[priced] for priced in key] for per_kind in self._one_dim_terms]
+            terms = [
+                [None if priced is None else per_kind[priced] for priced in key] + [per_kind["local_copy"]]
+                for per_kind in self._one_dim_terms
+            ]
             self._terms[key] = terms
         return terms
 
@@ -291,14 +303,14 @@ def pricer_for_mesh(mesh: Any) -> StepPricer:
 def plan_time(plan: Iterable[Any], mesh: Any, *, profile: CostProfile | str | os.PathLike[str] | None = None) -> float:
     """Seconds a redistribution plan takes: the sum of its steps' times.
 
-    A step is read by duck typing (the planner's ``RedistributeStep``): ``kind``, ``bytes_per_rank``
-    and ``mesh_dims`` (joint steps) or ``mesh_dim``.
+    A step is read by duck typing (the planner's ``RedistributeStep``): ``kind``, ``bytes_per_rank``,
+    ``mesh_dims`` (joint steps) or ``mesh_dim``, and ``local_copy_bytes`` if it has them.
     """
     pricer = StepPricer.for_mesh(mesh, profile)
     total = 0.0
     for step in plan:
         dims = getattr(step, "mesh_dims", None) or (step.mesh_dim,)
-        total += pricer.step_time(step.kind, tuple(dims), step.bytes_per_rank)
+        total += pricer.step_time(step.kind, tuple(dims), step.bytes_per_rank, getattr(step, "local_copy_bytes", 0))
     return total
 
 

@@ -108,7 +108,7 @@ import itertools
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
@@ -150,7 +150,8 @@ __all__ = [
 
 Placements = tuple[Placement, ...]
 # What a step costs in the planner's search: (kind, mesh dims, bytes per rank) -> a non-negative integer.
-StepPrice = Callable[["StepKind", tuple[int, ...], int], int]
+# (kind, mesh dims, bytes a rank receives, bytes it copies locally) -> price (an int).
+StepPrice = Callable[["StepKind", tuple[int, ...], int, int], int]
 
 _LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})
 
@@ -209,6 +210,9 @@ class RedistributeStep:
     kind: StepKind
     bytes_per_rank: int
     joint: tuple[tuple[int, Placement, Placement], ...] = ()
+    # Bytes the most loaded rank writes on its own device in the step (padding, regrouping, trimming,
+    # chunking, filling: ``local_copy_bytes``); priced, but not part of what makes two steps equal.
+    local_copy_bytes: int = field(default=0, compare=False)
 
     @property
     def changes(self) -> tuple[tuple[int, Placement, Placement], ...]:
@@ -533,6 +537,60 @@ def _kind_bytes(
     return elements * itemsize
 
 
+def local_copy_bytes(
+    kind: StepKind,
+    largest_before: Sequence[int],
+    largest_after: Sequence[int],
+    group_size: int,
+    itemsize: int,
+    before: Placement,
+    after: Placement,
+) -> int:
+    """Bytes the most loaded rank writes locally in a one-dim step: what the executor
+    (``_redistribution._send_buffer``, ``_finish``, ``_run_local``) copies around the collective.
+
+    On the largest pieces, as ``_kind_bytes``: padding an uneven piece to the group's largest,
+    regrouping when the collective's dim is not the tensor's outermost (the pieces travel as dim-0
+    blocks), trimming the padding off, a chunk that is not a leading-dim view, a sum's split or zero
+    fill, a shard's placement into its zero-filled parent. An all-reduce works in place; joint steps
+    are not modelled (0).
+    """
+    n = group_size
+    before_elements = math.prod(largest_before)
+    after_elements = math.prod(largest_after)
+    if kind is StepKind.ALL_GATHER:
+        assert isinstance(before, Shard)
+        i = before.dim
+        uneven = largest_before[i] * n != largest_after[i]
+        elements = (before_elements if uneven else 0) + ((n * before_elements + (after_elements if uneven else 0)) if i != 0 else 0)
+    elif kind is StepKind.REDUCE_SCATTER:
+        assert isinstance(after, Shard)
+        j = after.dim
+        uneven = largest_after[j] * n != largest_before[j]
+        sent = n * after_elements
+        elements = (sent if uneven else 0) + ((sent + (after_elements if uneven else 0)) if j != 0 else 0)
+    elif kind is StepKind.ALL_TO_ALL:
+        assert isinstance(before, Shard) and isinstance(after, Shard)
+        i, j = before.dim, after.dim
+        block = list(largest_before)
+        block[j] = largest_after[j]
+        sent = n * math.prod(block)
+        uneven = largest_before[i] * n != largest_after[i] or largest_after[j] * n != largest_before[j]
+        regroupings = (1 if uneven else 0) + (1 if i != 0 else 0) + (1 if j != 0 else 0)
+        elements = sent * regroupings + (after_elements if uneven else 0)
+    elif kind is StepKind.LOCAL_CHUNK:
+        assert isinstance(after, Shard)
+        elements = after_elements if after.dim != 0 else 0
+    elif kind is StepKind.LOCAL_PARTIAL:
+        assert isinstance(after, Partial)
+        elements = before_elements if after.reduce_op == "sum" else 0
+    elif kind is StepKind.SHARD_TO_PARTIAL:
+        elements = after_elements + before_elements
+    else:  # all-reduce (in place), relabel
+        elements = 0
+    return elements * itemsize
+
+
 def step_bytes_per_rank(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -645,8 +703,9 @@ def find_cheapest_plan(
 ) -> tuple[RedistributeStep, ...]:
     """The cheapest plan from ``src`` to ``dst``.
 
-    ``step_price``: what a step costs (any non-negative integer unit; the time model's picoseconds,
-    ``_cost_model.StepPricer.step_picoseconds``). Plans are then ranked by (total price,
+    ``step_price(kind, mesh dims, bytes received, bytes copied locally)``: what a step costs (any
+    non-negative integer unit; the time model's picoseconds, a ``_cost_model.StepPricer``; copies
+    per ``local_copy_bytes``, 0 for joint steps). Plans are then ranked by (total price,
     collectives, joint steps, bytes, steps): ties go to fewer collectives, then to plans without
     joint steps (PyTorch's one-dim steps), then to fewer bytes. Without it, by bytes per rank (then
     joint steps, collectives, steps): the plan when bandwidth alone counts, the lower-bound view.
@@ -655,7 +714,7 @@ def find_cheapest_plan(
     their joint group (the mesh must have those groups).
 
     ``step_price`` must be a pure function: the C++ search (used where no joint step is searched and
-    the module is built) calls it once per distinct (kind, mesh dims, bytes).
+    the module is built) calls it once per distinct (kind, mesh dims, bytes, copied bytes).
     """
     src, dst = tuple(src), tuple(dst)
     _check_problem(global_shape, mesh_shape, src, dst, itemsize)
@@ -690,7 +749,7 @@ def _search_in_python(
 
     Uniform-cost search from ``src`` to ``dst`` (``src != dst``, both checked) over one-dim steps to
     ``candidates`` and joint steps over ``joint_dim_sets``; see ``find_cheapest_plan``. Pure work is
-    done once: a step's price once per (kind, mesh dims, bytes), the largest local shape once per
+    done once: a step's price once per (kind, mesh dims, bytes, copied bytes), the largest local shape once per
     state (by torch.chunk arithmetic), a step's rules only into states not yet done, a step object
     only for the plan's own steps (``test_plan_search_ext`` checks this against the straightforward
     search on random problems).
@@ -726,14 +785,14 @@ def _search_in_python(
             largest_shapes[state] = shape
         return shape
 
-    prices: dict[tuple[StepKind, tuple[int, ...], int], int] = {}
+    prices: dict[tuple[StepKind, tuple[int, ...], int, int], int] = {}
 
-    def price(kind: StepKind, mesh_dims: tuple[int, ...], moved: int) -> int:
-        key = (kind, mesh_dims, moved)
+    def price(kind: StepKind, mesh_dims: tuple[int, ...], moved: int, copied: int) -> int:
+        key = (kind, mesh_dims, moved, copied)
         found = prices.get(key)
         if found is None:
             assert step_price is not None
-            found = prices[key] = step_price(kind, mesh_dims, moved)
+            found = prices[key] = step_price(kind, mesh_dims, moved, copied)
         return found
 
     # By price: (price, collectives, joint steps, bytes, steps); by bytes: (bytes, joint steps,
@@ -767,16 +826,22 @@ def _search_in_python(
                 kind = transition_kind(state, mesh_shape, mesh_dim, after)
                 if kind is None:
                     continue
-                moved = _kind_bytes(kind, largest(state), largest(new_state), mesh_shape[mesh_dim], itemsize, after)
+                before_shape, after_shape = largest(state), largest(new_state)
+                moved = _kind_bytes(kind, before_shape, after_shape, mesh_shape[mesh_dim], itemsize, after)
                 collective = 1 if kind in _COLLECTIVE_KINDS else 0
                 if by_bytes:
+                    copied = 0  # the bandwidth view: received bytes only
                     new_cost = (c0 + moved, c1, c2 + collective, c3 + moved, c4 + 1)
                 else:
-                    new_cost = (c0 + price(kind, one_dim_sets[mesh_dim], moved), c1 + collective, c2, c3 + moved, c4 + 1)
+                    copied = local_copy_bytes(
+                        kind, before_shape, after_shape, mesh_shape[mesh_dim], itemsize, state[mesh_dim], after
+                    )
+                    step_cost = price(kind, one_dim_sets[mesh_dim], moved, copied)
+                    new_cost = (c0 + step_cost, c1 + collective, c2, c3 + moved, c4 + 1)
                 known = best.get(new_state)
                 if known is None or new_cost < known:
                     best[new_state] = new_cost
-                    came_from[new_state] = (state, mesh_dim, after, kind, moved)
+                    came_from[new_state] = (state, mesh_dim, after, kind, moved, copied)
                     heapq.heappush(frontier, (new_cost, next(order), new_state))
         for mesh_dims, afters in _joint_moves(state, src, dst, joint_dim_sets, candidates):
             changed = list(state)
@@ -798,7 +863,7 @@ def _search_in_python(
             if by_bytes:
                 new_cost = (c0 + moved, c1 + 1, c2 + 1, c3 + moved, c4 + 1)
             else:
-                new_cost = (c0 + price(kind, step.mesh_dims, moved), c1 + 1, c2 + 1, c3 + moved, c4 + 1)
+                new_cost = (c0 + price(kind, step.mesh_dims, moved, 0), c1 + 1, c2 + 1, c3 + moved, c4 + 1)
             known = best.get(new_state)
             if known is None or new_cost < known:
                 best[new_state] = new_cost
@@ -815,8 +880,8 @@ def _search_in_python(
         if len(entry) == 2:
             state, step = entry
         else:
-            state, mesh_dim, after, kind, moved = entry
-            step = RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved)
+            state, mesh_dim, after, kind, moved, copied = entry
+            step = RedistributeStep(mesh_dim, state[mesh_dim], after, kind, moved, local_copy_bytes=copied)
         steps.append(step)
     steps.reverse()
     return tuple(steps)
@@ -829,7 +894,7 @@ PLAN_SEARCH_ENV_VAR = "SHARDWISE_PLAN_SEARCH"
 # The path of a built module to load instead of the one inside the package (a Bazel output).
 PLAN_SEARCH_EXT_ENV_VAR = "SHARDWISE_PLAN_SEARCH_EXT"
 # The interface of dtensor_ops/csrc/plan_search.cpp this module speaks (its kInterfaceVersion).
-_PLAN_SEARCH_INTERFACE_VERSION = 2
+_PLAN_SEARCH_INTERFACE_VERSION = 3
 # plan_search.cpp's Kind codes, in order.
 _CPP_STEP_KINDS = (
     StepKind.ALL_GATHER,
@@ -904,7 +969,7 @@ def _search_in_cpp(
     """``_search_in_python`` over one-dim steps (no joint steps), in C++; None where it cannot run it.
 
     The same plan, ties included (``test_plan_search_ext`` compares them on random problems).
-    ``step_price`` is called once per distinct (kind, mesh dim, bytes), so it must be pure; where it
+    ``step_price`` is called once per distinct (kind, mesh dim, bytes, copied bytes), so it must be pure; where it
     returns something other than an int, or a sum leaves 64 bits, None (the Python search decides).
     """
     if (
@@ -914,7 +979,7 @@ def _search_in_cpp(
         or any(type(size) is not int or not 0 <= size < _CPP_MAX_SIZE for size in global_shape)
     ):
         return None
-    reduce_ops: dict[str, int] = {}
+    reduce_ops: dict[str, int] = {"sum": 0}  # plan_search.cpp's kSumOp: a sum's local split copies
     encoded = []
     for options in candidates:
         row = []
@@ -948,9 +1013,11 @@ def _search_in_cpp(
     # Each step's ``before`` is the object the Python search has there: src's own until the dim changes.
     current = list(src)
     steps = []
-    for mesh_dim, after_index, kind_code, moved in found:
+    for mesh_dim, after_index, kind_code, moved, copied in found:
         after = candidates[mesh_dim][after_index]
-        steps.append(RedistributeStep(mesh_dim, current[mesh_dim], after, _CPP_STEP_KINDS[kind_code], moved))
+        steps.append(
+            RedistributeStep(mesh_dim, current[mesh_dim], after, _CPP_STEP_KINDS[kind_code], moved, local_copy_bytes=copied)
+        )
         current[mesh_dim] = after
     return tuple(steps)
 
@@ -1262,7 +1329,9 @@ def redistribute_cost_picoseconds(src: DTensorSpec[Any], dst: DTensorSpec[Any]) 
     if not plan:
         return 0
     pricer = pricer_for_mesh(src.mesh)
-    return sum(pricer.step_picoseconds(step.kind, step.mesh_dims, step.bytes_per_rank) for step in plan)
+    return sum(
+        pricer.step_picoseconds(step.kind, step.mesh_dims, step.bytes_per_rank, step.local_copy_bytes) for step in plan
+    )
 
 
 def redistribute_lower_bound_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:
