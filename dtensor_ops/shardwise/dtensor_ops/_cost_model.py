@@ -175,7 +175,7 @@ def bytes_worth_one_collective(
 class StepPricer:
     """Prices planner steps on one mesh under one profile (built once per mesh and reused).
 
-    Called as ``pricer(kind, mesh_dims, bytes_per_rank)`` it is ``step_picoseconds``: the
+    Called as ``pricer(kind, mesh_dims, bytes_per_rank, local_copy_bytes)`` it is ``step_picoseconds``: the
     ``step_price`` the planner's search takes. ``one_dim_price_terms`` hands the C++ search the same
     prices as numbers, so it prices one-dim steps itself with the same arithmetic.
     """

@@ -149,8 +149,8 @@ __all__ = [
 ]
 
 Placements = tuple[Placement, ...]
-# What a step costs in the planner's search: (kind, mesh dims, bytes per rank) -> a non-negative integer.
-# (kind, mesh dims, bytes a rank receives, bytes it copies locally) -> price (an int).
+# What a step costs in the planner's search: (kind, mesh dims, bytes a rank receives, bytes it copies
+# locally) -> a non-negative integer.
 StepPrice = Callable[["StepKind", tuple[int, ...], int, int], int]
 
 _LINEAR_REDUCE_OPS = frozenset({"sum", "avg"})
@@ -562,13 +562,17 @@ def local_copy_bytes(
         assert isinstance(before, Shard)
         i = before.dim
         uneven = largest_before[i] * n != largest_after[i]
-        elements = (before_elements if uneven else 0) + ((n * before_elements + (after_elements if uneven else 0)) if i != 0 else 0)
+        elements = before_elements if uneven else 0  # this piece padded to the largest
+        if i != 0:  # the received dim-0 blocks regrouped, then the padding trimmed
+            elements += n * before_elements + (after_elements if uneven else 0)
     elif kind is StepKind.REDUCE_SCATTER:
         assert isinstance(after, Shard)
         j = after.dim
         uneven = largest_after[j] * n != largest_before[j]
         sent = n * after_elements
-        elements = (sent if uneven else 0) + ((sent + (after_elements if uneven else 0)) if j != 0 else 0)
+        elements = sent if uneven else 0  # the input padded to n equal pieces
+        if j != 0:  # the pieces regrouped to dim-0 blocks, the received one trimmed
+            elements += sent + (after_elements if uneven else 0)
     elif kind is StepKind.ALL_TO_ALL:
         assert isinstance(before, Shard) and isinstance(after, Shard)
         i, j = before.dim, after.dim
