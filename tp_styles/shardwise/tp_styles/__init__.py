@@ -10,6 +10,7 @@ sharded on the class dim without gathering them.
 
 from . import _context_parallel_style  # noqa: F401  (registers _ContextParallel as a ParallelStyle)
 from .api import parallelize_module
+from .auto_plan import AutoPlan, auto_parallelize, auto_plan
 from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
@@ -22,6 +23,7 @@ from .style import (
 )
 
 __all__ = [
+    "AutoPlan",
     "ColwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
@@ -29,6 +31,8 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "auto_parallelize",
+    "auto_plan",
     "loss_parallel",
     "parallelize_module",
 ]

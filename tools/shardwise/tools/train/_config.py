@@ -16,6 +16,7 @@ OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float64", "float32")
 MODELS = ("transformer", "llama")
+PLANS = ("manual", "auto")
 DEFAULT_WORLD_SIZE = 4
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -57,6 +58,7 @@ class TrainConfig:
     cp: int = 1  # context parallel: each sequence sharded over cp ranks, ring attention (--model llama)
     model: str = "transformer"  # "transformer" (the toy Transformer) or "llama" (the model zoo's Llama)
     n_kv_heads: int = 0  # --model llama: key/value heads (0: as many as --n-heads)
+    plan: str = "manual"  # "manual": the model zoo's hand plan (with the flags below); "auto": shardwise.tp_styles.auto_parallelize
     seq_parallel: bool = True
     loss_parallel: bool = True
     optimizer: str = "adamw"
@@ -89,11 +91,12 @@ class TrainConfig:
 
     @property
     def uses_seq_parallel(self) -> bool:
-        # Llama's plan keeps activations replicated between its tensor-parallel layers.
-        return self.seq_parallel and self.model == "transformer"
+        # Llama's plan keeps activations replicated between its tensor-parallel layers; --plan auto decides itself.
+        return self.seq_parallel and self.model == "transformer" and self.plan == "manual"
 
     @property
     def uses_loss_parallel(self) -> bool:
+        """Loss parallel in the hand plan; under --plan auto, whether the planner may choose it."""
         return self.loss_parallel and self.model == "transformer"
 
     @property
@@ -172,6 +175,8 @@ class TrainConfig:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad_norm < 0:
             raise ConfigError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
+        if self.plan not in PLANS:
+            raise ConfigError(f"--plan {self.plan!r}: expected one of {', '.join(PLANS)}")
         if self.model not in MODELS:
             raise ConfigError(f"--model {self.model!r}: expected one of {', '.join(MODELS)}")
         if self.cp > 1 and self.model != "llama":
@@ -288,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="context-parallel ranks (mesh dim 'cp', needs --model llama): every sequence is sharded over them "
         "(head-tail load balanced, rotary positions permuted alike) and attention runs as ring attention; "
         "the loss is each rank's tokens' share, summed over cp once",
+    )
+    parallel.add_argument(
+        "--plan", choices=PLANS, default=defaults.plan,
+        help="manual: the model zoo's hand-written plan (Megatron-style TP, the flags below, FSDP per block); auto: "
+        "shardwise.tp_styles.auto_parallelize chooses TP, sequence and loss parallelism, FSDP units and CP from a "
+        "fake trace and the cost model, and rank 0 prints the plan (--seq-parallel is then ignored; "
+        "--no-loss-parallel keeps the logits whole)",
     )
     parallel.add_argument(
         "--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel,

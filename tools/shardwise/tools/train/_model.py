@@ -20,6 +20,7 @@ __all__ = [
     "parallelize_transformer",
     "parallelize_llama",
     "fully_shard_transformer",
+    "build_auto_parallel_model",
     "build_optimizer",
 ]
 
@@ -135,6 +136,37 @@ def fully_shard_transformer(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def build_auto_parallel_model(
+    config: TrainConfig, mesh: DeviceMesh, vocab_size: int, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, Any]:
+    """``--plan auto``: the model with the plan ``auto_parallelize`` chose for ``mesh`` applied, and the plan.
+
+    The example input is one global batch of token ids (with Llama, and the positions 0..seq-1); the
+    loss is cross-entropy over the logits, so loss parallel is a candidate unless --no-loss-parallel.
+    Under --cp the training loop runs forward inside ``context_parallel(...)`` (which shards the
+    batch and makes every attention ring attention), so the plan's context-parallel modules are
+    not registered again.
+    """
+    import torch.nn.functional as F
+    from shardwise.fsdp_ext import fully_shard
+    from shardwise.tp_styles import auto_parallelize
+
+    model = build_any_model(config, vocab_size, device, dtype)
+    tokens = torch.zeros(config.batch_size, config.seq_len, dtype=torch.long, device=device)
+    example: tuple[torch.Tensor, ...] = (tokens,)
+    if config.model == "llama":
+        example = (tokens, torch.arange(config.seq_len, device=device))
+    plan = auto_parallelize(
+        model,
+        mesh,
+        example,
+        loss_fn=F.cross_entropy if config.loss_parallel else None,
+        fully_shard=fully_shard,
+        context_parallel=False,
+    )
+    return model, plan
 
 
 def build_optimizer(config: TrainConfig, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:

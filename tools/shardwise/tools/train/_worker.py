@@ -23,6 +23,7 @@ from ._loop import StepRecord, train_loop
 from ._model import (
     build_any_model,
     build_model,
+    build_auto_parallel_model,
     build_optimizer,
     fully_shard_transformer,
     model_args,
@@ -141,7 +142,10 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
     tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
     corpus = load_default_corpus(vocab_multiple=config.tp)
     model: nn.Module
-    if config.model == "llama":
+    auto_plan_used = None
+    if config.plan == "auto":
+        model, auto_plan_used = build_auto_parallel_model(config, mesh, corpus.vocab_size, device, _dtype(config))
+    elif config.model == "llama":
         llama = build_any_model(config, corpus.vocab_size, device, _dtype(config))
         assert isinstance(llama, Llama)
         model = parallelize_llama(llama, tp_mesh) if config.tp > 1 else llama
@@ -150,7 +154,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
         model = parallelize_transformer(
             transformer, tp_mesh, seq_parallel=config.uses_seq_parallel, loss_parallel=config.uses_loss_parallel
         )
-    if data_parallel:
+    if data_parallel and auto_plan_used is None:
         model = fully_shard_transformer(model, mesh["dp"])
     optimizer = build_optimizer(config, list(model.parameters()))
     first_step = 1
@@ -167,8 +171,12 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
             f"shardwise trainer: {world_size} ranks ({device.type}, {dist.get_backend()}), mesh "
             f"{f'dp={config.dp} (FSDP) x ' if data_parallel else ''}"
             f"{f'cp={config.cp} (context parallel, ring attention) x ' if config.cp > 1 else ''}tp={config.tp}; "
-            f"sequence parallel {'on' if config.uses_seq_parallel else 'off'}, loss parallel "
-            f"{'on' if config.uses_loss_parallel else 'off'}"
+            + (
+                "plan: auto (below)"
+                if auto_plan_used is not None
+                else f"sequence parallel {'on' if config.uses_seq_parallel else 'off'}, loss parallel "
+                f"{'on' if config.uses_loss_parallel else 'off'}"
+            )
         )
         _say(
             f"model: {'Llama' if config.model == 'llama' else 'Transformer'} dim={config.dim} layers={config.n_layers} "
@@ -177,6 +185,8 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
             f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, "
             f"{config.steps} steps"
         )
+        if auto_plan_used is not None:
+            _say(f"--plan auto: the plan auto_parallelize chose\n{auto_plan_used}")
         if config.resume:
             _say(f"resumed from {config.resolved_checkpoint_dir()} at step {first_step - 1}")
         if config.compile:
@@ -186,9 +196,8 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
             )
         else:
             _say("collectives are counted with CommDebugMode on the first and the last step")
-    loss_context: Callable[[], ContextManager[object]] = (
-        loss_parallel if config.uses_loss_parallel else contextlib.nullcontext
-    )
+    uses_loss_parallel = auto_plan_used.loss_parallel if auto_plan_used is not None else config.uses_loss_parallel
+    loss_context: Callable[[], ContextManager[object]] = loss_parallel if uses_loss_parallel else contextlib.nullcontext
     # Tokens per step count every token once, however many ranks share a sequence (cp) or a batch (dp).
     progress = _progress_printer("tp ", config.steps, config.tokens_per_step, config.log_every)
     tp_records = train_loop(
@@ -271,7 +280,8 @@ def _reference_and_report(
             title=(
                 f"shardwise {f'FSDP={config.dp} x ' if config.dp > 1 else ''}{f'CP={config.cp} x ' if config.cp > 1 else ''}"
                 f"TP={config.tp}{' + SP' if config.uses_seq_parallel else ''}"
-                f"{' + loss parallel' if config.uses_loss_parallel else ''}: "
+                f"{' + loss parallel' if config.uses_loss_parallel and config.plan == 'manual' else ''}"
+                f"{' (auto plan)' if config.plan == 'auto' else ''}: "
                 f"{'Llama' if config.model == 'llama' else 'Transformer'} dim={config.dim}, "
                 f"{config.n_layers} layers, batch {config.batch_size}x{config.seq_len}, parity {parity.verdict}"
             ),

@@ -1,0 +1,820 @@
+"""``auto_plan`` / ``auto_parallelize``: the whole parallel plan of a model for a mesh, chosen by estimated step time.
+
+How (one pass, no collective, no real compute):
+
+1. **Trace** the forward once on fake tensors (``_auto_trace``): every aten op with its shapes and
+   FLOPs, every module call.
+2. **Find the structure** (``_auto_structure``): tensor-parallel regions (entries column-wise, exit
+   row-wise), proven by propagating the cut through the region's ops; the per-position modules of
+   the residual stream; embeddings, head, tied weights, repeated blocks, attention calls.
+3. **Enumerate** every consistent combination of per-layer choices: each region kind column/row-wise
+   or replicated, the stream replicated or sequence-cut (sequence parallelism), each embedding cut by
+   vocabulary, by feature or replicated, the head cut by vocabulary with the loss parallel, with the
+   logits gathered, or replicated, FSDP units (one per block, or the root alone) and
+   ``reshard_after_forward`` on a ``dp`` dim, context parallelism on a ``cp`` dim. Blocks of one kind
+   (same modules and sizes) share their choices and are priced once times their count, so the number
+   of candidates and the time to price each do not grow with depth.
+4. **Price** each candidate's step (``_auto_cost``): shardwise's calibrated collective costs for the
+   collectives its styles issue, FLOPs and per-op dispatch, and peak memory per rank. The solve is
+   exact over this space (every candidate is priced); the best one within the memory budget wins.
+
+Mesh dims are read by name: ``tp`` (tensor and sequence parallelism), ``dp`` (FSDP), ``cp`` (context
+parallelism); a 1-D mesh without names is ``tp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import time
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.mesh import DeviceMesh
+from shardwise.placement import Placement, Replicate, Shard
+
+from ._auto_cost import ComputeProfile, Estimate, Ledger, default_compute_profile
+from ._auto_structure import ModelStructure, Region, analyse_structure
+from ._auto_trace import ModelTrace, trace_forward
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = ["AutoPlan", "PlanChoice", "StyleSpec", "auto_parallelize", "auto_plan", "price_plan_choice"]
+
+_STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
+    "ColwiseParallel": ColwiseParallel,
+    "RowwiseParallel": RowwiseParallel,
+    "SequenceParallel": SequenceParallel,
+    "PrepareModuleInput": PrepareModuleInput,
+}
+_SEQUENCE_DIM = 1
+_LOSS_PARALLEL_FORWARD_ALL_REDUCES = 3  # loss_parallel's cross-entropy: max, sum of exponentials, target logits
+_LOSS_PARALLEL_OPS = 12  # its forward ops on DTensors (log-softmax pieces, gather, mean)
+_OPTIMIZER_STATES = 2  # Adam's moments, per parameter
+
+
+def _placement_source(placement: Placement | None) -> str:
+    if placement is None:
+        return "None"
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    return repr(placement)
+
+
+def _value_source(value: Any) -> str:
+    if isinstance(value, tuple):
+        inner = ", ".join(_value_source(item) for item in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, Placement):
+        return _placement_source(value)
+    return repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StyleSpec:
+    """A parallel style as data: it builds the style and prints as the Python that builds it."""
+
+    name: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def build(self) -> ParallelStyle:
+        return _STYLE_CLASSES[self.name](**dict(self.kwargs))
+
+    def source(self) -> str:
+        arguments = ", ".join(f"{key}={_value_source(value)}" for key, value in self.kwargs)
+        return f"{self.name}({arguments})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+    """One candidate: every decision the planner makes (see the module doc)."""
+
+    sequence_parallel: bool
+    region_modes: tuple[tuple[str, str], ...]  # (region kind, "tensor_parallel" | "replicate")
+    embedding_modes: tuple[tuple[str, str], ...]  # (embedding FQN, "vocabulary" | "feature" | "replicate")
+    head_mode: str  # "loss_parallel" | "gathered" | "replicate" | "none"
+    prepare_region_inputs: bool = True  # lay a region's input out once at its parent module, not per entry
+    fsdp_units: str = "none"  # "none" | "blocks" | "root"
+    reshard_after_forward: bool = True
+    context_parallel: bool = False
+
+    def describe(self) -> str:
+        parts = [f"sequence parallel {'on' if self.sequence_parallel else 'off'}"]
+        modes: dict[str, list[str]] = {}
+        for kind, mode in self.region_modes:
+            modes.setdefault(mode, []).append(kind)
+        parts += [f"{mode.replace('_', ' ')}: {', '.join(kinds)}" for mode, kinds in modes.items()]
+        parts += [f"{name} by {mode}" if mode != "replicate" else f"{name} replicated" for name, mode in self.embedding_modes]
+        parts.append({"loss_parallel": "head by vocabulary, loss parallel", "gathered": "head by vocabulary, logits gathered",
+                      "replicate": "head replicated", "none": "no head"}[self.head_mode])
+        if not self.prepare_region_inputs:
+            parts.append("region inputs laid out per entry")
+        if self.fsdp_units != "none":
+            parts.append(f"FSDP units: {self.fsdp_units}, reshard_after_forward={self.reshard_after_forward}")
+        if self.context_parallel:
+            parts.append("context parallel attention")
+        return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshDims:
+    mesh: Any
+    tp: int | None
+    dp: int | None
+    cp: int | None
+
+    def size(self, dim: int | None) -> int:
+        return 1 if dim is None else int(self.mesh.shape[dim])
+
+    def sub_mesh(self, dim: int | None) -> Any:
+        if dim is None:
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        return self.mesh[names[dim]]
+
+
+def _mesh_dims(mesh: Any) -> _MeshDims:
+    # Planning reads the mesh's shape, dim names and device type only (a FakeMesh plans too); applying slices it.
+    if not all(hasattr(mesh, attribute) for attribute in ("shape", "ndim", "mesh_dim_names", "device_type")):
+        raise TypeError(f"auto_plan: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"auto_plan: a {mesh.ndim}-D mesh needs dim names among 'dp' (FSDP), 'cp' (context parallel) and "
+                "'tp' (tensor parallel)"
+            )
+        return _MeshDims(mesh, 0, None, None)
+    unknown = [name for name in names if name not in ("dp", "cp", "tp")]
+    if unknown:
+        raise ValueError(
+            f"auto_plan: mesh dims {names}: {unknown} unknown; name each dim 'dp' (FSDP), 'cp' (context parallel) "
+            "or 'tp' (tensor parallel)"
+        )
+    return _MeshDims(mesh, *(names.index(name) if name in names else None for name in ("tp", "dp", "cp")))
+
+
+def _block_index_pattern(name: str, structure: ModelStructure) -> str:
+    """``layers.3.attention.wo`` -> ``layers.*.attention.wo`` when every block of that list is of one kind."""
+    for block in structure.blocks:
+        if name.startswith(block.fqn + "."):
+            list_name = block.fqn.rsplit(".", 1)[0]
+            siblings = [b for b in structure.blocks if b.fqn.rsplit(".", 1)[0] == list_name]
+            if len({b.kind for b in siblings}) == 1:
+                return f"{list_name}.*{name[len(block.fqn):]}"
+            return name
+    return name
+
+
+def _region_kind(region: Region, structure: ModelStructure) -> str:
+    return _block_index_pattern(region.exit, structure).rsplit(".", 1)[0] or region.exit
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    model_name: str
+    trace: ModelTrace
+    structure: ModelStructure
+    dims: _MeshDims
+    compute: ComputeProfile
+    loss_parallel_allowed: bool
+    cost_profile: Any
+    parameter_itemsize: int
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.size(self.dims.tp)
+
+
+def _regions_by_kind(problem: _Problem) -> dict[str, list[Region]]:
+    kinds: dict[str, list[Region]] = {}
+    for region in problem.structure.regions:
+        kinds.setdefault(_region_kind(region, problem.structure), []).append(region)
+    return kinds
+
+
+def _embedding_size(problem: _Problem, name: str) -> tuple[int, int]:
+    call = problem.trace.calls_of(name)[0]
+    weight = call.module.weight
+    return int(weight.shape[0]), int(weight.shape[1])
+
+
+def _candidates(problem: _Problem) -> Iterable[PlanChoice]:
+    structure, tp = problem.structure, problem.tp_size
+    kinds = sorted(_regions_by_kind(problem))
+    sp_options = [False]
+    if tp > 1 and structure.sequence_parallel_refused is None:
+        sp_options.append(True)
+    embedding_options: list[list[str]] = []
+    for name in structure.embeddings:
+        vocabulary, width = _embedding_size(problem, name)
+        options = ["replicate"]
+        if tp > 1 and vocabulary % tp == 0:
+            options.append("vocabulary")
+        if tp > 1 and width % tp == 0:
+            options.append("feature")
+        embedding_options.append(options)
+    head_options = ["none"]
+    if structure.head is not None:
+        out_features = int(problem.trace.calls_of(structure.head)[0].module.weight.shape[0])
+        head_options = ["replicate"]
+        if tp > 1 and out_features % tp == 0:
+            head_options.append("gathered")
+            if problem.loss_parallel_allowed:
+                head_options.append("loss_parallel")
+    fsdp_options: list[tuple[str, bool]] = [("none", True)]
+    if problem.dims.dp is not None and problem.dims.size(problem.dims.dp) > 1:
+        fsdp_options = [("root", False)] + ([("blocks", True), ("blocks", False)] if structure.blocks else [])
+    context_parallel = problem.dims.cp is not None and problem.dims.size(problem.dims.cp) > 1
+    tied_heads = _tied_embeddings(problem)
+    for sp in sp_options:
+        mode_sets = [["tensor_parallel"]] * len(kinds) if sp else [(["tensor_parallel", "replicate"] if tp > 1 else ["replicate"])] * len(kinds)
+        for modes in itertools.product(*mode_sets):
+            for embedding_modes in itertools.product(*embedding_options):
+                for head_mode in head_options:
+                    if sp and (head_mode == "replicate" or any(mode == "replicate" for mode in embedding_modes)):
+                        continue  # a whole layer on a sequence-cut stream needs its own gathers; not a candidate
+                    if not _tying_holds(structure, embedding_modes, head_mode, tied_heads):
+                        continue
+                    for units, reshard in fsdp_options:
+                        yield PlanChoice(
+                            sequence_parallel=sp,
+                            region_modes=tuple(zip(kinds, modes)),
+                            embedding_modes=tuple(zip(structure.embeddings, embedding_modes)),
+                            head_mode=head_mode,
+                            fsdp_units=units,
+                            reshard_after_forward=reshard,
+                            context_parallel=context_parallel,
+                        )
+
+
+def _tied_embeddings(problem: _Problem) -> set[str]:
+    """Embeddings whose weight is the head's: both must be cut the same way (by vocabulary) or both whole."""
+    head = problem.structure.head
+    tied: set[str] = set()
+    if head is None:
+        return tied
+    for names in problem.structure.tied:
+        owners = {name.rsplit(".", 1)[0] for name in names}
+        if head in owners:
+            tied |= owners & set(problem.structure.embeddings)
+    return tied
+
+
+def _tying_holds(structure: ModelStructure, embedding_modes: Sequence[str], head_mode: str, tied: set[str]) -> bool:
+    for name, mode in zip(structure.embeddings, embedding_modes):
+        if name in tied:
+            head_cut = head_mode in ("loss_parallel", "gathered")
+            if head_cut != (mode == "vocabulary") or (not head_cut and mode != "replicate"):
+                return False
+    return True
+
+
+def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
+    trace, structure, dims = problem.trace, problem.structure, problem.dims
+    ledger = Ledger(dims.mesh, problem.compute, problem.cost_profile)
+    tp, dp, cp = dims.tp, dims.dp, dims.cp
+    T, D, C = dims.size(tp), dims.size(dp), dims.size(cp)
+    data_split = D * C  # every activation is this rank's share of the batch (dp) and of the sequence (cp)
+    sp = choice.sequence_parallel
+    stream_cut = T if sp else 1
+    itemsize = problem.parameter_itemsize
+    sharded_numel = 0.0
+    total_numel = sum(problem.structure.parameter_numel.values())
+    activations = 0.0
+    dtensor_ops = 0
+    plain_ops = len(trace.ops)
+
+    def act(tensor: int) -> float:
+        return trace.nbytes(tensor) / data_split
+
+    def call_ops(name: str) -> int:
+        return len(trace.ops_within(trace.calls_of(name)[0]))
+
+    modes = dict(choice.region_modes)
+    for kind, regions in _regions_by_kind(problem).items():
+        region, count = regions[0], len(regions)
+        outputs = sum(trace.nbytes(t) for op in trace.ops[trace.calls_of(region.entries[0])[0].first_op : trace.calls_of(region.exit)[0].end_op] for t in op.outputs)
+        if modes[kind] == "tensor_parallel":
+            entries = 1 if (choice.prepare_region_inputs and region.parent is not None) else len(region.entries)
+            x, y = act(region.input), act(region.output)
+            if sp:
+                ledger.collective("all_gather", x, tp, count * entries * 1)
+                ledger.collective("reduce_scatter", y, tp, count)
+                ledger.collective("reduce_scatter", x, tp, count * entries)
+                ledger.collective("all_gather", y, tp, count)
+            else:
+                ledger.collective("all_reduce", y, tp, count)
+                ledger.collective("all_reduce", x, tp, count * entries)
+            ledger.flops(count * region.flops / (T * data_split))
+            sharded_numel += count * region.parameter_numel
+            linear_ops = sum(call_ops(name) for name in (*region.entries, region.exit))
+            dtensor_ops += count * (linear_ops + (region.op_count if region.needs_global_views else 0) + 2 * entries)
+            activations += count * outputs / (T * data_split)
+        else:
+            ledger.flops(count * region.flops / data_split)
+            activations += count * outputs / data_split
+
+    # The stream: per-position modules (norms) and everything outside regions, embeddings and head.
+    stream_flops = sum(op.flops for op in trace.ops) - sum(r.flops for r in structure.regions)
+    if sp:
+        stream_params = sum(structure.parameter_numel[name] for name in structure.stream_modules)
+        ledger.collective("all_reduce", stream_params * itemsize, tp)  # their partial gradients, batched
+        dtensor_ops += sum(call_ops(name) for name in structure.stream_modules)
+    ledger.flops(stream_flops / (stream_cut * data_split))
+
+    for name, mode in choice.embedding_modes:
+        output = trace.calls_of(name)[0].outputs[0]
+        e = act(output)
+        if mode == "vocabulary":
+            if sp:
+                ledger.collective("reduce_scatter", e, tp)
+                ledger.collective("all_gather", e, tp)
+            else:
+                ledger.collective("all_reduce", e, tp)
+        elif mode == "feature":
+            if sp:
+                ledger.collective("all_to_all", e / T, tp, 2)
+            else:
+                ledger.collective("all_gather", e, tp)
+        if mode != "replicate":
+            sharded_numel += structure.parameter_numel[name]
+            dtensor_ops += call_ops(name) + 3
+        activations += e / (stream_cut if mode != "replicate" or sp else 1)
+
+    if structure.head is not None and choice.head_mode != "none":
+        head_call = trace.calls_of(structure.head)[0]
+        h, logits = act(head_call.inputs[0]), act(head_call.outputs[0])
+        if choice.head_mode in ("loss_parallel", "gathered"):
+            if sp:
+                ledger.collective("all_gather", h, tp)
+                ledger.collective("reduce_scatter", h, tp)
+            else:
+                ledger.collective("all_reduce", h, tp)
+            ledger.flops(trace.flops_within(head_call) / (T * data_split))
+            sharded_numel += structure.parameter_numel[structure.head] if not _is_tied(problem, structure.head) else 0
+            dtensor_ops += call_ops(structure.head)
+            if choice.head_mode == "gathered":
+                ledger.collective("all_gather", logits, tp)
+                activations += logits
+            else:
+                rows = logits / max(1, trace.shapes[head_call.outputs[0]][-1])
+                ledger.collective("all_reduce", rows, tp, _LOSS_PARALLEL_FORWARD_ALL_REDUCES)
+                dtensor_ops += _LOSS_PARALLEL_OPS
+                activations += logits / T
+        else:
+            if sp:
+                ledger.collective("all_gather", h, tp)
+            ledger.flops(trace.flops_within(head_call) / data_split)
+            activations += logits
+
+    if any(mode == "tensor_parallel" for _, mode in choice.region_modes) or sp:
+        ledger.collective("all_reduce", 8, tp)  # the gradient norm over the tensor-parallel gradients (clipping)
+
+    replicated_numel = total_numel - sharded_numel
+    per_rank_params = (sharded_numel / T + replicated_numel) * itemsize
+    fsdp_extra = 0.0
+    if choice.fsdp_units != "none":
+        units = _fsdp_unit_bytes(problem, choice, sharded_numel_total=sharded_numel)
+        for index, unit_bytes in enumerate(units):
+            is_root = index == len(units) - 1
+            ledger.collective("all_gather", unit_bytes, dp)
+            if choice.reshard_after_forward and not is_root:
+                ledger.collective("all_gather", unit_bytes, dp)
+            ledger.collective("reduce_scatter", unit_bytes, dp)
+        if choice.reshard_after_forward and len(units) > 1:
+            fsdp_extra = units[-1] + 2 * max(units[:-1])
+        else:
+            fsdp_extra = sum(units)
+        per_rank_params /= D
+    if choice.context_parallel:
+        for name in structure.attention_modules:
+            attention = [op for op in trace.ops if "scaled_dot_product" in str(op.func) and op.call is not None and trace.calls[op.call].fqn == name]
+            if not attention:
+                continue
+            op = attention[0]
+            kv = (trace.nbytes(op.inputs[1]) + trace.nbytes(op.inputs[2])) / (D * T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else D)
+            ledger.collective("all_gather", kv, cp, 2)
+            ledger.collective("all_to_all", kv / 2, cp, 2)
+        ledger.collective("all_reduce", per_rank_params, cp)  # the gradients' sum over cp
+    ledger.ops(plain_ops, on_dtensors=False)
+    ledger.ops(dtensor_ops, on_dtensors=True)
+    ledger.memory(per_rank_params * (2 + _OPTIMIZER_STATES) + activations)
+    return ledger.finish(fsdp_extra)
+
+
+def _kind_of_attention(problem: _Problem, attention_module: str) -> str:
+    for region in problem.structure.regions:
+        if region.exit.startswith(attention_module + "."):
+            return _region_kind(region, problem.structure)
+    return ""
+
+
+def _is_tied(problem: _Problem, module: str) -> bool:
+    return any(any(name.rsplit(".", 1)[0] == module for name in names) for names in problem.structure.tied)
+
+
+def _fsdp_unit_bytes(problem: _Problem, choice: PlanChoice, *, sharded_numel_total: float) -> list[float]:
+    """Each FSDP unit's parameter bytes on one tensor-parallel rank (gathered size), blocks first, the root last."""
+    T = problem.tp_size
+    itemsize = problem.parameter_itemsize
+    modes = dict(choice.region_modes)
+    structure = problem.structure
+    if choice.fsdp_units == "root":
+        total = sum(structure.parameter_numel.values())
+        return [((total - sharded_numel_total) + sharded_numel_total / T) * itemsize]
+    units: list[float] = []
+    in_blocks = 0.0
+    for block in structure.blocks:
+        numel = sum(value for name, value in structure.parameter_numel.items() if name.startswith(block.fqn + "."))
+        cut = sum(r.parameter_numel for r in block.regions if modes.get(_region_kind(r, structure)) == "tensor_parallel")
+        units.append(((numel - cut) + cut / T) * itemsize)
+        in_blocks += numel
+    rest = sum(structure.parameter_numel.values()) - in_blocks
+    units.append(rest * itemsize)
+    return units
+
+
+# ----------------------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass
+class AutoPlan:
+    """What ``auto_plan`` chose; ``print(plan)`` shows it as Python to paste and edit."""
+
+    model_name: str
+    choice: PlanChoice
+    parallelize_plan_specs: dict[str, StyleSpec]
+    loss_parallel: bool
+    fsdp_units: tuple[str, ...]  # module FQNs, "" for the root; FSDP on the dp dim, applied in this order
+    reshard_after_forward: bool
+    context_parallel_modules: tuple[str, ...]
+    tied_parameters: tuple[tuple[str, ...], ...]
+    sequence_length_multiple: int | None  # sequence parallelism needs the sequence length to be a multiple of this
+    estimate: Estimate
+    runner_up: tuple[PlanChoice, Estimate] | None
+    notes: tuple[str, ...]
+    candidates_priced: int
+    solve_seconds: float
+    mesh_dim_names: tuple[str | None, str | None, str | None]  # the names of the tp, dp and cp dims
+
+    @property
+    def parallelize_plan(self) -> dict[str, ParallelStyle]:
+        """The dict ``parallelize_module(model, tp_mesh, ...)`` takes."""
+        return {path: spec.build() for path, spec in self.parallelize_plan_specs.items()}
+
+    def __str__(self) -> str:
+        tp_name, dp_name, cp_name = self.mesh_dim_names
+        mesh_of = (lambda name: f'mesh["{name}"]' if name else "mesh")
+        lines = [
+            f"# shardwise auto_plan for {self.model_name}: {self.choice.describe()}",
+            f"# estimated step per rank: {self.estimate.summary()}",
+        ]
+        if self.runner_up is not None:
+            choice, estimate = self.runner_up
+            lines += [f"# runner-up: {choice.describe()}", f"#   {estimate.summary()}"]
+        lines += [f"# {note}" for note in self.notes]
+        lines.append(f"# {self.candidates_priced} candidates priced in {self.solve_seconds:.2f} s")
+        lines += [
+            "from shardwise.placement import Replicate, Shard",
+            "from shardwise.tp_styles import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module",
+        ]
+        if self.parallelize_plan_specs:
+            lines.append("tp_plan = {")
+            lines += [f"    {path!r}: {spec.source()}," for path, spec in self.parallelize_plan_specs.items()]
+            lines.append("}")
+            lines.append(f"parallelize_module(model, {mesh_of(tp_name)}, tp_plan)")
+        for names in self.tied_parameters:
+            first, *others = names
+            lines += [f"model.{other} = model.{first}  # one weight, shared again after the styles distributed it" for other in others]
+        if self.context_parallel_modules:
+            lines += [
+                "from shardwise.dtensor_ops.experimental._attention import _ContextParallel",
+                f"for name in {list(self.context_parallel_modules)!r}:",
+                f"    parallelize_module(model.get_submodule(name), {mesh_of(cp_name)}, "
+                "_ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))",
+                "# shard the inputs (tokens, positions, labels) with context_parallel / _context_parallel_shard",
+            ]
+        if self.fsdp_units:
+            lines.append("from shardwise.fsdp_ext import fully_shard")
+            for unit in self.fsdp_units:
+                target = f"model.get_submodule({unit!r})" if unit else "model"
+                flag = self.reshard_after_forward if unit else False
+                lines.append(f"fully_shard({target}, mesh={mesh_of(dp_name)}, reshard_after_forward={flag})")
+        if self.loss_parallel:
+            lines.append("# logits stay cut by vocabulary: run forward, loss and backward inside `with loss_parallel():`")
+        return "\n".join(lines)
+
+    def apply(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        *,
+        fully_shard: Callable[..., Any] | None = None,
+        context_parallel: bool = True,
+    ) -> nn.Module:
+        """Applies the plan to ``model`` in place (the model the plan was made for) and returns it.
+
+        ``fully_shard``: ``shardwise.fsdp_ext.fully_shard``, needed when the plan has FSDP units (this
+        package sits beside ``fsdp_ext`` in shardwise's layers and does not import it). ``context_parallel``:
+        register ``_ContextParallel`` on the attention modules (False when the caller runs the whole
+        forward inside ``context_parallel(...)``, which already makes every attention ring attention).
+        """
+        dims = _mesh_dims(mesh)
+        if self.fsdp_units and fully_shard is None:
+            raise ValueError(
+                "AutoPlan.apply: the plan has FSDP units on the dp dim; pass fully_shard=shardwise.fsdp_ext.fully_shard"
+            )
+        from .api import parallelize_module
+
+        if self.parallelize_plan_specs:
+            parallelize_module(model, dims.sub_mesh(dims.tp), self.parallelize_plan)
+        for names in self.tied_parameters:
+            first, *others = names
+            shared = model.get_parameter(first)
+            for other in others:
+                owner, _, attribute = other.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, shared)
+        if self.sequence_length_multiple:
+            model.register_forward_pre_hook(_SequenceLengthCheck(self.sequence_length_multiple))
+        if self.context_parallel_modules and context_parallel:
+            from shardwise.dtensor_ops.experimental._attention import _ContextParallel
+
+            for name in self.context_parallel_modules:
+                parallelize_module(
+                    model.get_submodule(name),
+                    dims.sub_mesh(dims.cp),
+                    _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA),  # type: ignore[arg-type]
+                )
+        if self.fsdp_units and fully_shard is not None:
+            dp_mesh = dims.sub_mesh(dims.dp)
+            for unit in self.fsdp_units:
+                if unit:
+                    fully_shard(model.get_submodule(unit), mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward)
+                else:
+                    fully_shard(model, mesh=dp_mesh)
+        return model
+
+
+class _SequenceLengthCheck:
+    """Forward pre-hook under sequence parallelism: the tokens' sequence must cut evenly over the tp ranks."""
+
+    def __init__(self, multiple: int) -> None:
+        self.multiple = multiple
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        tokens = args[0] if args else None
+        if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and tokens.size(_SEQUENCE_DIM) % self.multiple:
+            raise ValueError(
+                f"{type(module).__name__} (auto plan, sequence parallel over {self.multiple} ranks): the sequence length "
+                f"{tokens.size(_SEQUENCE_DIM)} of the input {tuple(tokens.shape)} must be a multiple of {self.multiple}"
+            )
+
+
+def _style_specs(problem: _Problem, choice: PlanChoice) -> dict[str, StyleSpec]:
+    structure = problem.structure
+    stream: Placement = Shard(_SEQUENCE_DIM) if choice.sequence_parallel else Replicate()
+    specs: dict[str, StyleSpec] = {}
+
+    def put(name: str, spec: StyleSpec) -> None:
+        specs.setdefault(_block_index_pattern(name, structure), spec)
+
+    for name, mode in choice.embedding_modes:
+        if mode == "vocabulary":
+            put(name, StyleSpec("RowwiseParallel", (("input_layouts", Replicate()), ("output_layouts", _embedding_layout(problem, name, choice)))))
+        elif mode == "feature":
+            put(name, StyleSpec("ColwiseParallel", (("input_layouts", Replicate()), ("output_layouts", _embedding_layout(problem, name, choice)))))
+    modes = dict(choice.region_modes)
+    for region in structure.regions:
+        if modes[_region_kind(region, structure)] != "tensor_parallel":
+            continue
+        prepared = choice.prepare_region_inputs and region.parent is not None
+        if prepared:
+            assert region.parent is not None
+            call = problem.trace.calls_of(region.parent)[0]
+            layouts = tuple(stream if index == region.parent_input_index else None for index in range(len(call.inputs)))
+            desired = tuple(Replicate() if index == region.parent_input_index else None for index in range(len(call.inputs)))
+            put(region.parent, StyleSpec("PrepareModuleInput", (("input_layouts", layouts), ("desired_input_layouts", desired))))
+        for entry in region.entries:
+            kwargs: tuple[tuple[str, Any], ...] = ()
+            if not prepared and choice.sequence_parallel:
+                kwargs += (("input_layouts", stream),)
+            if region.needs_global_views:
+                kwargs += (("use_local_output", False),)
+            put(entry, StyleSpec("ColwiseParallel", kwargs))
+        put(region.exit, StyleSpec("RowwiseParallel", (("output_layouts", stream),) if choice.sequence_parallel else ()))
+    if choice.sequence_parallel:
+        for name in structure.stream_modules:
+            put(name, StyleSpec("SequenceParallel"))
+    if structure.head is not None and choice.head_mode in ("loss_parallel", "gathered"):
+        kwargs = (("input_layouts", stream),) if choice.sequence_parallel else ()
+        if choice.head_mode == "loss_parallel":
+            kwargs += (("output_layouts", Shard(-1)), ("use_local_output", False))
+        else:
+            kwargs += (("output_layouts", Replicate()),)
+        put(structure.head, StyleSpec("ColwiseParallel", kwargs))
+    return specs
+
+
+def _embedding_layout(problem: _Problem, name: str, choice: PlanChoice) -> Placement:
+    if not choice.sequence_parallel:
+        return Replicate()
+    return Shard(problem.structure.embedding_cut_dims[name])
+
+
+def _build_problem(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: tuple[Any, ...],
+    loss_fn: Any,
+    compute_profile: ComputeProfile | None,
+    cost_profile: Any,
+) -> _Problem:
+    dims = _mesh_dims(mesh)
+    if loss_fn not in (None, "cross_entropy", F.cross_entropy):
+        raise ValueError(
+            f"auto_plan: loss_fn {loss_fn!r}: expected None (the logits are returned whole) or F.cross_entropy / "
+            "'cross_entropy' (then the logits may stay cut by vocabulary under loss_parallel)"
+        )
+    trace = trace_forward(model, example_inputs)
+    structure = analyse_structure(model, trace, dims.size(dims.tp))
+    if dims.cp is not None and dims.size(dims.cp) > 1 and structure.context_parallel_refused:
+        raise ValueError(f"auto_plan: the mesh has a 'cp' dim but context parallelism cannot apply: {structure.context_parallel_refused}")
+    parameters = list(model.parameters())
+    itemsize = parameters[0].element_size() if parameters else 4
+    return _Problem(
+        model_name=type(model).__name__,
+        trace=trace,
+        structure=structure,
+        dims=dims,
+        compute=compute_profile or default_compute_profile(str(mesh.device_type)),
+        loss_parallel_allowed=loss_fn is not None,
+        cost_profile=cost_profile,
+        parameter_itemsize=itemsize,
+    )
+
+
+def price_plan_choice(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: tuple[Any, ...],
+    choice: PlanChoice,
+    *,
+    loss_fn: Any = None,
+    compute_profile: ComputeProfile | None = None,
+    cost_profile: Any = None,
+) -> Estimate:
+    """The estimate ``auto_plan`` gives ``choice`` (e.g. a hand-written plan stated as a choice), for comparison."""
+    return _price(_build_problem(model, mesh, example_inputs, loss_fn, compute_profile, cost_profile), choice)
+
+
+def auto_plan(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: tuple[Any, ...],
+    *,
+    memory_budget_bytes: float | None = None,
+    objective: str = "time",
+    loss_fn: Any = None,
+    compute_profile: ComputeProfile | None = None,
+    cost_profile: Any = None,
+) -> AutoPlan:
+    """Chooses the parallel plan of ``model`` on ``mesh`` (see the module doc); changes nothing.
+
+    ``example_inputs``: a tuple of the forward's positional arguments, a whole batch as one process
+    would run it (only shapes and dtypes are read; nothing is computed). ``objective``: ``"time"``
+    (fastest estimated step within the budget) or ``"memory"`` (smallest peak memory, then time).
+    ``loss_fn``: ``F.cross_entropy`` if the logits feed a cross-entropy (loss parallel becomes a
+    candidate), None to keep the logits whole. ``compute_profile`` / ``cost_profile``: the compute
+    estimate's rates and the collective cost profile (default: the mesh's backend's).
+    Modules with parameters that no style takes are replicated, with a warning naming them; a budget
+    that no plan meets raises ``ValueError`` naming the smallest plan found.
+    """
+    if objective not in ("time", "memory"):
+        raise ValueError(f"auto_plan: objective must be 'time' or 'memory', got {objective!r}")
+    started = time.perf_counter()
+    problem = _build_problem(model, mesh, example_inputs, loss_fn, compute_profile, cost_profile)
+    structure = problem.structure
+    if structure.replicated_modules:
+        warnings.warn(
+            f"auto_plan: no parallel style takes {', '.join(structure.replicated_modules)}; they stay replicated",
+            stacklevel=2,
+        )
+    priced = [(choice, _price(problem, choice)) for choice in _candidates(problem)]
+
+    def rank(item: tuple[PlanChoice, Estimate]) -> tuple[float, ...]:
+        estimate = item[1]
+        if objective == "memory":
+            return (estimate.peak_memory_bytes, estimate.seconds, estimate.collectives)
+        return (estimate.seconds, estimate.collectives, estimate.peak_memory_bytes)
+
+    fitting = [item for item in priced if memory_budget_bytes is None or item[1].peak_memory_bytes <= memory_budget_bytes]
+    if not fitting:
+        smallest = min(priced, key=lambda item: (item[1].peak_memory_bytes, item[1].seconds))
+        raise ValueError(
+            f"auto_plan: no plan of {problem.model_name} fits memory_budget_bytes={memory_budget_bytes:,.0f}; the smallest "
+            f"found needs {smallest[1].peak_memory_bytes:,.0f} bytes per rank: {smallest[0].describe()}"
+        )
+    fitting.sort(key=rank)
+    best_choice, best_estimate = fitting[0]
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    notes = _notes(problem, best_choice)
+    dims = problem.dims
+    names = tuple(mesh.mesh_dim_names or ())
+    dim_name = (lambda dim: names[dim] if dim is not None and names and mesh.ndim > 1 else None)
+    units: tuple[str, ...] = ()
+    if best_choice.fsdp_units == "blocks":
+        units = tuple(block.fqn for block in structure.blocks) + ("",)
+    elif best_choice.fsdp_units == "root":
+        units = ("",)
+    return AutoPlan(
+        model_name=problem.model_name,
+        choice=best_choice,
+        parallelize_plan_specs=_style_specs(problem, best_choice),
+        loss_parallel=best_choice.head_mode == "loss_parallel",
+        fsdp_units=units,
+        reshard_after_forward=best_choice.reshard_after_forward,
+        context_parallel_modules=structure.attention_modules if best_choice.context_parallel else (),
+        tied_parameters=tuple(names_ for names_ in structure.tied if _tie_needs_restoring(best_choice)),
+        sequence_length_multiple=problem.tp_size if best_choice.sequence_parallel else None,
+        estimate=best_estimate,
+        runner_up=runner_up,
+        notes=notes,
+        candidates_priced=len(priced),
+        solve_seconds=time.perf_counter() - started,
+        mesh_dim_names=(dim_name(dims.tp), dim_name(dims.dp), dim_name(dims.cp)),
+    )
+
+
+def _tie_needs_restoring(choice: PlanChoice) -> bool:
+    return choice.head_mode in ("loss_parallel", "gathered")
+
+
+def _notes(problem: _Problem, choice: PlanChoice) -> tuple[str, ...]:
+    structure = problem.structure
+    notes = [
+        f"regions found (entries column-wise -> exit row-wise): "
+        + "; ".join(f"{', '.join(_block_index_pattern(e, structure) for e in r.entries)} -> {_block_index_pattern(r.exit, structure)}"
+                    for r in _unique_regions(problem))
+    ]
+    if structure.sequence_parallel_refused:
+        notes.append(f"sequence parallelism not a candidate: {structure.sequence_parallel_refused}")
+    elif not choice.sequence_parallel and problem.tp_size > 1:
+        notes.append(
+            "sequence parallelism priced and not chosen: it turns each region's all-reduce into an all-gather plus a "
+            "reduce-scatter (twice the collectives) and runs the norms on DTensors"
+        )
+    if any(r.parent is not None and len(r.entries) > 1 for r in structure.regions):
+        notes.append("each region's input is laid out once at its parent module: one gradient reduction per region, not one per entry")
+    if structure.context_parallel_refused and problem.dims.cp is None:
+        notes.append(f"context parallelism would not apply: {structure.context_parallel_refused}")
+    return tuple(notes)
+
+
+def _unique_regions(problem: _Problem) -> list[Region]:
+    seen: dict[str, Region] = {}
+    for region in problem.structure.regions:
+        seen.setdefault(_region_kind(region, problem.structure), region)
+    return list(seen.values())
+
+
+def auto_parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: tuple[Any, ...],
+    *,
+    memory_budget_bytes: float | None = None,
+    objective: str = "time",
+    loss_fn: Any = None,
+    fully_shard: Callable[..., Any] | None = None,
+    context_parallel: bool = True,
+    compute_profile: ComputeProfile | None = None,
+    cost_profile: Any = None,
+) -> AutoPlan:
+    """``auto_plan(...)`` then ``plan.apply(model, mesh, ...)``: parallelizes ``model`` in place and returns the plan."""
+    plan = auto_plan(
+        model,
+        mesh,
+        example_inputs,
+        memory_budget_bytes=memory_budget_bytes,
+        objective=objective,
+        loss_fn=loss_fn,
+        compute_profile=compute_profile,
+        cost_profile=cost_profile,
+    )
+    plan.apply(model, mesh, fully_shard=fully_shard, context_parallel=context_parallel)
+    return plan
