@@ -132,6 +132,18 @@ def test_fsdp_times_tensor_parallel_compiled_whole(tmp_path: pathlib.Path) -> No
     assert "torch.compile(fullgraph=True, backend='aot_eager')" in result.stdout
 
 
+def test_automatic_plan_on_a_data_and_tensor_parallel_mesh(tmp_path: pathlib.Path) -> None:
+    result = _run_trainer([*TINY_MODEL, "--plan", "auto", "--dp", "2", "--tp", "2"], tmp_path)
+    summary = _check_outputs(result, tmp_path, steps=3)
+    assert "--plan auto: the plan auto_parallelize chose" in result.stdout
+    assert "fully_shard(model" in result.stdout  # the dp dim is FSDP's
+    estimated = re.search(r"# estimated step per rank: .*?; (\d+) collectives", result.stdout)
+    assert estimated is not None, result.stdout[-3000:]
+    collectives = summary["collectives_per_step"]
+    assert isinstance(collectives, dict)
+    assert int(estimated.group(1)) == collectives["total"], result.stdout[-4000:]
+
+
 def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.Path) -> None:
     """FSDP x TP 2x2 trains steps 1-3 and writes a checkpoint; TP over 4 ranks resumes it for steps 4-6.
     The resumed losses and final parameters match an uninterrupted single-process run of 6 steps."""

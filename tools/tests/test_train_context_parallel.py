@@ -66,3 +66,17 @@ def test_context_parallel_needs_the_llama_model(tmp_path: pathlib.Path) -> None:
     result = _run_trainer(["--cp", "2", "--tp", "2"], tmp_path)
     assert result.returncode == 2
     assert "--cp 2 needs --model llama" in result.stderr
+
+
+def test_automatic_plan_on_a_context_and_tensor_parallel_mesh(tmp_path: pathlib.Path) -> None:
+    result = _run_trainer([*TINY_LLAMA, "--plan", "auto", "--cp", "2", "--tp", "2", "--seq-len", "12"], tmp_path)
+    summary = _passed(result, tmp_path)
+    assert summary["mesh"] == {"shape": [2, 2], "dim_names": ["cp", "tp"]}
+    assert "--plan auto: the plan auto_parallelize chose" in result.stdout
+    assert "context parallel attention" in result.stdout  # the plan puts the cp dim to context parallelism
+    # The planner's estimate counts the collectives the step then issues.
+    estimated = re.search(r"# estimated step per rank: .*?; (\d+) collectives", result.stdout)
+    assert estimated is not None, result.stdout[-3000:]
+    collectives = summary["collectives_per_step"]
+    assert isinstance(collectives, dict)
+    assert int(estimated.group(1)) == collectives["total"], result.stdout[-4000:]

@@ -82,6 +82,7 @@ class Estimate:
     dispatch_seconds: float = 0.0
     bytes_received: float = 0.0
     collectives: int = 0
+    optimizer_collectives: int = 0  # of ``collectives``: those after backward (gradient norm, partial gradients, cp sum)
     peak_memory_bytes: float = 0.0
     by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -114,7 +115,7 @@ class Ledger:
         self.estimate = Estimate()
         self._memory = 0.0
 
-    def collective(self, kind: str, full_bytes: float, mesh_dim: int | None, count: int = 1) -> None:
+    def collective(self, kind: str, full_bytes: float, mesh_dim: int | None, count: int = 1, *, optimizer: bool = False) -> None:
         """``count`` collectives of ``kind`` over ``mesh_dim`` on a tensor of ``full_bytes`` (the gathered tensor of
         an all-gather, the input of a reduce-scatter or all-reduce, one rank's tensor of an all-to-all)."""
         if mesh_dim is None or count <= 0:
@@ -127,6 +128,8 @@ class Ledger:
         self.estimate.communication_seconds += count * seconds
         self.estimate.bytes_received += count * received
         self.estimate.collectives += count
+        if optimizer:
+            self.estimate.optimizer_collectives += count
         self.estimate.by_kind[kind] = self.estimate.by_kind.get(kind, 0) + count
 
     def flops(self, forward_flops: float) -> None:

@@ -44,6 +44,7 @@ _SAME_DIMS = {
     aten.native_dropout.default,
     aten.lift_fresh.default,
 }
+_SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default, aten.select.int}
 
 
@@ -454,8 +455,8 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
     for name, module in model.named_modules():
         if not name or name in handled or _own_numel(module) == 0:
             continue
-        call = calls.get(name)
-        if call is None:
+        module_call = calls.get(name)
+        if module_call is None:
             continue
         if isinstance(module, (nn.Linear, nn.Embedding)) or any(c.fqn.startswith(name + ".") and c.fqn in handled for c in calls.values()):
             replicated.append(name)
@@ -463,8 +464,11 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
         if any(isinstance(child, (nn.Linear, nn.Embedding)) for child in module.modules()):
             replicated.append(name)
             continue
-        stream_calls.append(call)
-    sequence_dim = 1
+        if _stream_check(trace, 1, [module_call], _SEQUENCE_DIM) is not None:
+            replicated.append(name)  # not per position (a convolution over the sequence, ...): kept whole
+            continue
+        stream_calls.append(module_call)
+    sequence_dim = _SEQUENCE_DIM
     refusal = None if regions else "no tensor-parallel region was found"
     if refusal is None and replicated:
         refusal = f"modules kept whole ({', '.join(replicated)}) cannot read a sequence-cut stream"

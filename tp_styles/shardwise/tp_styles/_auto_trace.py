@@ -190,10 +190,10 @@ def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTra
     producer: dict[TensorId, int] = {}
     consumers: dict[TensorId, list[int]] = {}
     for op in recorder.ops:
-        for tensor in op.inputs:
-            consumers.setdefault(tensor, []).append(op.index)
-        for tensor in op.outputs:
-            producer.setdefault(tensor, op.index)
+        for read in op.inputs:
+            consumers.setdefault(read, []).append(op.index)
+        for written in op.outputs:
+            producer.setdefault(written, op.index)
     return ModelTrace(
         ops=recorder.ops,
         calls=calls,

@@ -51,6 +51,10 @@ from .style import (
 
 __all__ = ["AutoPlan", "PlanChoice", "StyleSpec", "auto_parallelize", "auto_plan", "price_plan_choice"]
 
+# What planning reads from a mesh: shape, ndim, mesh_dim_names, device_type (a DeviceMesh, or shardwise.testing's
+# FakeMesh to plan for a mesh this process is not part of); applying a plan needs a DeviceMesh.
+PlanningMesh = Any
+
 _STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
     "ColwiseParallel": ColwiseParallel,
     "RowwiseParallel": RowwiseParallel,
@@ -60,7 +64,10 @@ _STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
 _SEQUENCE_DIM = 1
 _LOSS_PARALLEL_FORWARD_ALL_REDUCES = 3  # loss_parallel's cross-entropy: max, sum of exponentials, target logits
 _LOSS_PARALLEL_OPS = 12  # its forward ops on DTensors (log-softmax pieces, gather, mean)
-_OPTIMIZER_STATES = 2  # Adam's moments, per parameter
+_OPTIMIZER_STATES = 2
+# Cross-entropy forward and backward per logit (max, exp, sum, log, subtract, its gradient): not in the traced
+# forward, and cut by tp only under loss parallel.
+_LOSS_FLOPS_PER_LOGIT = 8  # Adam's moments, per parameter
 
 
 def _placement_source(placement: Placement | None) -> str:
@@ -147,7 +154,7 @@ class _MeshDims:
         return self.mesh[names[dim]]
 
 
-def _mesh_dims(mesh: Any) -> _MeshDims:
+def _mesh_dims(mesh: PlanningMesh) -> _MeshDims:
     # Planning reads the mesh's shape, dim names and device type only (a FakeMesh plans too); applying slices it.
     if not all(hasattr(mesh, attribute) for attribute in ("shape", "ndim", "mesh_dim_names", "device_type")):
         raise TypeError(f"auto_plan: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
@@ -208,8 +215,7 @@ def _regions_by_kind(problem: _Problem) -> dict[str, list[Region]]:
 
 
 def _embedding_size(problem: _Problem, name: str) -> tuple[int, int]:
-    call = problem.trace.calls_of(name)[0]
-    weight = call.module.weight
+    weight = problem.trace.calls_of(name)[0].module.get_parameter("weight")
     return int(weight.shape[0]), int(weight.shape[1])
 
 
@@ -230,7 +236,7 @@ def _candidates(problem: _Problem) -> Iterable[PlanChoice]:
         embedding_options.append(options)
     head_options = ["none"]
     if structure.head is not None:
-        out_features = int(problem.trace.calls_of(structure.head)[0].module.weight.shape[0])
+        out_features = int(problem.trace.calls_of(structure.head)[0].module.get_parameter("weight").shape[0])
         head_options = ["replicate"]
         if tp > 1 and out_features % tp == 0:
             head_options.append("gathered")
@@ -333,7 +339,12 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     stream_flops = sum(op.flops for op in trace.ops) - sum(r.flops for r in structure.regions)
     if sp:
         stream_params = sum(structure.parameter_numel[name] for name in structure.stream_modules)
-        ledger.collective("all_reduce", stream_params * itemsize, tp)  # their partial gradients, batched
+        if choice.fsdp_units == "none":
+            # Their partial gradients, reduced together after backward (one all-reduce).
+            ledger.collective("all_reduce", stream_params * itemsize, tp, optimizer=True)
+        else:
+            # FSDP reduces them in backward, one all-reduce per unit that holds any.
+            ledger.collective("all_reduce", stream_params * itemsize, tp, _units_holding(structure, choice, structure.stream_modules))
         dtensor_ops += sum(call_ops(name) for name in structure.stream_modules)
     ledger.flops(stream_flops / (stream_cut * data_split))
 
@@ -359,6 +370,7 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     if structure.head is not None and choice.head_mode != "none":
         head_call = trace.calls_of(structure.head)[0]
         h, logits = act(head_call.inputs[0]), act(head_call.outputs[0])
+        head_itemsize = trace.itemsize[head_call.outputs[0]]
         if choice.head_mode in ("loss_parallel", "gathered"):
             if sp:
                 ledger.collective("all_gather", h, tp)
@@ -370,8 +382,10 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             dtensor_ops += call_ops(structure.head)
             if choice.head_mode == "gathered":
                 ledger.collective("all_gather", logits, tp)
+                ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3)
                 activations += logits
             else:
+                ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3 / T)
                 rows = logits / max(1, trace.shapes[head_call.outputs[0]][-1])
                 ledger.collective("all_reduce", rows, tp, _LOSS_PARALLEL_FORWARD_ALL_REDUCES)
                 dtensor_ops += _LOSS_PARALLEL_OPS
@@ -380,10 +394,19 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             if sp:
                 ledger.collective("all_gather", h, tp)
             ledger.flops(trace.flops_within(head_call) / data_split)
+            ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3)
             activations += logits
 
-    if any(mode == "tensor_parallel" for _, mode in choice.region_modes) or sp:
-        ledger.collective("all_reduce", 8, tp)  # the gradient norm over the tensor-parallel gradients (clipping)
+    # Clipping's gradient norm: one all-reduce per mesh dim its DTensor gradients are spread over, per mesh:
+    # tensor-parallel (and SP) gradients on tp; under FSDP, tensor-parallel ones on (dp, tp), the rest on dp.
+    cut_by_tp = sharded_numel > 0 or sp
+    if choice.fsdp_units != "none":
+        ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
+        if cut_by_tp:
+            ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
+            ledger.collective("all_reduce", 8, tp, 1, optimizer=True)
+    elif cut_by_tp:
+        ledger.collective("all_reduce", 8, tp, optimizer=True)
 
     replicated_numel = total_numel - sharded_numel
     per_rank_params = (sharded_numel / T + replicated_numel) * itemsize
@@ -410,11 +433,22 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             kv = (trace.nbytes(op.inputs[1]) + trace.nbytes(op.inputs[2])) / (D * T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else D)
             ledger.collective("all_gather", kv, cp, 2)
             ledger.collective("all_to_all", kv / 2, cp, 2)
-        ledger.collective("all_reduce", per_rank_params, cp)  # the gradients' sum over cp
+        ledger.collective("all_reduce", per_rank_params, cp, optimizer=True)  # the gradients' sum over cp
     ledger.ops(plain_ops, on_dtensors=False)
     ledger.ops(dtensor_ops, on_dtensors=True)
     ledger.memory(per_rank_params * (2 + _OPTIMIZER_STATES) + activations)
     return ledger.finish(fsdp_extra)
+
+
+def _units_holding(structure: ModelStructure, choice: PlanChoice, modules: Sequence[str]) -> int:
+    """How many FSDP units hold parameters of ``modules`` (blocks by prefix; the rest belongs to the root)."""
+    if choice.fsdp_units == "root":
+        return 1 if modules else 0
+    units = set()
+    for name in modules:
+        owner = next((block.fqn for block in structure.blocks if name.startswith(block.fqn + ".")), "")
+        units.add(owner)
+    return len(units)
 
 
 def _kind_of_attention(problem: _Problem, attention_module: str) -> str:
@@ -638,7 +672,7 @@ def _embedding_layout(problem: _Problem, name: str, choice: PlanChoice) -> Place
 
 def _build_problem(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: PlanningMesh,
     example_inputs: tuple[Any, ...],
     loss_fn: Any,
     compute_profile: ComputeProfile | None,
@@ -670,7 +704,7 @@ def _build_problem(
 
 def price_plan_choice(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: PlanningMesh,
     example_inputs: tuple[Any, ...],
     choice: PlanChoice,
     *,
@@ -684,7 +718,7 @@ def price_plan_choice(
 
 def auto_plan(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: PlanningMesh,
     example_inputs: tuple[Any, ...],
     *,
     memory_budget_bytes: float | None = None,
@@ -794,7 +828,7 @@ def _unique_regions(problem: _Problem) -> list[Region]:
 
 def auto_parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: PlanningMesh,
     example_inputs: tuple[Any, ...],
     *,
     memory_budget_bytes: float | None = None,
