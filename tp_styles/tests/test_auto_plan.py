@@ -21,7 +21,7 @@ from shardwise.tp_styles import auto_parallelize, auto_plan, loss_parallel
 from shardwise.tp_styles._auto_cost import ComputeProfile
 from shardwise.tp_styles._auto_structure import analyse_structure
 from shardwise.tp_styles._auto_trace import trace_forward
-from shardwise.tp_styles.auto_plan import StyleSpec
+from shardwise.tp_styles.auto_plan import PlanChoice, StyleSpec, price_plan_choice
 
 # Compute so slow that every FLOP saved wins: the plan must cut every layer it can.
 COMPUTE_BOUND = ComputeProfile(flops_per_second=1e6, plain_op_seconds=1e-6, dtensor_op_seconds=1e-6)
@@ -96,6 +96,11 @@ def test_compute_bound_costs_recover_the_megatron_plan() -> None:
     assert plan.tied_parameters == (("tok_embeddings.weight", "output.weight"),)
     # One layout of each region's input at its parent: one backward reduction, not one per entry.
     assert specs["layers.*.attention"].name == "PrepareModuleInput"
+    assert any(note.startswith("this is the standard Megatron / torchtitan plan") for note in plan.notes), plan.notes
+    # Under the default (CPU, gloo) costs the planner leaves it, and says why in numbers.
+    default = auto_plan(transformer(), FakeMesh((4,)), (tokens(),), loss_fn=F.cross_entropy)
+    differs = [note for note in default.notes if note.startswith("differs from the standard Megatron")]
+    assert len(differs) == 1 and "sequence parallel off" in differs[0] and " ms with " in differs[0], default.notes
 
 
 def test_memory_objective_cuts_the_stream_by_sequence() -> None:
@@ -223,3 +228,23 @@ def test_auto_parallelized_models_match_one_process_with_the_estimated_collectiv
             assert mine.grad is not None, (label, name)
             # The Transformer's logits are float32 whatever its dtype: its gradients agree to float32's rounding.
             torch.testing.assert_close(_full(mine.grad), parameter.grad, rtol=1e-6, atol=1e-7, msg=f"{label}: {name}")
+
+
+@multi_rank
+def test_the_estimate_counts_the_collectives_of_a_hand_written_plan() -> None:
+    """The pricing is not tuned to the planner's own plans: the model zoo's hand plan (Megatron TP with sequence
+    and loss parallelism, stated as a choice) issues exactly the collectives its estimate counts."""
+    _, world = rank_and_world()
+    mesh = init_device_mesh("cpu", (world,))
+    model, inputs, targets = transformer(), (tokens(),), tokens().roll(1, 1)
+    hand = PlanChoice(
+        sequence_parallel=True,
+        region_modes=(("layers.*.attention", "tensor_parallel"), ("layers.*.feed_forward", "tensor_parallel")),
+        embedding_modes=(("tok_embeddings", "vocabulary"), ("pos_embeddings", "feature")),
+        head_mode="loss_parallel",
+    )
+    estimate = price_plan_choice(model, mesh, inputs, hand, loss_fn=F.cross_entropy)
+    Transformer.parallelize(model, mesh, True, loss_parallel=True)
+    with CommDebugMode() as mode:
+        _train_step(model, inputs, targets, True)
+    assert comm_counts(mode)["total"] == estimate.collectives - estimate.optimizer_collectives, (comm_counts(mode), estimate.by_kind)

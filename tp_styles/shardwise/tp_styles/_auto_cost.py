@@ -28,9 +28,14 @@ head by vocab          all-gather of the input under SP; gathered       reduce-s
 FSDP unit              all-gather of its parameters                     all-gather again if resharded after
                                                                         forward; reduce-scatter of gradients
 context parallel       one all-gather of K and V per attention          one all-gather, two all-to-alls
-optimizer              one all-reduce for the tensor-parallel gradients' norm, one for the SP norms'
-                       partial gradients (batched), one for the gradients' sum over cp
+optimizer              gradient clipping: one all-reduce per mesh dim the DTensor gradients are spread over (tp;
+                       under FSDP dp and tp, and dp for the rest); the SP norms' partial gradients, batched in
+                       one all-reduce (under FSDP: in backward, one per unit holding them); the gradients' sum
+                       over cp
 =====================  ===============================================  ================================
+
+The optimizer row is what the demo trainer's step does (``reduce_partial_gradients``, ``clip_gradients``,
+``sum_gradients_over``); ``Estimate.optimizer_collectives`` says how many of the count are there.
 """
 
 from __future__ import annotations

@@ -220,6 +220,7 @@ class Region:
     parameter_numel: int
     needs_global_views: bool
     op_count: int  # ops between the entries and the exit (they run on local tensors when TP)
+    exit_bias_numel: int  # the exit's bias stays whole on every tensor-parallel rank (row-wise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +349,7 @@ def _find_regions(trace: ModelTrace, parts: int, linear_calls: list[TracedCall])
                 parameter_numel=numel,
                 needs_global_views=propagation.needs_global_views,
                 op_count=exit_call.first_op - entries[0].end_op,
+                exit_bias_numel=_bias_numel(exit_call.module),
             )
         )
         taken |= ancestors | {exit_call.fqn}
@@ -365,6 +367,11 @@ def _region_parent(trace: ModelTrace, entries: list[TracedCall], region_input: T
             return call.fqn, call.inputs.index(region_input)
         candidate = call.parent
     return None, 0
+
+
+def _bias_numel(module: nn.Module) -> int:
+    bias = getattr(module, "bias", None)
+    return int(bias.numel()) if isinstance(bias, torch.Tensor) else 0
 
 
 def _own_numel(module: nn.Module) -> int:

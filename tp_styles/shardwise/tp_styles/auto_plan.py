@@ -201,6 +201,7 @@ class _Problem:
     loss_parallel_allowed: bool
     cost_profile: Any
     parameter_itemsize: int
+    attention_key_value_bytes: tuple[tuple[str, int], ...]  # per attention module: its first call's key + value bytes
 
     @property
     def tp_size(self) -> int:
@@ -397,15 +398,23 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3)
             activations += logits
 
-    # Clipping's gradient norm: one all-reduce per mesh dim its DTensor gradients are spread over, per mesh:
-    # tensor-parallel (and SP) gradients on tp; under FSDP, tensor-parallel ones on (dp, tp), the rest on dp.
-    cut_by_tp = sharded_numel > 0 or sp
+    # Clipping's gradient norm, per mesh of DTensor gradients: on tp one all-reduce; under FSDP, on dp one for
+    # the parameters no style cut, on (dp, tp) one per dim, and one more when tp-cut gradients share that mesh
+    # with tp-replicated ones (row-wise biases, SP norms), whose norms are summed differently.
+    whole_on_tp = sum(
+        count * regions[0].exit_bias_numel
+        for kind, regions in _regions_by_kind(problem).items()
+        if modes[kind] == "tensor_parallel"
+        for count in (len(regions),)
+    ) + (sum(structure.parameter_numel[name] for name in structure.stream_modules) if sp else 0)
+    on_tp_mesh = sharded_numel > 0 or whole_on_tp > 0
     if choice.fsdp_units != "none":
-        ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
-        if cut_by_tp:
+        if total_numel - sharded_numel - whole_on_tp > 0:
             ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
-            ledger.collective("all_reduce", 8, tp, 1, optimizer=True)
-    elif cut_by_tp:
+        if on_tp_mesh:
+            ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
+            ledger.collective("all_reduce", 8, tp, 1 + int(sharded_numel > 0 and whole_on_tp > 0), optimizer=True)
+    elif on_tp_mesh:
         ledger.collective("all_reduce", 8, tp, optimizer=True)
 
     replicated_numel = total_numel - sharded_numel
@@ -425,14 +434,11 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             fsdp_extra = sum(units)
         per_rank_params /= D
     if choice.context_parallel:
-        for name in structure.attention_modules:
-            attention = [op for op in trace.ops if "scaled_dot_product" in str(op.func) and op.call is not None and trace.calls[op.call].fqn == name]
-            if not attention:
-                continue
-            op = attention[0]
-            kv = (trace.nbytes(op.inputs[1]) + trace.nbytes(op.inputs[2])) / (D * T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else D)
-            ledger.collective("all_gather", kv, cp, 2)
-            ledger.collective("all_to_all", kv / 2, cp, 2)
+        for name, key_value_bytes in problem.attention_key_value_bytes:
+            cut = T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else 1
+            kv = key_value_bytes / (D * cut)
+            ledger.collective("all_gather", kv, cp, 2)  # key and value gathered together, forward and backward
+            ledger.collective("all_to_all", kv / 2, cp, 2)  # their gradients handed back, one each
         ledger.collective("all_reduce", per_rank_params, cp, optimizer=True)  # the gradients' sum over cp
     ledger.ops(plain_ops, on_dtensors=False)
     ledger.ops(dtensor_ops, on_dtensors=True)
@@ -690,6 +696,10 @@ def _build_problem(
         raise ValueError(f"auto_plan: the mesh has a 'cp' dim but context parallelism cannot apply: {structure.context_parallel_refused}")
     parameters = list(model.parameters())
     itemsize = parameters[0].element_size() if parameters else 4
+    key_value: dict[str, int] = {}
+    for op in trace.ops:
+        if "scaled_dot_product" in str(op.func) and op.call is not None:
+            key_value.setdefault(trace.calls[op.call].fqn, trace.nbytes(op.inputs[1]) + trace.nbytes(op.inputs[2]))
     return _Problem(
         model_name=type(model).__name__,
         trace=trace,
@@ -699,6 +709,7 @@ def _build_problem(
         loss_parallel_allowed=loss_fn is not None,
         cost_profile=cost_profile,
         parameter_itemsize=itemsize,
+        attention_key_value_bytes=tuple(key_value.items()),
     )
 
 
@@ -766,7 +777,7 @@ def auto_plan(
     fitting.sort(key=rank)
     best_choice, best_estimate = fitting[0]
     runner_up = fitting[1] if len(fitting) > 1 else None
-    notes = _notes(problem, best_choice)
+    notes = _notes(problem, best_choice) + _against_megatron(problem, priced, best_choice, best_estimate)
     dims = problem.dims
     names = tuple(mesh.mesh_dim_names or ())
     dim_name = (lambda dim: names[dim] if dim is not None and names and mesh.ndim > 1 else None)
@@ -817,6 +828,41 @@ def _notes(problem: _Problem, choice: PlanChoice) -> tuple[str, ...]:
     if structure.context_parallel_refused and problem.dims.cp is None:
         notes.append(f"context parallelism would not apply: {structure.context_parallel_refused}")
     return tuple(notes)
+
+
+def _against_megatron(
+    problem: _Problem, priced: list[tuple[PlanChoice, Estimate]], best: PlanChoice, best_estimate: Estimate
+) -> tuple[str, ...]:
+    """Where the chosen plan differs from the standard Megatron / torchtitan plan, and by how much (estimated).
+
+    The standard plan: every region column/row-wise, embeddings cut (the cheaper way), the head by vocabulary with
+    loss parallel (when the loss allows), sequence parallelism where possible (torchtitan's default).
+    """
+    if problem.tp_size <= 1:
+        return ()
+
+    def standard_rank(choice: PlanChoice) -> tuple[int, ...]:
+        return (
+            sum(mode != "tensor_parallel" for _, mode in choice.region_modes),
+            sum(mode == "replicate" for _, mode in choice.embedding_modes),  # cut by vocabulary or by feature
+            {"loss_parallel": 0, "gathered": 1}.get(choice.head_mode, 2),
+            0 if choice.sequence_parallel or problem.structure.sequence_parallel_refused else 1,
+        )
+
+    same_rest = [
+        item for item in priced
+        if (item[0].fsdp_units, item[0].reshard_after_forward, item[0].context_parallel)
+        == (best.fsdp_units, best.reshard_after_forward, best.context_parallel)
+    ]  # fmt: skip
+    standard, estimate = min(same_rest, key=lambda item: (standard_rank(item[0]), item[1].seconds))
+    if standard == best:
+        return ("this is the standard Megatron / torchtitan plan (every region, embedding and the head cut)",)
+    differences = [part for part in best.describe().split("; ") if part not in standard.describe().split("; ")]
+    return (
+        f"differs from the standard Megatron / torchtitan plan ({standard.describe()}), estimated at "
+        f"{estimate.seconds * 1e3:.2f} ms with {estimate.collectives} collectives against this plan's "
+        f"{best_estimate.seconds * 1e3:.2f} ms with {best_estimate.collectives}: {'; '.join(differences)}",
+    )
 
 
 def _unique_regions(problem: _Problem) -> list[Region]:

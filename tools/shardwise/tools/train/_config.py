@@ -59,6 +59,7 @@ class TrainConfig:
     model: str = "transformer"  # "transformer" (the toy Transformer) or "llama" (the model zoo's Llama)
     n_kv_heads: int = 0  # --model llama: key/value heads (0: as many as --n-heads)
     plan: str = "manual"  # "manual": the model zoo's hand plan (with the flags below); "auto": shardwise.tp_styles.auto_parallelize
+    memory_budget_mb: float = 0.0  # --plan auto: the estimated peak memory per rank the plan must fit (0: no budget)
     seq_parallel: bool = True
     loss_parallel: bool = True
     optimizer: str = "adamw"
@@ -177,6 +178,11 @@ class TrainConfig:
             raise ConfigError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
         if self.plan not in PLANS:
             raise ConfigError(f"--plan {self.plan!r}: expected one of {', '.join(PLANS)}")
+        if self.memory_budget_mb < 0 or (self.memory_budget_mb and self.plan != "auto"):
+            raise ConfigError(
+                f"--memory-budget-mb {self.memory_budget_mb:g}: a budget >= 0 for --plan auto's planner (0: none); "
+                "the hand plan (--plan manual) takes none"
+            )
         if self.model not in MODELS:
             raise ConfigError(f"--model {self.model!r}: expected one of {', '.join(MODELS)}")
         if self.cp > 1 and self.model != "llama":
@@ -300,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         "shardwise.tp_styles.auto_parallelize chooses TP, sequence and loss parallelism, FSDP units and CP from a "
         "fake trace and the cost model, and rank 0 prints the plan (--seq-parallel is then ignored; "
         "--no-loss-parallel keeps the logits whole)",
+    )
+    parallel.add_argument(
+        "--memory-budget-mb", type=float, default=defaults.memory_budget_mb,
+        help="--plan auto: the plan's estimated peak memory per rank (parameters, gradients, AdamW state, "
+        "activations, FSDP's unsharded units) must fit this many MB; 0: no budget",
     )
     parallel.add_argument(
         "--seq-parallel", action=argparse.BooleanOptionalAction, default=defaults.seq_parallel,

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from shardwise.dtensor_ops import DTensor, redistribute_together
 from shardwise.dtensor_ops.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._data import CharCorpus
 
@@ -37,6 +38,8 @@ class StepRecord:
     seconds: float
     # {phase: {collective name: count}}; only for the steps whose collectives were counted.
     collectives: dict[str, dict[str, int]] | None = field(default=None)
+    # Bytes one rank received in those collectives (the cost model's convention); counted steps only.
+    bytes_received: float | None = field(default=None)
 
     @property
     def total_collectives(self) -> int | None:
@@ -206,6 +209,7 @@ def train_loop(
         inputs, targets = inputs.to(device), targets.to(device)
         counting = step in count_collectives_at
         collectives: dict[str, dict[str, int]] | None = {} if counting else None
+        received = CollectiveBytes() if counting else contextlib.nullcontext()
         _synchronize(device)
         started = time.perf_counter()
         positions: torch.Tensor | None = None
@@ -219,12 +223,12 @@ def train_loop(
             sharding = context_parallel(
                 context_parallel_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0], no_restore_buffers=set(buffers)
             )
-        with sharding, loss_context():
+        with received, sharding, loss_context():
             with _phase_counter("forward", collectives):
                 loss = step_loss(inputs, targets, positions, denominator)
             with _phase_counter("backward", collectives):
                 loss.backward()
-        with _phase_counter("optimizer", collectives):
+        with received, _phase_counter("optimizer", collectives):
             if context_parallel_mesh is not None:
                 sum_gradients_over(model, context_parallel_mesh.get_group())
             reduce_partial_gradients(model)
@@ -239,7 +243,10 @@ def train_loop(
         if data_parallel is not None:
             loss_value = _mean_over_group(loss_value, data_parallel[1], data_parallel[2], device)
         _synchronize(device)
-        record = StepRecord(step, loss_value, time.perf_counter() - started, collectives)
+        record = StepRecord(
+            step, loss_value, time.perf_counter() - started, collectives,
+            received.total if isinstance(received, CollectiveBytes) else None,
+        )  # fmt: skip
         records.append(record)
         on_step(record)
     return records
@@ -276,6 +283,49 @@ def _mean_over_group(value: float, group_size: int, group: Any, device: torch.de
     total = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
     return float(total.item()) / group_size
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Adds up the bytes this rank receives in the collectives run inside it, as the cost model counts them:
+    an all-reduce 2(p-1)/p of its tensor, an all-gather (p-1)/p of the gathered tensor, a reduce-scatter
+    (p-1)/p of its input, an all-to-all (p-1)/p of the rank's tensor. Re-enterable: counts accumulate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace in ("_c10d_functional", "c10d_functional", "c10d"):
+            self.total += _received_bytes(name, args)
+        return func(*args, **kwargs)
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    if isinstance(group, str):
+        return int(dist.distributed_c10d._resolve_process_group(cast(Any, group)).size())
+    return int(group.size()) if hasattr(group, "size") else 1
+
+
+def _received_bytes(name: str, args: Any) -> float:
+    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    nbytes = float(sum(tensor.numel() * tensor.element_size() for tensor in tensors if isinstance(tensor, torch.Tensor)))
+    base = name.removesuffix("_").removesuffix("_coalesced")
+    if base in ("all_reduce", "allreduce"):
+        size = _group_size(args[-1] if isinstance(args[-1], str) else args[1])
+        return 2 * (size - 1) / size * nbytes
+    if base == "all_gather_into_tensor":
+        return (int(args[1]) - 1) * nbytes
+    if base == "reduce_scatter_tensor":
+        size = int(args[2])
+        return (size - 1) / size * nbytes
+    if base == "all_to_all_single":
+        size = _group_size(args[-1])
+        return (size - 1) / size * nbytes
+    return 0.0
 
 
 @contextlib.contextmanager

@@ -163,6 +163,7 @@ def build_auto_parallel_model(
         mesh,
         example,
         loss_fn=F.cross_entropy if config.loss_parallel else None,
+        memory_budget_bytes=config.memory_budget_mb * 1e6 if config.memory_budget_mb else None,
         fully_shard=fully_shard,
         context_parallel=False,
     )

@@ -66,6 +66,7 @@ def collectives_per_step(records: Sequence[StepRecord]) -> dict[str, Any]:
         "total": last.total_collectives,
         "same_every_counted_step": all(record.collectives == last.collectives for record in counted),
         "first_counted_step": counted[0].collectives,
+        "bytes_received": last.bytes_received,
     }
 
 
@@ -187,7 +188,8 @@ def format_summary(summary: dict[str, Any], summary_path: pathlib.Path) -> str:
         (
             "  collectives/step not counted (--compile)"
             if summary.get("config", {}).get("compile")
-            else f"  collectives/step {collectives['total']}  ({format_collectives(per_phase)})"
+            else f"  collectives/step {collectives['total']}  ({format_collectives(per_phase)}); "
+            f"{(collectives.get('bytes_received') or 0) / 1e3:,.1f} KB received per rank"
         ),
         f"  parity           {parity['verdict']}  (max |loss diff| {parity['max_abs_loss_diff']:.3g}, "
         f"max |param diff| {parity['max_abs_param_diff']:.3g} in {parity['worst_parameter'] or '-'}; "
