@@ -142,6 +142,8 @@ def test_automatic_plan_on_a_data_and_tensor_parallel_mesh(tmp_path: pathlib.Pat
     collectives = summary["collectives_per_step"]
     assert isinstance(collectives, dict)
     assert int(estimated.group(1)) == collectives["total"], result.stdout[-4000:]
+    # And the bytes one rank receives in them, to FSDP's padding.
+    assert abs(_estimated_bytes(result.stdout) - collectives["bytes_received"]) <= 0.1 * collectives["bytes_received"]
 
 
 def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.Path) -> None:
@@ -160,3 +162,9 @@ def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert resumed.returncode == 0 and summary["parity"]["verdict"] == "PASS", resumed.stdout[-3000:]
     assert len(summary["losses"]) == 3 and summary["mesh"]["shape"] == [4]
+
+
+def _estimated_bytes(stdout: str) -> float:
+    found = re.search(r"# estimated step per rank: .*?; ([\d.]+) (B|KB|MB|GB) received;", stdout)
+    assert found is not None, stdout[-3000:]
+    return float(found.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[found.group(2)]

@@ -245,7 +245,7 @@ class ModelStructure:
     replicated_modules: tuple[str, ...]  # modules with parameters no style takes (kept whole, with a warning)
     attention_modules: tuple[str, ...]  # modules whose own forward calls SDPA
     context_parallel_refused: str | None
-    parameter_numel: dict[str, int]  # module FQN -> numel of its own parameters (counted once)
+    parameter_numel: dict[str, int]  # module FQN -> numel of its own parameters (a tied tensor at its first module)
     stream_op_count: int  # ops outside regions, embeddings and the head
     sequence_length: int | None
     batch_size: int | None
@@ -367,6 +367,17 @@ def _region_parent(trace: ModelTrace, entries: list[TracedCall], region_input: T
             return call.fqn, call.inputs.index(region_input)
         candidate = call.parent
     return None, 0
+
+
+def _numel_once(model: nn.Module) -> dict[str, int]:
+    """Each module's own parameters' numel, a tensor shared by several modules (tied weights) counted at its first."""
+    seen: set[int] = set()
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        own = [parameter for parameter in module.parameters(recurse=False) if id(parameter) not in seen]
+        seen.update(id(parameter) for parameter in own)
+        counts[name] = sum(parameter.numel() for parameter in own)
+    return counts
 
 
 def _bias_numel(module: nn.Module) -> int:
@@ -529,7 +540,7 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
         replicated_modules=tuple(replicated),
         attention_modules=tuple(attention),
         context_parallel_refused=cp_refusal,
-        parameter_numel={name: _own_numel(module) for name, module in model.named_modules()},
+        parameter_numel=_numel_once(model),
         stream_op_count=sum(1 for op in trace.ops if op.index not in taken_ops),
         sequence_length=sequence_length,
         batch_size=token_shape[0] if token_shape else None,

@@ -379,7 +379,7 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             else:
                 ledger.collective("all_reduce", h, tp)
             ledger.flops(trace.flops_within(head_call) / (T * data_split))
-            sharded_numel += structure.parameter_numel[structure.head] if not _is_tied(problem, structure.head) else 0
+            sharded_numel += structure.parameter_numel[structure.head]  # 0 when tied: counted at the embedding
             dtensor_ops += call_ops(structure.head)
             if choice.head_mode == "gathered":
                 ledger.collective("all_gather", logits, tp)
@@ -462,10 +462,6 @@ def _kind_of_attention(problem: _Problem, attention_module: str) -> str:
         if region.exit.startswith(attention_module + "."):
             return _region_kind(region, problem.structure)
     return ""
-
-
-def _is_tied(problem: _Problem, module: str) -> bool:
-    return any(any(name.rsplit(".", 1)[0] == module for name in names) for names in problem.structure.tied)
 
 
 def _fsdp_unit_bytes(problem: _Problem, choice: PlanChoice, *, sharded_numel_total: float) -> list[float]:

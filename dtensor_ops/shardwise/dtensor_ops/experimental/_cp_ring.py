@@ -207,6 +207,7 @@ class _KeyValueRing:
         # arrived, without packing it again (one shard-sized copy less per step).
         self._current_flat: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
+        self._received: torch.Tensor | None = None  # a hand-on waited for early by settle()
         self._gathered: torch.Tensor | None = None
         self._widest = max(self.shapes.numel(rank) for rank in range(spec.world_size))
 
@@ -219,15 +220,14 @@ class _KeyValueRing:
                     padded = on_each_rank(spec.rank, lambda _rank, key, value: _pack(key, value, self._widest), *self._current)
                     self._pending = _collectives.launch_all_gather(padded, spec.world_size, spec.group_name)
                 return self._current
-            if self._gathered is None:
-                assert self._pending is not None
-                self._gathered = _collectives.wait(self._pending)
-                self._pending = None
+            self.settle()
+            assert self._gathered is not None
             return on_each_rank(spec.rank, _gathered_block, spec, self.shapes, self._gathered, self._widest, step)
         if step > 0:
-            assert self._pending is not None
-            received = _collectives.wait(self._pending)
-            self._pending = None
+            self.settle()
+            received = self._received
+            assert received is not None
+            self._received = None
             self._current_flat = received
             self._current = on_each_rank(spec.rank, _block_of, spec, self.shapes, received, step)
         if step < spec.world_size - 1:
@@ -235,6 +235,23 @@ class _KeyValueRing:
             flat = self._current_flat if self._current_flat is not None else _pack(*self._current)
             self._pending = _send_to_next(spec, self.shapes, flat, step)
         return self._current
+
+
+    def settle(self) -> None:
+        """Waits for the key/value transfer in flight, if any (the next ``block`` then uses what arrived).
+
+        The backward calls it before handing its gradient block on, so that on CPU (gloo) a rank never
+        has two collectives of one group in flight at once: a rank crashed in ``wait_tensor`` once when
+        the gradient's hand-on was waited for while the key/value one was still running.
+        """
+        if self._pending is None:
+            return
+        arrived = _collectives.wait(self._pending)
+        self._pending = None
+        if self._spec.rotate_method == "allgather":
+            self._gathered = arrived
+        else:
+            self._received = arrived
 
 
 def _merge(
@@ -341,6 +358,9 @@ def ring_backward(
     grad_query = torch.zeros(query.shape, dtype=accumulate, device=query.device)
     ring = _KeyValueRing(spec, key, value)
     shapes = ring.shapes
+    # On CPU (gloo) one collective of the group is in flight at a time: the key/value transfer is waited for
+    # before the gradient's hand-on starts, and that one before the next key/value transfer (see settle()).
+    one_at_a_time = grad_query.device.type == "cpu"
     pending: torch.Tensor | None = None
     grad_flat: torch.Tensor | None = None
     for step in range(spec.world_size):
@@ -350,10 +370,14 @@ def ring_backward(
         )
         if spec.world_size == 1:
             break
+        if one_at_a_time:
+            ring.settle()
         if pending is not None:
             # What earlier ranks added to this block's gradient, handed on with the ring.
             grad_flat += _collectives.wait(pending)
         pending = _send_to_next(spec, shapes, grad_flat, step)
+        if one_at_a_time:
+            pending = _collectives.wait(pending)  # waiting again on a waited tensor returns it as it is
     # After W hand-ons the block that arrives is this rank's own, summed over every rank (W = 1: it never left).
     own_flat = _collectives.wait(pending) if pending is not None else grad_flat
     assert own_flat is not None

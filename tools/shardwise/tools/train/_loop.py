@@ -307,7 +307,9 @@ def _group_size(group: Any) -> int:
 
     if isinstance(group, str):
         return int(dist.distributed_c10d._resolve_process_group(cast(Any, group)).size())
-    return int(group.size()) if hasattr(group, "size") else 1
+    if isinstance(group, torch.ScriptObject):  # c10d ops (dist.all_reduce) pass the group boxed
+        group = dist.ProcessGroup.unbox(group)
+    return int(group.size())
 
 
 def _received_bytes(name: str, args: Any) -> float:
