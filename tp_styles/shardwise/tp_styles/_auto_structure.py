@@ -22,9 +22,7 @@ From one fake forward (``_auto_trace``) this finds:
 from __future__ import annotations
 
 import dataclasses
-import operator
-from functools import reduce
-from typing import Any, Iterable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -262,28 +260,31 @@ def _inside(trace: ModelTrace, op: TracedOp, call: TracedCall) -> bool:
     return call.first_op <= op.index < call.end_op
 
 
-def _linear_ancestors(trace: ModelTrace, tensor: TensorId, linear_of_output: dict[TensorId, TracedCall]) -> set[str] | None:
-    """The linears whose outputs ``tensor`` is computed from without passing another linear; None if it
-    also depends on a model input or an embedding (then it is no region's exit input)."""
-    found: set[str] = set()
+def _upstream(trace: ModelTrace, start: TensorId, stop: Callable[[TensorId], bool]) -> Iterator[TensorId]:
+    """``start`` and the tensors it is computed from, depth first, not going past those ``stop`` accepts."""
     seen: set[TensorId] = set()
-    stack = [tensor]
+    stack = [start]
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
+        yield current
+        producer = trace.producer.get(current)
+        if producer is not None and not stop(current):
+            stack.extend(trace.ops[producer].inputs)
+
+
+def _linear_ancestors(trace: ModelTrace, tensor: TensorId, linear_of_output: dict[TensorId, TracedCall]) -> set[str] | None:
+    """The linears whose outputs ``tensor`` is computed from without passing another linear; None if it
+    also depends on an embedding (then it is no region's exit input)."""
+    found: set[str] = set()
+    for current in _upstream(trace, tensor, lambda t: t in linear_of_output):
         call = linear_of_output.get(current)
         if call is not None:
             found.add(call.fqn)
-            continue
-        producer = trace.producer.get(current)
-        if producer is None:
-            continue
-        op = trace.ops[producer]
-        if op.func is aten.embedding.default:
+        elif current in trace.producer and trace.ops[trace.producer[current]].func is aten.embedding.default:
             return None
-        stack.extend(op.inputs)
     return found
 
 
@@ -440,24 +441,20 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
 
     # The head: the linear outside every region whose output the model's output is computed from last.
     head: str | None = None
-    final = root.outputs[0] if root.outputs else None
     linear_of_output = {call.outputs[0]: call for call in linear_calls}
-    seen: set[TensorId] = set()
-    stack = [final] if final is not None else []
-    while stack and head is None:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        found = linear_of_output.get(current)
-        if found is not None:
-            head = found.fqn if found.fqn not in in_region else None
-            break
-        producer = trace.producer.get(current)
-        if producer is not None:
-            op = trace.ops[producer]
-            if op.func not in (aten.mm.default, aten.addmm.default, aten.bmm.default):
-                stack.extend(op.inputs)
+
+    def past_head(tensor: TensorId) -> bool:
+        producer = trace.producer.get(tensor)
+        return tensor in linear_of_output or (
+            producer is not None and trace.ops[producer].func in (aten.mm.default, aten.addmm.default, aten.bmm.default)
+        )
+
+    if root.outputs:
+        for current in _upstream(trace, root.outputs[0], past_head):
+            found = linear_of_output.get(current)
+            if found is not None:
+                head = found.fqn if found.fqn not in in_region else None
+                break
 
     region_calls = [calls[name] for name in in_region]
     taken_ops: set[int] = set()
@@ -545,7 +542,3 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
         sequence_length=sequence_length,
         batch_size=token_shape[0] if token_shape else None,
     )
-
-
-def _product(values: Iterable[int]) -> int:
-    return reduce(operator.mul, values, 1)
