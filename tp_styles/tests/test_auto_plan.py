@@ -4,6 +4,7 @@ the collectives it estimated."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from style_helpers import comm_counts, rank_and_world
 from shardwise.dtensor_ops import DTensor, init_device_mesh
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.placement import Shard
-from shardwise.testing import Llama, LlamaArgs, ModelArgs, Transformer, multi_rank
+from shardwise.testing import Llama, LlamaArgs, MLPStacked, ModelArgs, Transformer, multi_rank
 from shardwise.testing._fake_mesh import FakeMesh
 from shardwise.tp_styles import auto_parallelize, auto_plan, loss_parallel
 from shardwise.tp_styles._auto_cost import ComputeProfile
@@ -228,6 +229,31 @@ def test_auto_parallelized_models_match_one_process_with_the_estimated_collectiv
             assert mine.grad is not None, (label, name)
             # The Transformer's logits are float32 whatever its dtype: its gradients agree to float32's rounding.
             torch.testing.assert_close(_full(mine.grad), parameter.grad, rtol=1e-6, atol=1e-7, msg=f"{label}: {name}")
+
+
+@multi_rank
+def test_stacked_mlps_without_a_sequence_dim() -> None:
+    """Plain (batch, features) MLPs: each MLP is one region with no parent to lay its input out at; no
+    sequence parallelism (there is no sequence dim); the same forward and gradients as one process."""
+    _, world = rank_and_world()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    reference = MLPStacked(None, n_layers=3).double()
+    model = copy.deepcopy(reference)
+    inputs = (torch.randn(6, 10, dtype=torch.float64),)
+    plan = auto_parallelize(model, mesh, inputs, compute_profile=COMPUTE_BOUND)
+    assert plan.parallelize_plan_specs == {
+        "layers.*.net1": StyleSpec("ColwiseParallel"), "layers.*.net2": StyleSpec("RowwiseParallel"),
+    }  # fmt: skip
+    assert plan.choice.sequence_parallel is False
+    with CommDebugMode() as mode:
+        model(*inputs).sum().backward()
+    reference(*inputs).sum().backward()
+    # An all-reduce after each MLP; backward reduces the input gradients of the second and third MLPs only
+    # (the first one's input is the model's, which takes no gradient).
+    assert comm_counts(mode)["total"] == plan.estimate.collectives - plan.estimate.optimizer_collectives == 3 + 2
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(_full(model.get_parameter(name).grad), parameter.grad, msg=name)
 
 
 @multi_rank

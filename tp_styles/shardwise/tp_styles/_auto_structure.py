@@ -219,6 +219,7 @@ class Region:
     needs_global_views: bool
     op_count: int  # ops between the entries and the exit (they run on local tensors when TP)
     exit_bias_numel: int  # the exit's bias stays whole on every tensor-parallel rank (row-wise)
+    input_takes_gradient: bool  # False for a model input: backward then reduces no input gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +320,7 @@ def _find_regions(trace: ModelTrace, parts: int, linear_calls: list[TracedCall])
     regions: list[Region] = []
     refusals: dict[str, str] = {}
     taken: set[str] = set()
+    carrying = trace.carries_gradient()
     for exit_call in linear_calls:
         ancestors = _linear_ancestors(trace, exit_call.inputs[0], linear_of_output)
         if not ancestors or exit_call.fqn in ancestors or ancestors & taken:
@@ -351,6 +353,7 @@ def _find_regions(trace: ModelTrace, parts: int, linear_calls: list[TracedCall])
                 needs_global_views=propagation.needs_global_views,
                 op_count=exit_call.first_op - entries[0].end_op,
                 exit_bias_numel=_bias_numel(exit_call.module),
+                input_takes_gradient=region_input in carrying,
             )
         )
         taken |= ancestors | {exit_call.fqn}
@@ -485,6 +488,9 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
         stream_calls.append(module_call)
     sequence_dim = _SEQUENCE_DIM
     refusal = None if regions else "no tensor-parallel region was found"
+    flat = [region.exit for region in regions if len(trace.shapes[region.input]) < 3]
+    if refusal is None and flat:
+        refusal = f"the input of {flat[0]} is not (batch, sequence, features): there is no sequence dim to cut"
     if refusal is None and replicated:
         refusal = f"modules kept whole ({', '.join(replicated)}) cannot read a sequence-cut stream"
     if refusal is None:

@@ -59,6 +59,7 @@ class ModelTrace:
     shapes: dict[TensorId, tuple[int, ...]]
     itemsize: dict[TensorId, int]
     parameter_names: dict[TensorId, str]  # parameters (and buffers) read, by their first FQN
+    parameter_requires_grad: dict[TensorId, bool]  # of those, which take gradients (buffers do not)
     model_inputs: tuple[TensorId, ...]
     producer: dict[TensorId, int]  # op index
     consumers: dict[TensorId, list[int]]  # op indices
@@ -68,6 +69,14 @@ class ModelTrace:
         for size in self.shapes[tensor]:
             numel *= size
         return numel * self.itemsize[tensor]
+
+    def carries_gradient(self) -> set[TensorId]:
+        """Tensors computed from a parameter: backward reaches them (inputs and constants it does not)."""
+        carrying = {tensor for tensor in self.parameter_names if self.parameter_requires_grad.get(tensor, True)}
+        for op in self.ops:
+            if any(tensor in carrying for tensor in op.inputs):
+                carrying.update(op.outputs)
+        return carrying
 
     def calls_of(self, fqn: str) -> list[TracedCall]:
         return [call for call in self.calls if call.fqn == fqn]
@@ -87,6 +96,7 @@ class _Recorder(TorchDispatchMode):
         self.shapes: dict[TensorId, tuple[int, ...]] = {}
         self.itemsize: dict[TensorId, int] = {}
         self.parameter_names: dict[TensorId, str] = {}
+        self.parameter_requires_grad: dict[TensorId, bool] = {}
         self.names = names
         self.ops: list[TracedOp] = []
         self.call_stack: list[int] = []
@@ -103,6 +113,7 @@ class _Recorder(TorchDispatchMode):
         name = self.names.get(id(tensor))
         if name is not None:
             self.parameter_names[new] = name
+            self.parameter_requires_grad[new] = bool(tensor.requires_grad)
         return new
 
     def _replace(self, value: Any) -> Any:
@@ -200,6 +211,7 @@ def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTra
         shapes=recorder.shapes,
         itemsize=recorder.itemsize,
         parameter_names=recorder.parameter_names,
+        parameter_requires_grad=recorder.parameter_requires_grad,
         model_inputs=model_inputs,
         producer=producer,
         consumers=consumers,

@@ -178,7 +178,7 @@ def _mesh_dims(mesh: PlanningMesh) -> _MeshDims:
 def _block_index_pattern(name: str, structure: ModelStructure) -> str:
     """``layers.3.attention.wo`` -> ``layers.*.attention.wo`` when every block of that list is of one kind."""
     for block in structure.blocks:
-        if name.startswith(block.fqn + "."):
+        if name == block.fqn or name.startswith(block.fqn + "."):
             list_name = block.fqn.rsplit(".", 1)[0]
             siblings = [b for b in structure.blocks if b.fqn.rsplit(".", 1)[0] == list_name]
             if len({b.kind for b in siblings}) == 1:
@@ -317,16 +317,18 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
         region, count = regions[0], len(regions)
         outputs = sum(trace.nbytes(t) for op in trace.ops[trace.calls_of(region.entries[0])[0].first_op : trace.calls_of(region.exit)[0].end_op] for t in op.outputs)
         if modes[kind] == "tensor_parallel":
-            entries = 1 if (choice.prepare_region_inputs and region.parent is not None) else len(region.entries)
+            entries = 1 if _prepared_at_parent(choice, region) else len(region.entries)
+            # Backward reduces the input's gradient only where one flows (not into a model input).
+            with_gradient = sum(1 for r in regions if r.input_takes_gradient)
             x, y = act(region.input), act(region.output)
             if sp:
                 ledger.collective("all_gather", x, tp, count * entries * 1)
                 ledger.collective("reduce_scatter", y, tp, count)
-                ledger.collective("reduce_scatter", x, tp, count * entries)
+                ledger.collective("reduce_scatter", x, tp, with_gradient * entries)
                 ledger.collective("all_gather", y, tp, count)
             else:
                 ledger.collective("all_reduce", y, tp, count)
-                ledger.collective("all_reduce", x, tp, count * entries)
+                ledger.collective("all_reduce", x, tp, with_gradient * entries)
             ledger.flops(count * region.flops / (T * data_split))
             sharded_numel += count * region.parameter_numel
             linear_ops = sum(call_ops(name) for name in (*region.entries, region.exit))
@@ -444,6 +446,12 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     ledger.ops(dtensor_ops, on_dtensors=True)
     ledger.memory(per_rank_params * (2 + _OPTIMIZER_STATES) + activations)
     return ledger.finish(fsdp_extra)
+
+
+def _prepared_at_parent(choice: PlanChoice, region: Region) -> bool:
+    """Whether the region's input is laid out once at its parent module (several entries read it) rather than
+    by each entry's own style (one entry: the same collectives, without the parent's extra DTensor)."""
+    return choice.prepare_region_inputs and region.parent is not None and len(region.entries) > 1
 
 
 def _units_holding(structure: ModelStructure, choice: PlanChoice, modules: Sequence[str]) -> int:
@@ -638,7 +646,7 @@ def _style_specs(problem: _Problem, choice: PlanChoice) -> dict[str, StyleSpec]:
     for region in structure.regions:
         if modes[_region_kind(region, structure)] != "tensor_parallel":
             continue
-        prepared = choice.prepare_region_inputs and region.parent is not None
+        prepared = _prepared_at_parent(choice, region)
         if prepared:
             assert region.parent is not None
             call = problem.trace.calls_of(region.parent)[0]
