@@ -322,7 +322,7 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             with_gradient = sum(1 for r in regions if r.input_takes_gradient)
             x, y = act(region.input), act(region.output)
             if sp:
-                ledger.collective("all_gather", x, tp, count * entries * 1)
+                ledger.collective("all_gather", x, tp, count * entries)
                 ledger.collective("reduce_scatter", y, tp, count)
                 ledger.collective("reduce_scatter", x, tp, with_gradient * entries)
                 ledger.collective("all_gather", y, tp, count)
@@ -339,7 +339,8 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             activations += count * outputs / data_split
 
     # The stream: per-position modules (norms) and everything outside regions, embeddings and head.
-    stream_flops = sum(op.flops for op in trace.ops) - sum(r.flops for r in structure.regions)
+    head_flops = trace.flops_within(trace.calls_of(structure.head)[0]) if structure.head is not None else 0
+    stream_flops = sum(op.flops for op in trace.ops) - sum(r.flops for r in structure.regions) - head_flops
     if sp:
         stream_params = sum(structure.parameter_numel[name] for name in structure.stream_modules)
         if choice.fsdp_units == "none":
@@ -839,18 +840,19 @@ def _against_megatron(
 ) -> tuple[str, ...]:
     """Where the chosen plan differs from the standard Megatron / torchtitan plan, and by how much (estimated).
 
-    The standard plan: every region column/row-wise, embeddings cut (the cheaper way), the head by vocabulary with
-    loss parallel (when the loss allows), sequence parallelism where possible (torchtitan's default).
+    The standard plan: every region column/row-wise, the token embedding (the first one called) by vocabulary,
+    the head by vocabulary with loss parallel (when the loss allows); among such plans, the fastest estimated
+    (sequence parallelism and other embeddings either way, as Megatron-LM and torchtitan let users choose).
     """
     if problem.tp_size <= 1:
         return ()
+    token_embedding = problem.structure.embeddings[0] if problem.structure.embeddings else None
 
     def standard_rank(choice: PlanChoice) -> tuple[int, ...]:
         return (
             sum(mode != "tensor_parallel" for _, mode in choice.region_modes),
-            sum(mode == "replicate" for _, mode in choice.embedding_modes),  # cut by vocabulary or by feature
+            sum(mode != "vocabulary" for name, mode in choice.embedding_modes if name == token_embedding),
             {"loss_parallel": 0, "gathered": 1}.get(choice.head_mode, 2),
-            0 if choice.sequence_parallel or problem.structure.sequence_parallel_refused else 1,
         )
 
     same_rest = [
@@ -860,7 +862,7 @@ def _against_megatron(
     ]  # fmt: skip
     standard, estimate = min(same_rest, key=lambda item: (standard_rank(item[0]), item[1].seconds))
     if standard == best:
-        return ("this is the standard Megatron / torchtitan plan (every region, embedding and the head cut)",)
+        return ("this is the standard Megatron / torchtitan plan (every region, the token embedding and the head cut)",)
     differences = [part for part in best.describe().split("; ") if part not in standard.describe().split("; ")]
     return (
         f"differs from the standard Megatron / torchtitan plan ({standard.describe()}), estimated at "
