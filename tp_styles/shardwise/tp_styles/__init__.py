@@ -5,7 +5,9 @@
 (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``) to
 submodules chosen by path; ``loss_parallel()`` computes cross-entropy on logits
-sharded on the class dim without gathering them.
+sharded on the class dim without gathering them. ``auto_plan`` / ``auto_parallelize``
+choose the whole plan (TP regions, sequence and loss parallelism, FSDP units, CP) from
+one fake-tensor trace and the cost model.
 """
 
 from . import _context_parallel_style  # noqa: F401  (registers _ContextParallel as a ParallelStyle)
