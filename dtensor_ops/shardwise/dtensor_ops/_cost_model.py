@@ -70,6 +70,7 @@ __all__ = [
     "plan_time",
     "pricer_for_mesh",
     "priced_kind",
+    "received_bytes",
 ]
 
 # The planner's step kinds (``StepKind.value``), priced as the collective that runs them.
@@ -157,6 +158,22 @@ def collective_time(
     if priced != "local_copy" and group_size <= 1:
         return 0.0
     return cost.time(nbytes, group_size)
+
+
+# What one rank receives in a collective over a group of p, as a share of the tensor's bytes: the gathered
+# tensor of an all-gather, the input of a reduce-scatter or an all-reduce, one rank's tensor of an all-to-all.
+_RECEIVED_SHARE = {
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_to_all": lambda p: (p - 1) / p,
+}
+
+
+def received_bytes(kind: str, full_bytes: float, group_size: int) -> float:
+    """The bytes one rank receives in a ``kind`` collective on a tensor of ``full_bytes`` (see ``_RECEIVED_SHARE``):
+    the units of ``collective_time`` and of the planner's ``bytes_per_rank``."""
+    return _RECEIVED_SHARE[kind](group_size) * full_bytes
 
 
 def bytes_worth_one_collective(

@@ -43,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardwise.dtensor_ops._cost_model import collective_time, received_bytes
+
 __all__ = ["ComputeProfile", "Estimate", "Ledger", "default_compute_profile"]
 
 
@@ -69,12 +71,6 @@ def default_compute_profile(device_type: str) -> ComputeProfile:
     return _DEFAULT_PROFILES.get(device_type, _DEFAULT_PROFILES["cuda"])
 
 
-_RECEIVED_SHARE = {
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_to_all": lambda p: (p - 1) / p,
-}
 
 
 @dataclasses.dataclass
@@ -111,9 +107,6 @@ class Ledger:
     """Adds up one candidate's collectives, compute and memory into an :class:`Estimate`."""
 
     def __init__(self, mesh: Any, compute: ComputeProfile, profile: Any = None) -> None:
-        from shardwise.dtensor_ops._cost_model import collective_time
-
-        self._collective_time = collective_time
         self.mesh = mesh
         self.compute = compute
         self.profile = profile
@@ -128,8 +121,8 @@ class Ledger:
         size = int(self.mesh.shape[mesh_dim])
         if size <= 1:
             return
-        received = _RECEIVED_SHARE[kind](size) * full_bytes
-        seconds = self._collective_time(kind, received, self.mesh, mesh_dim, profile=self.profile)
+        received = received_bytes(kind, full_bytes, size)
+        seconds = collective_time(kind, received, self.mesh, mesh_dim, profile=self.profile)
         self.estimate.communication_seconds += count * seconds
         self.estimate.bytes_received += count * received
         self.estimate.collectives += count

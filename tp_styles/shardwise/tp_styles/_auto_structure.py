@@ -245,9 +245,6 @@ class ModelStructure:
     attention_modules: tuple[str, ...]  # modules whose own forward calls SDPA
     context_parallel_refused: str | None
     parameter_numel: dict[str, int]  # module FQN -> numel of its own parameters (a tied tensor at its first module)
-    stream_op_count: int  # ops outside regions, embeddings and the head
-    sequence_length: int | None
-    batch_size: int | None
 
 
 def _calls_by_fqn(trace: ModelTrace) -> dict[str, TracedCall]:
@@ -459,13 +456,6 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
                 head = found.fqn if found.fqn not in in_region else None
                 break
 
-    region_calls = [calls[name] for name in in_region]
-    taken_ops: set[int] = set()
-    for call in (*region_calls, *embedding_calls, *( [calls[head]] if head else [])):
-        taken_ops.update(range(call.first_op, call.end_op))
-    for region in regions:
-        taken_ops.update(range(calls[region.entries[0]].end_op, calls[region.exit].first_op))
-
     # Per-position modules with parameters on the stream: called with a tensor input, outside regions.
     handled = in_region | {call.fqn for call in embedding_calls} | ({head} if head else set())
     stream_calls: list[TracedCall] = []
@@ -544,7 +534,4 @@ def analyse_structure(model: nn.Module, trace: ModelTrace, parts: int) -> ModelS
         attention_modules=tuple(attention),
         context_parallel_refused=cp_refusal,
         parameter_numel=_numel_once(model),
-        stream_op_count=sum(1 for op in trace.ops if op.index not in taken_ops),
-        sequence_length=sequence_length,
-        batch_size=token_shape[0] if token_shape else None,
     )

@@ -25,6 +25,7 @@ parallelism); a 1-D mesh without names is ``tp``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import time
@@ -207,12 +208,13 @@ class _Problem:
     def tp_size(self) -> int:
         return self.dims.size(self.dims.tp)
 
-
-def _regions_by_kind(problem: _Problem) -> dict[str, list[Region]]:
-    kinds: dict[str, list[Region]] = {}
-    for region in problem.structure.regions:
-        kinds.setdefault(_region_kind(region, problem.structure), []).append(region)
-    return kinds
+    @functools.cached_property
+    def regions_by_kind(self) -> dict[str, list[Region]]:
+        """Regions grouped by kind (blocks of one kind share their choices), in call order."""
+        kinds: dict[str, list[Region]] = {}
+        for region in self.structure.regions:
+            kinds.setdefault(_region_kind(region, self.structure), []).append(region)
+        return kinds
 
 
 def _embedding_size(problem: _Problem, name: str) -> tuple[int, int]:
@@ -222,7 +224,7 @@ def _embedding_size(problem: _Problem, name: str) -> tuple[int, int]:
 
 def _candidates(problem: _Problem) -> Iterable[PlanChoice]:
     structure, tp = problem.structure, problem.tp_size
-    kinds = sorted(_regions_by_kind(problem))
+    kinds = sorted(problem.regions_by_kind)
     sp_options = [False]
     if tp > 1 and structure.sequence_parallel_refused is None:
         sp_options.append(True)
@@ -313,7 +315,7 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
         return len(trace.ops_within(trace.calls_of(name)[0]))
 
     modes = dict(choice.region_modes)
-    for kind, regions in _regions_by_kind(problem).items():
+    for kind, regions in problem.regions_by_kind.items():
         region, count = regions[0], len(regions)
         outputs = sum(trace.nbytes(t) for op in trace.ops[trace.calls_of(region.entries[0])[0].first_op : trace.calls_of(region.exit)[0].end_op] for t in op.outputs)
         if modes[kind] == "tensor_parallel":
@@ -374,7 +376,8 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     if structure.head is not None and choice.head_mode != "none":
         head_call = trace.calls_of(structure.head)[0]
         h, logits = act(head_call.inputs[0]), act(head_call.outputs[0])
-        head_itemsize = trace.itemsize[head_call.outputs[0]]
+        # Cross-entropy over the logits, not in the traced forward: cut by tp only under loss parallel.
+        loss_flops = _LOSS_FLOPS_PER_LOGIT * logits / trace.itemsize[head_call.outputs[0]] / 3
         if choice.head_mode in ("loss_parallel", "gathered"):
             if sp:
                 ledger.collective("all_gather", h, tp)
@@ -386,10 +389,10 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             dtensor_ops += call_ops(structure.head)
             if choice.head_mode == "gathered":
                 ledger.collective("all_gather", logits, tp)
-                ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3)
+                ledger.flops(loss_flops)
                 activations += logits
             else:
-                ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3 / T)
+                ledger.flops(loss_flops / T)
                 rows = logits / max(1, trace.shapes[head_call.outputs[0]][-1])
                 ledger.collective("all_reduce", rows, tp, _LOSS_PARALLEL_FORWARD_ALL_REDUCES)
                 dtensor_ops += _LOSS_PARALLEL_OPS
@@ -398,17 +401,16 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             if sp:
                 ledger.collective("all_gather", h, tp)
             ledger.flops(trace.flops_within(head_call) / data_split)
-            ledger.flops(_LOSS_FLOPS_PER_LOGIT * logits / head_itemsize / 3)
+            ledger.flops(loss_flops)
             activations += logits
 
     # Clipping's gradient norm, per mesh of DTensor gradients: on tp one all-reduce; under FSDP, on dp one for
     # the parameters no style cut, on (dp, tp) one per dim, and one more when tp-cut gradients share that mesh
     # with tp-replicated ones (row-wise biases, SP norms), whose norms are summed differently.
     whole_on_tp = sum(
-        count * regions[0].exit_bias_numel
-        for kind, regions in _regions_by_kind(problem).items()
+        len(regions) * regions[0].exit_bias_numel
+        for kind, regions in problem.regions_by_kind.items()
         if modes[kind] == "tensor_parallel"
-        for count in (len(regions),)
     ) + (sum(structure.parameter_numel[name] for name in structure.stream_modules) if sp else 0)
     on_tp_mesh = sharded_numel > 0 or whole_on_tp > 0
     if choice.fsdp_units != "none":
@@ -467,9 +469,9 @@ def _units_holding(structure: ModelStructure, choice: PlanChoice, modules: Seque
 
 
 def _kind_of_attention(problem: _Problem, attention_module: str) -> str:
-    for region in problem.structure.regions:
-        if region.exit.startswith(attention_module + "."):
-            return _region_kind(region, problem.structure)
+    for kind, regions in problem.regions_by_kind.items():
+        if any(region.exit.startswith(attention_module + ".") for region in regions):
+            return kind
     return ""
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from shardwise.dtensor_ops import DTensor, redistribute_together
+from shardwise.dtensor_ops._cost_model import received_bytes
 from shardwise.dtensor_ops.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -317,16 +318,13 @@ def _received_bytes(name: str, args: Any) -> float:
     nbytes = float(sum(tensor.numel() * tensor.element_size() for tensor in tensors if isinstance(tensor, torch.Tensor)))
     base = name.removesuffix("_").removesuffix("_coalesced")
     if base in ("all_reduce", "allreduce"):
-        size = _group_size(args[-1] if isinstance(args[-1], str) else args[1])
-        return 2 * (size - 1) / size * nbytes
-    if base == "all_gather_into_tensor":
-        return (int(args[1]) - 1) * nbytes
+        return received_bytes("all_reduce", nbytes, _group_size(args[-1] if isinstance(args[-1], str) else args[1]))
+    if base == "all_gather_into_tensor":  # the input is one rank's piece: the gathered tensor is group_size of them
+        return received_bytes("all_gather", nbytes * int(args[1]), int(args[1]))
     if base == "reduce_scatter_tensor":
-        size = int(args[2])
-        return (size - 1) / size * nbytes
+        return received_bytes("reduce_scatter", nbytes, int(args[2]))
     if base == "all_to_all_single":
-        size = _group_size(args[-1])
-        return (size - 1) / size * nbytes
+        return received_bytes("all_to_all", nbytes, _group_size(args[-1]))
     return 0.0
 
 
