@@ -361,7 +361,11 @@ class Search {
       const int i = was.dim;
       const bool uneven = checked_mul(before[i], n) != next[i];
       if (uneven) count = before_elements;
-      if (i != 0) count = checked_add(count, checked_add(checked_mul(n, before_elements), uneven ? after_elements : 0));
+      bool leading_ones = true;  // only dims of size 1 before i: the received blocks are a view
+      for (int k = 0; k < i; ++k) leading_ones = leading_ones && before[k] == 1;
+      if (!leading_ones) {
+        count = checked_add(count, checked_add(checked_mul(n, before_elements), uneven ? after_elements : 0));
+      }
     } else if (kind == kReduceScatter) {
       const int j = now.dim;
       const bool uneven = checked_mul(next[j], n) != before[j];

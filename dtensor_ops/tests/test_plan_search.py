@@ -162,7 +162,7 @@ def straightforward_plan(
             new_state = tuple(changed)
             if new_state in done:
                 continue
-            elements = _joint_elements(kind, state, mesh_shape, mesh_dims, boxes(state), boxes(new_state))
+            elements = _joint_elements(kind, state, mesh_shape, mesh_dims, new_state, boxes(state), boxes(new_state))
             if not elements:
                 continue  # pieces that do not fit, or nothing to move (a local step does that)
             joint = tuple((d, state[d], after) for d, after in zip(mesh_dims, afters))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from redistribute_helpers import full_tensor, priced_by, source_locals
-from shardwise.dtensor_ops import DTensor
+from shardwise.dtensor_ops import DTensor, distribute_tensor
 from shardwise.dtensor_ops._redistribute import plan_redistribute, redistribute_local_tensor
 from shardwise.dtensor_ops._redistribute_plan import (
     StepKind,
@@ -26,10 +26,12 @@ from shardwise.dtensor_ops._redistribute_plan import (
     plan_bytes_per_rank,
     redistribute_lower_bound_bytes,
 )
+from shardwise.dtensor_ops._cost_model import StepPricer
 from shardwise.dtensor_ops.debug import CommDebugMode
+from shardwise.mesh._cost_profile import BUILTIN_PROFILES
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard
-from shardwise.testing import multi_rank
+from shardwise.testing import FakeMesh, multi_rank
 
 S0, S1, R = Shard(0), Shard(1), Replicate()
 P_SUM, P_MAX = Partial("sum"), Partial("max")
@@ -56,6 +58,18 @@ def test_a_dim_that_keeps_its_placement_may_join_when_its_pieces_move() -> None:
     plan = find_cheapest_plan((256, 256), (2, 2), (S0, S0), (S1, S0), FLOAT, allow_joint_steps=True)
     assert [step.kind for step in plan] == [StepKind.JOINT_ALL_TO_ALL]
     assert plan_bytes_per_rank(plan) == lower_bound_bytes_per_rank((256, 256), (2, 2), (S0, S0), (S1, S0), FLOAT)
+
+
+def test_a_dim_that_keeps_its_placement_and_moves_nothing_does_not_join() -> None:
+    # (S1, S1) -> (S1, R): only mesh dim 1's pairs exchange. Priced by time on the gloo profile, where
+    # an all-to-all is cheaper than an all-gather, the 4-rank "joint" all-to-all used to win: a larger
+    # group and a send buffer assembled from both halves, for the bytes of a one-dim all-gather.
+    pricer = StepPricer(FakeMesh((2, 2)), BUILTIN_PROFILES["gloo-loopback"])
+    for shape in ((1, 64, 48), (1, 1024, 256), (4, 1024, 256)):
+        plan = find_cheapest_plan(shape, (2, 2), (S1, S1), (S1, R), FLOAT, allow_joint_steps=True, step_price=pricer)
+        assert not any((0, S1, S1) in step.changes for step in plan if step.joint), plan
+        if shape[1] >= 1024:  # (latency-bound, a 4-rank all-to-all to (R, R) then a chunk is cheaper here)
+            assert [(step.kind, step.mesh_dims) for step in plan] == [(StepKind.ALL_GATHER, (1,))]
 
 
 def test_joint_steps_only_where_they_move_fewer_bytes() -> None:
@@ -299,3 +313,32 @@ def test_the_gradient_of_a_joint_reduction_goes_back_replicated_over_the_partial
     # Each contribution's gradient is the whole gradient: rank (i, j) gets row block i of the weight.
     assert local.grad is not None
     assert torch.equal(local.grad, select_local_shard(weight, (2, 2), coordinate, (S0, R)))
+
+
+class RecordedOps(TorchDispatchMode):
+    """The aten ops dispatched inside, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@multi_rank(world_size=4)
+def test_an_all_gather_behind_dims_of_size_one_is_a_view_of_what_arrives() -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    # (large enough for one-dim all-gathers to be the plan on the gloo profile, see above)
+    cases = (((1, 1024, 256), 1, False), ((3, 1024, 256), 1, True), ((1, 256, 1024), 2, True), ((1, 1023, 256), 1, False))
+    for shape, gather_dim, copies in cases:
+        whole = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        shard = Shard(gather_dim)
+        dtensor = distribute_tensor(whole, mesh, (shard, shard))
+        with RecordedOps() as recorded:
+            gathered = dtensor.redistribute(mesh, (shard, R))
+        torch.testing.assert_close(gathered.to_local(), distribute_tensor(whole, mesh, (shard, R)).to_local())
+        assert gathered.to_local().is_contiguous()
+        # Where dims of size > 1 precede the gathered dim, the blocks are joined along it (one copy).
+        assert ("aten::cat" in recorded.names) == copies, (shape, gather_dim, recorded.names)

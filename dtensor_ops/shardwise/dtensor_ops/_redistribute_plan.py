@@ -392,6 +392,7 @@ def _joint_elements(
     state: Placements,
     mesh_shape: Sequence[int],
     mesh_dims: Sequence[int],
+    new_state: Placements,
     before_boxes: dict[tuple[int, ...], _Box],
     after_boxes: dict[tuple[int, ...], _Box],
 ) -> int | None:
@@ -399,15 +400,28 @@ def _joint_elements(
     worst = 0
     if kind is StepKind.JOINT_ALL_TO_ALL:
         sending_dims = [d for d in mesh_dims if isinstance(state[d], Shard)]
+        # Mesh dims along which some rank receives data. A joint step over a dim whose placement
+        # it keeps and that no data crosses is the exchange of the other dims, in a larger group
+        # and with a send buffer assembled from every member's part: that smaller step is
+        # searched too (for 2 dims, a one-dim all-gather where this would be a 4-rank all-to-all).
+        crossed: set[int] = set()
         for coordinate, wanted in after_boxes.items():
             needed = math.prod(wanted[0])
             if needed == 0:
                 continue
             needs = needed - _overlap(before_boxes[coordinate], wanted)
             senders = _group_coordinates(coordinate, tuple(mesh_shape), tuple(sending_dims))
-            if sum(_overlap(before_boxes[sender], wanted) for sender in senders) != needed:
+            received = 0
+            for sender in senders:
+                part = _overlap(before_boxes[sender], wanted)
+                received += part
+                if part and sender != coordinate:
+                    crossed.update(d for d in sending_dims if sender[d] != coordinate[d])
+            if received != needed:
                 return None
             worst = max(worst, needs)
+        if any(d not in crossed and state[d] == new_state[d] for d in mesh_dims):
+            return None
         return worst
     if kind is StepKind.JOINT_ALL_TO_ALL_REDUCE:
         # Each member holding part of a rank's new piece sends that part of its contribution (Shard
@@ -468,6 +482,7 @@ def joint_step_bytes_per_rank(
         state,
         mesh_shape,
         mesh_dims,
+        tuple(new_state),
         _all_boxes(global_shape, mesh_shape, state),
         _all_boxes(global_shape, mesh_shape, tuple(new_state)),
     )
@@ -551,7 +566,7 @@ def local_copy_bytes(
 
     On the largest pieces, as ``_kind_bytes``: padding an uneven piece to the group's largest,
     regrouping when the collective's dim is not the tensor's outermost (the pieces travel as dim-0
-    blocks), trimming the padding off, a chunk that is not a leading-dim view, a sum's split or zero
+    blocks; an all-gather's are a view when only dims of size 1 precede its dim), trimming the padding off, a chunk that is not a leading-dim view, a sum's split or zero
     fill, a shard's placement into its zero-filled parent. An all-reduce works in place; joint steps
     are not modelled (0).
     """
@@ -563,7 +578,9 @@ def local_copy_bytes(
         i = before.dim
         uneven = largest_before[i] * n != largest_after[i]
         elements = before_elements if uneven else 0  # this piece padded to the largest
-        if i != 0:  # the received dim-0 blocks regrouped, then the padding trimmed
+        if any(size != 1 for size in largest_before[:i]):
+            # the received dim-0 blocks joined along dim i, then the padding trimmed (where only
+            # dims of size 1 precede dim i, the blocks already lie in order: a view)
             elements += n * before_elements + (after_elements if uneven else 0)
     elif kind is StepKind.REDUCE_SCATTER:
         assert isinstance(after, Shard)
@@ -857,7 +874,7 @@ def _search_in_python(
             kind = joint_transition_kind(state, mesh_shape, mesh_dims, afters)
             if kind is None:
                 continue
-            elements = _joint_elements(kind, state, mesh_shape, mesh_dims, boxes(state), boxes(new_state))
+            elements = _joint_elements(kind, state, mesh_shape, mesh_dims, new_state, boxes(state), boxes(new_state))
             if not elements:
                 continue  # pieces that do not fit, or nothing to move (a local step does that)
             joint = tuple((d, state[d], after) for d, after in zip(mesh_dims, afters))

@@ -659,13 +659,18 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         return received.narrow(step.to_dim, 0, step.kept).contiguous()
     if kind is StepKind.ALL_GATHER:
         from_dim = step.from_dim
-        if from_dim != 0:
-            piece_shape = list(step.shape_before)
-            piece_shape[from_dim] = step.from_piece
-            received = received.unflatten(0, (group_size, piece_shape[0])).movedim(0, from_dim).flatten(
-                from_dim, from_dim + 1
-            )
-        return received.narrow(from_dim, 0, step.joined).contiguous()
+        piece_shape = list(step.shape_before)
+        piece_shape[from_dim] = step.from_piece
+        if all(size == 1 for size in piece_shape[:from_dim]):
+            # Member i's block is already the i-th run of dim from_dim: a view, and trimming the
+            # padding off the outermost dim of size > 1 keeps it contiguous (no copy).
+            joined_shape = list(piece_shape)
+            joined_shape[from_dim] = group_size * step.from_piece
+            return received.view(joined_shape).narrow(from_dim, 0, step.joined)
+        blocks = received.split(piece_shape[0], dim=0)
+        return torch.cat([block.view(piece_shape) for block in blocks], dim=from_dim).narrow(
+            from_dim, 0, step.joined
+        ).contiguous()
     # all-to-all: block i came from member i and holds its piece of from_dim
     from_dim, to_dim = step.from_dim, step.to_dim
     block_shape = list(step.shape_before)
