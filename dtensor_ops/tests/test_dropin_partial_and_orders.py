@@ -41,6 +41,42 @@ def test_replicate_to_partial_every_reduce_op_is_local_and_exact() -> None:
 
 
 @multi_rank(world_size=4)
+def test_partial_product_reduces_scatters_splits_and_comes_from_replicate_exactly() -> None:
+    from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from shardwise.dtensor_ops._redistribute import Redistribute
+
+    assert Partial("prod") == Partial("product") and Partial("prod").reduce_op == "product"
+    mesh = _mesh((2, 2))
+    rank = torch.distributed.get_rank()
+    # Every rank's factor, known to all: the product over the 2x2 mesh is their elementwise product.
+    factors = [torch.linspace(0.5, 1.5, 24).reshape(6, 4) + 0.1 * r for r in range(4)]
+    whole = factors[0] * factors[1] * factors[2] * factors[3]
+    partial = DTensor.from_local(factors[rank], mesh, [Partial("product"), Partial("product")], run_check=False)
+    torch.testing.assert_close(partial.full_tensor(), whole)
+    for target in ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(1), Replicate()]):
+        torch.testing.assert_close(partial.redistribute(mesh, target).full_tensor(), whole)
+    # A view keeps the pending product; one mesh dim reduced, the other kept.
+    for piece, expected in zip(torch.split(partial, 4, dim=0), torch.split(whole, 4, dim=0)):
+        assert piece.placements == (Partial("product"), Partial("product"))
+        torch.testing.assert_close(piece.full_tensor(), expected)
+    half = partial.redistribute(mesh, [Replicate(), Partial("product")])
+    torch.testing.assert_close(half.full_tensor(), whole)
+    # masked_fill of a pending product is done on the reduced value (no one-rank rule applies).
+    mask = torch.zeros(6, 4, dtype=torch.bool)
+    mask[::2] = True
+    filled = partial.masked_fill(distribute_tensor(mask, mesh, [Replicate(), Replicate()]), 2.0)
+    torch.testing.assert_close(filled.full_tensor(), whole.masked_fill(mask, 2.0))
+    # Replicate -> Partial(product) (PyTorch refuses: an n-th root is not exact): the value on each
+    # group's first rank, ones elsewhere; integers too.
+    for value in (whole, torch.arange(-12, 12).reshape(6, 4)):
+        replicated = distribute_tensor(value, mesh, [Replicate(), Replicate()])
+        made = Redistribute.apply(replicated, mesh, [Replicate(), Partial("product")])
+        expected_local = value if mesh.get_coordinate()[1] == 0 else torch.ones_like(value)
+        assert torch.equal(made.to_local(), expected_local)
+        assert torch.equal(made.full_tensor(), value)
+
+
+@multi_rank(world_size=4)
 def test_user_redistribute_to_partial_is_refused_with_both_wordings() -> None:
     from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor
 

@@ -34,14 +34,15 @@ def test_bare_placement_base_is_nothing_in_particular() -> None:
 def test_partial_defaults_to_sum_and_accepts_supported_ops() -> None:
     assert Partial().reduce_op == "sum"
     assert Partial() == Partial("sum") == Partial(reduce_op="sum")
-    assert SUPPORTED_REDUCE_OPS == {"sum", "avg", "max", "min"}
+    assert SUPPORTED_REDUCE_OPS == {"sum", "avg", "max", "min", "product"}
     for op in SUPPORTED_REDUCE_OPS:
         assert Partial(op).reduce_op == op
+    assert Partial("prod") == Partial("product")  # c10d's name, and the short one PyTorch code uses
 
 
-@pytest.mark.parametrize("bad_op", ["prod", "SUM", "", "mean"])
+@pytest.mark.parametrize("bad_op", ["PROD", "SUM", "", "mean"])
 def test_partial_rejects_unknown_reduce_op_naming_the_choices(bad_op: str) -> None:
-    with pytest.raises(ValueError, match=rf"Partial\(reduce_op='{bad_op}'\).*'avg', 'max', 'min', 'sum'"):
+    with pytest.raises(ValueError, match=rf"Partial\(reduce_op='{bad_op}'\).*'avg', 'max', 'min', 'product', 'sum'"):
         Partial(bad_op)
 
 

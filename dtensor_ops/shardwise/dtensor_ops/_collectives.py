@@ -57,7 +57,7 @@ _functional = torch.ops._c10d_functional
 
 # Partial(avg) is reduced as a sum and divided by the group size afterwards: every backend
 # supports "sum", not every backend supports "avg".
-_C10D_REDUCE_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
+_C10D_REDUCE_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}
 
 
 def c10d_reduce_op(reduce_op: str) -> str:
@@ -185,6 +185,8 @@ def reduce_received_blocks(received: torch.Tensor, reduce_op: str, group_size: i
     kind = c10d_reduce_op(reduce_op)
     if kind == "sum":
         return blocks.sum(0)
+    if kind == "product":
+        return blocks.prod(0)
     return blocks.amax(0) if kind == "max" else blocks.amin(0)
 
 

@@ -522,6 +522,8 @@ def _divide(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
 def _reduction_identity(dtype: torch.dtype, reduce_op: str) -> float | int | bool:
     if reduce_op in ("sum", "avg"):
         return 0
+    if reduce_op == "product":
+        return 1
     if dtype == torch.bool:
         return reduce_op == "min"
     if dtype.is_floating_point:
@@ -583,6 +585,8 @@ def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _Join
             value = value.sum(axis)
             if reduce_op == "avg":
                 value = _divide(value, layout.slot_shape[axis])
+        elif reduce_op == "product":
+            value = value.prod(axis)
         elif reduce_op == "max":
             value = value.amax(axis)
         else:
@@ -687,13 +691,14 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if kind is StepKind.LOCAL_PARTIAL:
         # avg/max/min of identical values is that value. A sum needs the value once in total: floating
         # and complex values are split evenly (each rank holds value / n, as PyTorch), integers, which
-        # cannot be split exactly, are kept whole by the group's first rank.
-        if step.reduce_op != "sum":
+        # cannot be split exactly, are kept whole by the group's first rank. A product keeps the value
+        # on the first rank and ones on the others (exact; PyTorch refuses, an n-th root is not).
+        if step.reduce_op not in ("sum", "product"):
             return local
-        if local.dtype.is_floating_point or local.dtype.is_complex:
+        if step.reduce_op == "sum" and (local.dtype.is_floating_point or local.dtype.is_complex):
             return local / step.group_size
         if step.index_in_group != 0:
-            return torch.zeros_like(local)
+            return torch.zeros_like(local) if step.reduce_op == "sum" else torch.ones_like(local)
         return local
     if kind is StepKind.SHARD_TO_PARTIAL:
         parent_shape = list(local.shape)

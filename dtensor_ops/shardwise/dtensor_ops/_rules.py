@@ -330,14 +330,14 @@ def broadcast_input_placement(out_shape: Sequence[int], in_shape: Sequence[int],
 def partial_survives_cast(source: torch.dtype, target: torch.dtype, reduce_op: str) -> bool:
     """Whether converting each partial value to ``target`` keeps ``reduce_op`` of them meaningful.
 
-    Sums and averages survive conversions between floating/complex types (only
+    Sums, averages and products survive conversions between floating/complex types (only
     rounding changes), not into integers or bool (rounding each part then adding
     is not rounding the sum).  Max/min survive monotone conversions between real
     types, which excludes bool (``-1 -> True``) and complex.
     """
     if source == target:
         return True
-    if reduce_op in LINEAR_REDUCE_OPS:
+    if reduce_op in LINEAR_REDUCE_OPS or reduce_op == "product":
         return target.is_floating_point or target.is_complex
     real_ordered = not (source.is_complex or target.is_complex or source == torch.bool or target == torch.bool)
     return real_ordered

@@ -16,7 +16,9 @@ from ._simulated import any_per_rank_int, for_each_simulated_rank
 
 __all__ = ["Placement", "Shard", "_StridedShard", "Replicate", "Partial", "SUPPORTED_REDUCE_OPS"]
 
-SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min"})
+SUPPORTED_REDUCE_OPS: Final[frozenset[str]] = frozenset({"sum", "avg", "max", "min", "product"})
+# Other spellings PyTorch code uses for a supported op (c10d's ``ReduceOp.PRODUCT`` is "product").
+_REDUCE_OP_ALIASES: Final[dict[str, str]] = {"prod": "product"}
 
 
 def _as_tensor_dim(dim: object) -> int:
@@ -348,7 +350,8 @@ class Replicate(Placement):
 class Partial(Placement):
     """Each rank along the mesh dim holds a partial value; the true value is their reduction.
 
-    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``.
+    ``reduce_op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"`` (``"prod"`` is
+    read as ``"product"``).
     """
 
     __slots__ = ("reduce_op", "_hash")
@@ -356,6 +359,8 @@ class Partial(Placement):
     _hash: int
 
     def __init__(self, reduce_op: str = "sum") -> None:
+        if isinstance(reduce_op, str):
+            reduce_op = _REDUCE_OP_ALIASES.get(reduce_op, reduce_op)
         if not isinstance(reduce_op, str) or reduce_op not in SUPPORTED_REDUCE_OPS:
             raise ValueError(
                 f"Partial(reduce_op={reduce_op!r}) is not supported; expected one of "

@@ -600,7 +600,8 @@ def _scatter_strategies(call: OpCall) -> list[OneDimStrategy]:
     if key in _SCATTER_OVERWRITES_WITH_SOURCE:
         kinds = call.every_reduce_op()  # overwritten entries take the source's parts, the rest keep self's
     elif key in _SCATTER_OVERWRITES_WITH_VALUE:
-        kinds = tuple(k for k in call.every_reduce_op() if k != "sum")  # n copies of the value do not sum to it
+        # n copies of the value reduce to it by avg/max/min only (not by sum or product)
+        kinds = tuple(k for k in call.every_reduce_op() if k not in ("sum", "product"))
     elif call.op._schema.name in _SCATTER_ADDS:
         kinds = call.linear_reduce_ops()
     for kind in kinds:

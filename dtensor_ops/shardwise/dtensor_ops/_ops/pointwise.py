@@ -300,10 +300,11 @@ def _masked_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
     """Pointwise, and also partial values of every kind with a replicated mask (and value): the masked places
     take the value (on every rank for avg/max/min, whose reduction of equal values is that value; on one rank
     for sum, zero elsewhere), the others keep their partial values. So an in-place fill of a partial result
-    (the count in scatter_reduce's 'mean' backward, a norm's zero guard) needs no reduction."""
+    (the count in scatter_reduce's 'mean' backward, a norm's zero guard) needs no reduction. (Not products:
+    mixed with sums on other mesh dims, no one-rank rule writes the value.)"""
     strategies = pointwise_strategies(call)
     others: tuple[Placement, ...] = (Replicate(),) * (len(call.input_specs) - 1)
-    for reduce_op in call.every_reduce_op():
+    for reduce_op in (kind for kind in call.every_reduce_op() if kind != "product"):
         strategy = OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op), *others))
         if strategy not in strategies:
             strategies.append(strategy)
