@@ -139,3 +139,25 @@ def test_cost_of_shard_orders_follows_the_whole_tensor_path_and_keeps_the_triang
         assert redistribute_cost(a, b) <= redistribute_cost(a, c) + redistribute_cost(c, b)
     ordered = DTensorSpec(mesh, (Shard(0),) * 3, meta, shard_order=(ShardOrderEntry(0, (2, 1, 0)),))
     assert redistribute_cost(ordered, ordered.with_shard_order(None)) > 0  # same placements, other layout
+
+
+@multi_rank(world_size=4)
+def test_pytorch_planner_object_gives_our_plan_and_the_partials_it_passes_through() -> None:
+    from shardwise.dtensor_ops._redistribute import _gen_transform_infos, get_redistribute_planner
+    from shardwise.mesh import init_device_mesh
+    from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    meta = TensorMeta(torch.Size([12, 3]), (3, 1), torch.float32)
+    planner = get_redistribute_planner(mesh, meta)
+    assert get_redistribute_planner(mesh, meta) is planner
+    src = DTensorSpec(mesh, (Partial("sum"), Shard(0)), meta)
+    dst = DTensorSpec(mesh, (Replicate(), Partial("avg")), meta)
+    infos = planner.generate_graph_based_transform_infos(src, dst, (12, 3))
+    assert [(i.mesh_dim, i.src_dst_placements) for i in infos] == [
+        (i.mesh_dim, i.src_dst_placements) for i in _gen_transform_infos(src, dst)
+    ]
+    assert planner.partial_reduce_ops_in_target == {"sum", "avg"}
+    assert planner.generate_greedy_transform_infos(src, dst) == infos
+    with pytest.raises(ValueError, match="full_tensor_shape"):
+        planner.generate_graph_based_transform_infos(src, dst, (6, 3))

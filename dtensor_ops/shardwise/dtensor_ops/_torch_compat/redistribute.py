@@ -10,6 +10,7 @@ PyTorch's planner vocabulary reads shardwise's plan: ``_gen_transform_infos(src,
 ``use_min_cost_redistribution_plan`` changes nothing (PyTorch's greedy planner does not exist here);
 ``_optimize_transform_infos`` merges consecutive same-collective steps into flattened ones, as
 PyTorch's pass does, unless ``disable_redistribute_transform_optimization`` is in force.
+``get_redistribute_planner(mesh, tensor_meta)`` gives PyTorch's planner object over the same plan.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ __all__ = [
     "_gen_transform_infos_non_cached",
     "_optimize_transform_infos",
     "disable_redistribute_transform_optimization",
+    "DTensorRedistributePlanner",
+    "get_redistribute_planner",
     "use_min_cost_redistribution_plan",
     "Redistribute",
     "RedistributeStep",
@@ -241,6 +244,48 @@ def _gen_transform_infos(
 ) -> list[_TransformInfo]:
     """:func:`_gen_transform_infos_non_cached`, cached per spec pair (``cache_clear()`` empties it)."""
     return _gen_transform_infos_non_cached(src_spec, dst_spec, use_graph_based_transform)
+
+
+class DTensorRedistributePlanner:
+    """PyTorch's planner object for one mesh and tensor, over shardwise's one planner.
+
+    ``generate_graph_based_transform_infos(src_spec, dst_spec, full_tensor_shape)`` and
+    ``generate_greedy_transform_infos(src_spec, dst_spec)`` both give :func:`_gen_transform_infos`'s
+    plan (the cheapest; shardwise has no greedy planner). ``partial_reduce_ops_in_target`` collects
+    the reduce ops of the Partials at the ends of the plans asked for: the only Partials the search
+    passes through (a mesh dim goes through Replicate, every Shard and its two ends' placements).
+    """
+
+    def __init__(self, device_mesh: Any, dtensor_meta: Any) -> None:
+        self.device_mesh = device_mesh
+        self.dtensor_meta = dtensor_meta
+        self.partial_reduce_ops_in_target: set[str] = set()
+
+    def _checked(self, src_spec: DTensorSpec[Any], dst_spec: DTensorSpec[Any]) -> None:
+        for name, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
+            if spec.mesh != self.device_mesh:
+                raise ValueError(f"{name} is on {spec.mesh}, this planner plans on {self.device_mesh}")
+        for placement in (*src_spec.placements, *dst_spec.placements):
+            if isinstance(placement, Partial):
+                self.partial_reduce_ops_in_target.add(placement.reduce_op)
+
+    def generate_graph_based_transform_infos(
+        self, src_spec: DTensorSpec[Any], dst_spec: DTensorSpec[Any], full_tensor_shape: Sequence[int] | None = None
+    ) -> list[_TransformInfo]:
+        if full_tensor_shape is not None and tuple(full_tensor_shape) != tuple(src_spec.shape):
+            raise ValueError(f"full_tensor_shape {tuple(full_tensor_shape)} is not the specs' {tuple(src_spec.shape)}")
+        self._checked(src_spec, dst_spec)
+        return _gen_transform_infos_non_cached(src_spec, dst_spec)
+
+    def generate_greedy_transform_infos(self, src_spec: DTensorSpec[Any], dst_spec: DTensorSpec[Any]) -> list[_TransformInfo]:
+        self._checked(src_spec, dst_spec)
+        return _gen_transform_infos_non_cached(src_spec, dst_spec)
+
+
+@functools.lru_cache(maxsize=256)
+def get_redistribute_planner(device_mesh: Any, dtensor_meta: Any) -> DTensorRedistributePlanner:
+    """The planner for ``device_mesh`` and ``dtensor_meta`` (the same object for the same pair, as PyTorch's)."""
+    return DTensorRedistributePlanner(device_mesh, dtensor_meta)
 
 
 _MERGEABLE = frozenset({"all_gather", "all_reduce", "reduce_scatter"})
