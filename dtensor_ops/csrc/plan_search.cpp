@@ -273,7 +273,8 @@ class Search {
     if (before_index == after) return kNone;
     const Candidate& before = candidates_[d][before_index];
     const Candidate& next = candidates_[d][after];
-    if (before.type == kPartial && next.type == kPartial) return kNone;
+    // Partials of one reduce op (a _MaskPartial and Partial("sum")) hold the same values: a relabel.
+    if (before.type == kPartial && next.type == kPartial) return before.op == next.op ? kRelabel : kNone;
     if (mesh_[d] == 1) return kRelabel;
     if (before.type == kShard && sharded_after(state, d, before.dim)) return kNone;
     if (next.type == kShard && sharded_after(state, d, next.dim)) return kNone;

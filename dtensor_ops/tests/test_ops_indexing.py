@@ -22,7 +22,7 @@ from shardwise.dtensor_ops._decision_pipeline import decide_from_specs as decide
 from shardwise.dtensor_ops._propagation import ShardingPropagationError
 from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
-from shardwise.placement import DTensorSpec, TensorMeta
+from shardwise.placement import DTensorSpec, TensorMeta, _MaskPartial
 from shardwise.testing import DTensorOpTestBase, FakeMesh
 from views_indexing_helpers import LAYOUT_SAMPLE_2D, check_layout, sweep
 
@@ -89,6 +89,27 @@ class IndexingOpsTest(DTensorOpTestBase):
         source = randn(8, 6, seed=3)
         assert sweep(mesh, lambda t, i, s: t.index_add(0, i, s), [x, indices(4, 8, seed=4), source]) > 0
         assert sweep(mesh, lambda t, i, s: t.index_add(1, i, s, alpha=2.0), [x, indices(6, 4), randn(4, 4)]) > 0
+
+    def test_masked_gather_is_a_mask_partial_that_later_ops_take_as_a_pending_sum(self) -> None:
+        mesh = self.build_device_mesh()
+        x, picks = randn(3, 8, 5), torch.tensor([[[1, 7, 0, 4, 6]], [[2, 2, 5, 3, 0]], [[7, 6, 1, 1, 4]]])
+        sharded = distribute_tensor(x, mesh, [Shard(1)])
+        positions = distribute_tensor(picks, mesh, [Replicate()])
+        ones = distribute_tensor(torch.ones(3, 1, 5), mesh, [Partial()])
+        mode = CommDebugMode()
+        with mode:
+            picked = torch.gather(sharded, 1, positions)
+            # A pending sum under PyTorch's name: later ops that carry a Partial("sum") take it as it is.
+            doubled = picked * 2
+            picked.mul_(1.0)  # written in place: it stays what it is
+            total = doubled * 0.5 + ones
+        assert mode.get_total_counts() == 0
+        assert picked.placements == (_MaskPartial(offset_shape=torch.Size([3, 8, 5]), offset_dim=1),)
+        assert doubled.placements == total.placements == (Partial(),)
+        expected = torch.gather(x, 1, picks)
+        torch.testing.assert_close(picked.full_tensor(), expected)
+        torch.testing.assert_close(total.full_tensor(), expected + 1)
+        torch.testing.assert_close(picked.redistribute(mesh, [Shard(2)]).full_tensor(), expected)
 
     def test_gather_and_scatters(self) -> None:
         mesh = self.build_device_mesh()

@@ -145,6 +145,18 @@ def _check_strategy_shapes(
             )
 
 
+def _same_values(held: Placement, wanted: Placement) -> bool:
+    """Whether a tensor at ``held`` already is at ``wanted``: equal, or Partials of one reduce op (a
+    ``_MaskPartial`` is a pending sum like ``Partial("sum")``; only its class differs)."""
+    return held == wanted or (
+        isinstance(held, Partial) and isinstance(wanted, Partial) and held.reduce_op == wanted.reduce_op
+    )
+
+
+def _same_layout(held: Sequence[Placement], wanted: Sequence[Placement]) -> bool:
+    return len(held) == len(wanted) and all(_same_values(h, w) for h, w in zip(held, wanted))
+
+
 def _fits_written_tensors(
     strategy: OneDimStrategy,
     mesh_dim: int,
@@ -152,10 +164,11 @@ def _fits_written_tensors(
     kept_outputs: Mapping[int, DTensorSpec[Any]],
 ) -> bool:
     for index, spec in kept_inputs.items():
-        if strategy.inputs[index] != spec.placements[mesh_dim]:
+        if not _same_values(spec.placements[mesh_dim], strategy.inputs[index]):
             return False
     for index, spec in kept_outputs.items():
-        if strategy.outputs[index] != spec.placements[mesh_dim]:
+        output = strategy.outputs[index]
+        if output is None or not _same_values(spec.placements[mesh_dim], output):
             return False
     return True
 
@@ -337,14 +350,15 @@ def _check_combined_decision(
             f"the call has {len(call.input_specs)} DTensor inputs and {len(call.output_metas)} outputs"
         )
     for index, spec in call.kept_inputs.items():
-        if inputs[index] != spec.placements:
+        if not _same_layout(spec.placements, inputs[index]):
             raise ShardingPropagationError(
                 f"{op} cannot keep the DTensor it writes (input {index}) at placements "
                 f"{_describe_placements(spec)}: the {rule.family!r} rule needs {inputs[index]} "
                 f"(inputs: {describe_inputs(call.all_specs)}). Redistribute it first or use the out-of-place op."
             )
     for index, spec in call.kept_outputs.items():
-        if outputs[index] != spec.placements:
+        written = outputs[index]
+        if written is None or not _same_layout(spec.placements, written):
             raise ShardingPropagationError(
                 f"{op} cannot write its output {index} into a DTensor with placements "
                 f"{_describe_placements(spec)}: the {rule.family!r} rule produces {outputs[index]} "
@@ -382,7 +396,7 @@ def decide_with_rule(
         best_inputs, best_outputs = _cheapest_combination(op, rule, call, _strategies_per_mesh_dim(op, rule, call))
 
     rule_targets = iter(
-        spec if spec.placements == target else spec.with_placements(target)
+        spec if _same_layout(spec.placements, target) else spec.with_placements(target)
         for spec, target in zip(call.input_specs, best_inputs)
     )
     input_targets = tuple(spec if is_out else next(rule_targets) for spec, is_out in zip(specs, call.is_out_arg))

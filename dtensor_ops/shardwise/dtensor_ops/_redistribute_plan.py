@@ -260,13 +260,14 @@ def transition_kind(
 
     None means: not a change, a direct Partial -> other Partial change (go through
     Replicate), or a change that nested sharding or mixed Partial ops make invalid in
-    ``state`` (see the module docstring).
+    ``state`` (see the module docstring). Partials of one reduce op but different classes
+    (``_MaskPartial`` and ``Partial("sum")``) hold the same values: a relabel.
     """
     before = state[mesh_dim]
     if before == after:
         return None
     if isinstance(before, Partial) and isinstance(after, Partial):
-        return None
+        return StepKind.RELABEL if before.reduce_op == after.reduce_op else None
     if mesh_shape[mesh_dim] == 1:
         return StepKind.RELABEL
     if isinstance(before, Shard):
@@ -1092,7 +1093,8 @@ def naive_greedy_plan(
         raise AssertionError(f"greedy planner: nothing blocks mesh dim {mesh_dim} -> {after} in {_fmt(state)}")
 
     def change(mesh_dim: int, after: Placement) -> None:
-        if isinstance(state[mesh_dim], Partial) and isinstance(after, Partial):
+        before = state[mesh_dim]
+        if isinstance(before, Partial) and isinstance(after, Partial) and before.reduce_op != after.reduce_op:
             change(mesh_dim, Replicate())
         while transition_kind(state, mesh_shape, mesh_dim, after) is None:
             change(innermost_blocker(mesh_dim, after), Replicate())
@@ -1124,7 +1126,7 @@ def _partials_compatible(src: Placement, dst: Placement) -> bool:
     return (
         isinstance(src, Partial)
         and isinstance(dst, Partial)
-        and (src == dst or (src.reduce_op in _LINEAR_REDUCE_OPS and dst.reduce_op in _LINEAR_REDUCE_OPS))
+        and (src.reduce_op == dst.reduce_op or (src.reduce_op in _LINEAR_REDUCE_OPS and dst.reduce_op in _LINEAR_REDUCE_OPS))
     )
 
 

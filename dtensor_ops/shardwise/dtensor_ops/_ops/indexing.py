@@ -44,6 +44,7 @@ from shardwise.placement import (
     Replicate,
     Shard,
     TensorMeta,
+    _MaskPartial,
     normalize_dim,
 )
 
@@ -500,8 +501,10 @@ def _gather_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies.extend(OneDimStrategy((Partial(k),), (Partial(k), Replicate())) for k in call.every_reduce_op())
     if call.op is aten.gather.default and len(index_shape) == len(self_shape) and index_shape[dim] == 1:
         # One position per row along dim (PyTorch's masked case): self keeps its shards of dim, each rank
-        # picks the positions it holds and zeros elsewhere, and the sum over ranks is the gather.
-        strategies.append(OneDimStrategy((Partial("sum"),), (Shard(dim), Replicate())))
+        # picks the positions it holds and zeros elsewhere, and the sum over ranks is the gather
+        # (_MaskPartial, as PyTorch names this pending sum; any op takes it as Partial("sum")).
+        masked = _MaskPartial(offset_shape=torch.Size(self_shape), offset_dim=dim)
+        strategies.append(OneDimStrategy((masked,), (Shard(dim), Replicate())))
     return strategies
 
 

@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _MaskPartial
 
 from ._shapes import contiguous_meta, input_meta
 from .._rules import OneDimStrategy, OpCall, PlacementsPerTensor, ShardingRule, register_rule
@@ -99,7 +99,9 @@ def embedding_strategies(call: OpCall) -> list[OneDimStrategy]:
     ids_ndim = len(call.input_shape(1))
     strategies = [OneDimStrategy((Shard(ids_ndim),), (Shard(1), Replicate()))]
     strategies.extend(OneDimStrategy((Shard(dim),), (Replicate(), Shard(dim))) for dim in range(ids_ndim))
-    strategies.append(OneDimStrategy((Partial("sum"),), (Shard(0), Replicate())))  # masked rows
+    # rows held elsewhere are zeros: a pending sum, which PyTorch names _MaskPartial
+    masked = _MaskPartial(offset_shape=torch.Size(call.input_shape(0)), offset_dim=0)
+    strategies.append(OneDimStrategy((masked,), (Shard(0), Replicate())))
     strategies.append(OneDimStrategy((Replicate(),), (Replicate(), Replicate())))
     for reduce_op in call.every_reduce_op():
         strategies.append(OneDimStrategy((Partial(reduce_op),), (Partial(reduce_op), Replicate())))
