@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from shardwise.dtensor_ops import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops._sharding_prop import propagate_op_sharding
 from shardwise.dtensor_ops.debug import CommDebugMode
-from shardwise.placement import DTensorSpec, TensorMeta, select_local_shard
+from shardwise.placement import DTensorSpec, TensorMeta, _NormPartial, select_local_shard
 from shardwise.testing import DTensorConverter, DTensorTestBase, FakeMesh, multi_rank, run_on_threads, with_comms
 
 aten = torch.ops.aten
@@ -514,10 +514,9 @@ def _reductions_keep_or_gather() -> None:
         assert _dt(torch.argmax(row_sharded, 1)).placements == (Shard(0),)
         assert _dt(torch.topk(row_sharded, 3, 1)[1]).placements == (Shard(0),)
     assert mode.get_total_counts() == 0
-    # Not linear: variance, the 2-norm, argmax and cumsum along a sharded dim move the data first.
+    # Not linear: variance, argmax and cumsum along a sharded dim move the data first.
     for op in (
         lambda t: torch.var(t, 1),
-        lambda t: torch.linalg.vector_norm(t, 2, dim=1),
         lambda t: torch.argmax(t, 1),
         lambda t: torch.cumsum(t, 1),
     ):
@@ -535,11 +534,45 @@ def _reductions_keep_or_gather() -> None:
     assert mode.get_total_counts() == 1
 
 
+def _norms_of_pieces_combine_without_moving_the_pieces() -> None:
+    mesh = init_device_mesh("cpu", (4,))
+    x = randn(85, 8, 12)
+    column_sharded = distribute_tensor(x, mesh, [Shard(1)])
+    mode = CommDebugMode()
+    for order in (2, 3.5):
+        with mode:
+            norms = _dt(torch.linalg.vector_norm(column_sharded, order, dim=1))
+        # Each rank holds the norm of its columns; the pending reduction is their p-norm.
+        assert norms.placements == (_NormPartial(order),) and mode.get_total_counts() == 0
+        with mode:
+            whole = norms.full_tensor()
+        assert _counts(mode) == {"all_reduce": 1}  # of the 8 norms, not of the (8, 12) input
+        torch.testing.assert_close(whole, torch.linalg.vector_norm(x, order, dim=1))
+        torch.testing.assert_close(
+            norms.redistribute(mesh, [Shard(0)]).full_tensor(), torch.linalg.vector_norm(x, order, dim=1)
+        )
+        # An op that does not carry the pending norm reduces it first.
+        torch.testing.assert_close(norms.unsqueeze(0).full_tensor(), torch.linalg.vector_norm(x, order, dim=1)[None])
+    # Over a 2-D mesh and every dim; dist of two tensors laid out alike (p = 2, 1, inf).
+    grid = init_device_mesh("cpu", (2, 2))
+    y = randn(86, 8, 12)
+    a, b = distribute_tensor(x, grid, [Shard(0), Shard(1)]), distribute_tensor(y, grid, [Shard(0), Shard(1)])
+    total = _dt(torch.linalg.vector_norm(a))
+    assert total.placements == (_NormPartial(2), _NormPartial(2))
+    torch.testing.assert_close(total.full_tensor(), torch.linalg.vector_norm(x))
+    for order in (2, 1, math.inf):
+        with mode:
+            distance = _dt(torch.dist(a, b, order))
+        assert mode.get_total_counts() == 0 and all(p.is_partial() for p in distance.placements)
+        torch.testing.assert_close(distance.full_tensor(), torch.dist(x, y, order))
+
+
 @multi_rank(world_size=4)
 def test_placements_and_collectives() -> None:
     _amax_placements_and_collectives()
     _softmax_collectives()
     _reductions_keep_or_gather()
+    _norms_of_pieces_combine_without_moving_the_pieces()
 
 
 @multi_rank(world_size=4)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import chunk_sizes
+from shardwise.placement import chunk_sizes, norm_order_of
 
 from ._options import ENVIRONMENT_OVERRIDES, current_options
 
@@ -61,13 +61,28 @@ _C10D_REDUCE_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "prod
 
 
 def c10d_reduce_op(reduce_op: str) -> str:
-    """The functional-collective reduce op used for a Partial's ``reduce_op``."""
+    """The functional-collective reduce op used for a Partial's ``reduce_op`` (a p-norm sums |x|^p: see
+    :func:`to_reducible`)."""
+    if norm_order_of(reduce_op) is not None:
+        return "sum"
     try:
         return _C10D_REDUCE_OP[reduce_op]
     except KeyError:
         raise ValueError(
             f"cannot reduce Partial(reduce_op={reduce_op!r}); expected one of {sorted(_C10D_REDUCE_OP)}"
         ) from None
+
+
+def to_reducible(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """What a rank sends into the reduction of ``reduce_op``: the tensor itself, or |x|^p for a p-norm."""
+    order = norm_order_of(reduce_op)
+    return tensor if order is None else tensor.abs().pow(order)
+
+
+def from_reduced(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """The reduced value from what the collective returned: itself, or the p-th root for a p-norm."""
+    order = norm_order_of(reduce_op)
+    return tensor if order is None else tensor.pow(1.0 / order)
 
 
 def mesh_dim_group_name(mesh: Any, mesh_dim: int) -> str:
@@ -280,10 +295,10 @@ def all_gather_rows_over_mesh(mesh: DeviceMesh, row: Sequence[int]) -> torch.Ten
 
 def all_reduce_along_mesh_dim(tensor: torch.Tensor, reduce_op: str, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """``tensor`` reduced over ``mesh_dim``'s group (waited); Partial reduce ops, avg divided afterwards."""
-    reduced = wait(launch_all_reduce(tensor, reduce_op, mesh_dim_group_name(mesh, mesh_dim)))
+    reduced = wait(launch_all_reduce(to_reducible(tensor, reduce_op), reduce_op, mesh_dim_group_name(mesh, mesh_dim)))
     if reduce_op == "avg":
         reduced = reduced / mesh.shape[mesh_dim]
-    return reduced
+    return from_reduced(reduced, reduce_op)
 
 
 class AsyncCollectiveTensor(torch.Tensor):

@@ -47,6 +47,7 @@ class DTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
+    @torch._disable_dynamo  # (as PyTorch's) a direct construction under compile runs eagerly
     def __new__(
         cls,
         local_tensor: torch.Tensor,

@@ -49,6 +49,7 @@ from shardwise.placement import (
     chunk_size_and_offset,
     compute_local_shape_and_global_offset,
     contiguous_strides,
+    norm_order_of,
     pad_dim,
     shard_sizes_along_mesh_dim,
 )
@@ -67,6 +68,8 @@ from ._collectives import (
     launch_reduce_scatter_one_round,
     one_round_collectives,
     reduce_received_blocks,
+    from_reduced,
+    to_reducible,
     launch_reduce_scatter,
     mesh_group_names,
     wait,
@@ -520,7 +523,7 @@ def _divide(tensor: torch.Tensor, divisor: int) -> torch.Tensor:
 
 
 def _reduction_identity(dtype: torch.dtype, reduce_op: str) -> float | int | bool:
-    if reduce_op in ("sum", "avg"):
+    if reduce_op in ("sum", "avg") or norm_order_of(reduce_op) is not None:
         return 0
     if reduce_op == "product":
         return 1
@@ -545,6 +548,7 @@ def _joint_send_buffer(local: torch.Tensor, step: _ExecStep, layout: _JointLayou
         parts = [_cut(local, region).reshape(-1) for region in layout.send_regions if region is not None]
         return torch.cat(parts) if parts else local.new_empty((0,))
     # reduce-scatter: member i's piece, padded, is dim-0 block i (padding is reduced and dropped)
+    local = to_reducible(local, step.reduce_op)
     buffer = local.new_zeros((step.group_size, *layout.padded_shape))
     for member, region in enumerate(layout.send_regions):
         if region is not None:
@@ -558,6 +562,7 @@ def _finish_joint(received: torch.Tensor, step: _ExecStep, layout: _JointLayout)
             received = reduce_received_blocks(received, step.reduce_op, step.group_size)
         if step.reduce_op == "avg":
             received = _divide(received, step.group_size)
+        received = from_reduced(received, step.reduce_op)
         return _cut(received, ((0,) * len(step.shape_after), step.shape_after)).contiguous()
     if step.kind is StepKind.JOINT_ALL_TO_ALL_REDUCE:
         return _reduce_contributions(received, step, layout)
@@ -581,7 +586,10 @@ def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _Join
     value = contributions.view(*layout.slot_shape, *step.shape_after)
     for axis in reversed(range(len(layout.slot_shape))):
         reduce_op = layout.slot_ops[axis]
-        if reduce_op in ("sum", "avg"):
+        order = norm_order_of(reduce_op)
+        if order is not None:
+            value = value.abs().pow(order).sum(axis).pow(1.0 / order)
+        elif reduce_op in ("sum", "avg"):
             value = value.sum(axis)
             if reduce_op == "avg":
                 value = _divide(value, layout.slot_shape[axis])
@@ -600,12 +608,12 @@ def _send_buffer(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         return _joint_send_buffer(local, step, step.joint)
     kind, group_size = step.kind, step.group_size
     if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
-        return local
+        return to_reducible(local, step.reduce_op)
     if kind is StepKind.ALL_GATHER:
         return pad_dim(local, step.from_dim, step.from_piece)
     if kind is StepKind.REDUCE_SCATTER:
         to_dim = step.to_dim
-        padded = pad_dim(local, to_dim, step.to_piece * group_size)
+        padded = pad_dim(to_reducible(local, step.reduce_op), to_dim, step.to_piece * group_size)
         if to_dim != 0:
             # Put the group's pieces outermost so that member i's piece is dim-0 block i.
             padded = padded.unflatten(to_dim, (group_size, step.to_piece)).movedim(to_dim, 0).flatten(0, 1)
@@ -652,12 +660,13 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     if step.joint is not None:
         return _finish_joint(received, step, step.joint)
     if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
-        return _divide(received, group_size) if step.reduce_op == "avg" else received
+        return _divide(received, group_size) if step.reduce_op == "avg" else from_reduced(received, step.reduce_op)
     if kind is StepKind.REDUCE_SCATTER:
         if step.one_round:
             received = reduce_received_blocks(received, step.reduce_op, group_size)
         if step.reduce_op == "avg":
             received = _divide(received, group_size)
+        received = from_reduced(received, step.reduce_op)
         # The pieces were laid out with the group outermost, so the received piece is
         # already in local dim order.
         return received.narrow(step.to_dim, 0, step.kept).contiguous()
@@ -693,12 +702,14 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         # and complex values are split evenly (each rank holds value / n, as PyTorch), integers, which
         # cannot be split exactly, are kept whole by the group's first rank. A product keeps the value
         # on the first rank and ones on the others (exact; PyTorch refuses, an n-th root is not).
-        if step.reduce_op not in ("sum", "product"):
+        # A p-norm's pending value (non-negative: a norm) stays on the first rank, zeros elsewhere.
+        is_norm = norm_order_of(step.reduce_op) is not None
+        if step.reduce_op not in ("sum", "product") and not is_norm:
             return local
         if step.reduce_op == "sum" and (local.dtype.is_floating_point or local.dtype.is_complex):
             return local / step.group_size
         if step.index_in_group != 0:
-            return torch.zeros_like(local) if step.reduce_op == "sum" else torch.ones_like(local)
+            return torch.ones_like(local) if step.reduce_op == "product" else torch.zeros_like(local)
         return local
     if kind is StepKind.SHARD_TO_PARTIAL:
         parent_shape = list(local.shape)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import SUPPORTED_REDUCE_OPS, DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._decision import ArgPosition, OpDecision
 
@@ -161,8 +161,9 @@ class OpCall:
         return tuple(op for op in LINEAR_REDUCE_OPS if op in self.partial_reduce_ops)
 
     def every_reduce_op(self) -> tuple[str, ...]:
-        """Partial kinds an element-moving op (view, copy) carries through: every kind present on this mesh dim."""
-        return tuple(sorted(self.partial_reduce_ops))
+        """Partial kinds an element-moving op (view, copy) carries through: every ``Partial(kind)`` present on
+        this mesh dim (a ``_NormPartial``'s own p-norm reduction is not a ``Partial`` kind: it is reduced first)."""
+        return tuple(sorted(op for op in self.partial_reduce_ops if op in SUPPORTED_REDUCE_OPS))
 
     def placements_keeping_values_unread(self, tensor_ndim: int) -> list[Placement]:
         """Every placement an input whose values the op never reads may keep as it is (on this mesh dim)."""

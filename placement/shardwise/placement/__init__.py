@@ -23,6 +23,7 @@ from ._layout import (
 from ._mesh_protocol import MeshLike
 from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard
 from ._mask_partial import _MaskPartial
+from ._norm_partial import _NormPartial, norm_order_of, norm_reduce_op
 from ._shard_order import ShardOrder, ShardOrderEntry
 from ._spec import DTensorSpec, TensorMeta
 
@@ -34,6 +35,9 @@ __all__ = [
     "Shard",
     "_StridedShard",
     "_MaskPartial",
+    "_NormPartial",
+    "norm_order_of",
+    "norm_reduce_op",
     "Replicate",
     "Partial",
     "SUPPORTED_REDUCE_OPS",

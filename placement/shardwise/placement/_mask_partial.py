@@ -1,10 +1,10 @@
 """``_MaskPartial``: PyTorch's placement for a row-sharded embedding lookup's pending sum.
 
-shardwise's embedding rule gives a row-sharded lookup a plain ``Partial("sum")`` output: the
-masking of ids outside a rank's rows happens in the rule's local kernel, so the pending value is an
-ordinary sum. ``_MaskPartial`` exists for code that builds or checks for PyTorch's placement: it
-is a ``Partial("sum")`` carrying PyTorch's ``offset_shape`` / ``offset_dim`` (the shape of the
-sharded table and its sharded dim), and reduces as a sum wherever shardwise meets it.
+shardwise's embedding and masked-gather rules give their outputs this placement, PyTorch's name:
+the masking of ids outside a rank's rows happens in the rules' local kernels, so the pending value
+is an ordinary sum. It is a ``Partial("sum")`` carrying PyTorch's ``offset_shape`` / ``offset_dim``
+(the shape of the sharded table and its sharded dim); it reduces as a sum, and any op or plan that
+wants a ``Partial("sum")`` takes it as it is (a relabel, no data moved).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, normalize_dim
+from shardwise.placement import Partial, Placement, Replicate, Shard, TensorMeta, _NormPartial, normalize_dim
 
 from ._shapes import (
     broadcast_shapes,
@@ -208,13 +208,17 @@ def _norm_order(call: OpCall) -> float:
 
 
 def _sharded_norm_placement(order: float) -> Placement | None:
-    """How per-rank norms over pieces of a dim combine into the norm over the whole dim, if exactly."""
+    """How per-rank norms over pieces of a dim combine into the norm over the whole dim, if exactly: a sum,
+    a max or a min, or for another positive order p the p-norm of the ranks' norms (``_NormPartial``:
+    one scalar per rank travels where a gather would move the pieces)."""
     if order in (0.0, 1.0):
         return Partial("sum")
     if order == math.inf:
         return Partial("max")
     if order == -math.inf:
         return Partial("min")
+    if order > 0:
+        return _NormPartial(order)
     return None
 
 
@@ -250,6 +254,45 @@ def _vector_norm_output_meta(
     if dtype is None:
         return None
     return contiguous_meta(reduction_output_shape(meta.shape, reduced, keepdim), dtype)
+
+
+def _dist_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """``dist(a, b, p)`` is the p-norm of ``a - b`` over every element: a and b laid out alike (same shape,
+    no broadcast) give each rank the norm of its piece, combined as the vector norm's are."""
+    strategies = [OneDimStrategy((Replicate(),), (Replicate(), Replicate()))]
+    shape = call.input_shape(0)
+    combined = _sharded_norm_placement(_norm_order(call))
+    if combined is not None and len(call.input_specs) == 2 and call.input_shape(1) == shape:
+        strategies.extend(OneDimStrategy((combined,), (Shard(dim), Shard(dim))) for dim in range(len(shape)))
+    return strategies
+
+
+def _dist_is_exact(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
+) -> bool:
+    if math.isfinite(_norm_order(call)):
+        return True
+    sharded = frozenset(p.dim for p in inputs[0] if isinstance(p, Shard))
+    return every_sharded_piece_nonempty(call.input_shape(0), tuple(call.mesh.shape), inputs[0], sharded)
+
+
+def _dist_output_meta(
+    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
+) -> TensorMeta | None:
+    first = input_meta(args[0]) if args else None
+    second = input_meta(args[1]) if len(args) > 1 else None
+    if first is None or second is None or first.dtype != second.dtype:
+        return None  # (a plain tensor operand, or mixed dtypes: the meta run says what torch says)
+    dtype = _real_dtype(first.dtype)
+    return None if dtype is None else contiguous_meta((), dtype)
+
+
+DIST_RULE = ShardingRule(
+    family="dist (vector norm of a difference)",
+    one_dim_strategies=_dist_strategies,
+    is_valid=_dist_is_exact,
+    output_meta=_dist_output_meta,
+)
 
 
 VECTOR_NORM_RULE = ShardingRule(
@@ -387,6 +430,7 @@ register_rule(
     ),
     VECTOR_NORM_RULE,
 )  # fmt: skip
+register_rule((aten.dist.default,), DIST_RULE)
 register_rule(
     (aten.topk.default, aten.topk.values, aten.sort.default, aten.sort.stable, aten.sort.values,
      aten.sort.values_stable),
