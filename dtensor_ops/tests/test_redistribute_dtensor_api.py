@@ -16,7 +16,7 @@ import torch
 
 from redistribute_helpers import CollectiveLog, collective_name, describe, full_tensor, source_locals
 from shardwise.dtensor_ops import DTensor
-from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor
+from shardwise.dtensor_ops._collectives import PENDING_TENSOR_TYPES
 from shardwise.dtensor_ops._redistribute import grad_target_spec, plan_redistribute
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard
@@ -100,9 +100,41 @@ def test_async_redistribute_through_dtensor_defers_the_last_wait() -> None:
             issued = len(log.collectives)
             waited_before_use = log.names.count("wait")
             local_result = result.to_local()
-            still_pending = isinstance(local_result, AsyncCollectiveTensor) and not local_result.completed
+            still_pending = isinstance(local_result, PENDING_TENSOR_TYPES) and not local_result.completed
             waits_after_to_local = log.names.count("wait")
             value = local_result + 0
         assert issued >= 1 and waited_before_use == issued - 1, (src, dst, log.names)
         assert still_pending and waits_after_to_local == waited_before_use, (src, dst, type(local_result))
         assert torch.equal(value, select_local_shard(full, (2, 2), coordinate, dst)), (src, dst)
+
+
+@multi_rank(world_size=4)
+def test_async_result_with_nothing_left_to_do_is_torchs_pending_tensor() -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    finished, unfinished = funcol.AsyncCollectiveTensor, AsyncCollectiveTensor
+    for shape, expected_type in (((8, 3), finished), ((4, 8), finished), ((7, 3), unfinished)):
+        whole = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+        source = DTensor.from_local(
+            select_local_shard(whole, (4,), (torch.distributed.get_rank(),), (Shard(0),)),
+            mesh,
+            (Shard(0),),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=(shape[1], 1),
+        )
+        # An even all-gather along dim 0 arrives finished (PyTorch's DTensor gives torch's tensor there);
+        # an uneven one still trims the padding: shardwise's pending tensor does that on first use.
+        local = source.redistribute(mesh, (Replicate(),), async_op=True).to_local()
+        assert type(local) is expected_type and not local.completed, (shape, type(local))
+        viewed = local.view(-1)
+        assert isinstance(viewed, PENDING_TENSOR_TYPES) and not local.completed
+        torch.testing.assert_close(viewed + 0, whole.reshape(-1))
+    # A Partial sum's all-reduce arrives finished too.
+    partial = DTensor.from_local(torch.ones(2, 2), mesh, (Partial(),), run_check=False)
+    pending = partial.redistribute(mesh, (Replicate(),), async_op=True).to_local()
+    assert type(pending) is funcol.AsyncCollectiveTensor
+    torch.testing.assert_close(pending * 1, torch.full((2, 2), 4.0))

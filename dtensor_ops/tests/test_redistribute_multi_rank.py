@@ -26,7 +26,7 @@ from redistribute_helpers import (
     placement_tuples,
     source_locals,
 )
-from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor
+from shardwise.dtensor_ops._collectives import PENDING_TENSOR_TYPES
 from shardwise.dtensor_ops._redistribution import _program_for, plan_redistribute, redistribute_local_tensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard
@@ -73,9 +73,9 @@ def run_cases(
             result = redistribute_local_tensor(local, src_spec, dst_spec, async_op=async_op)
             if async_op:
                 waits_before_use = log.names.count("wait")
-                if issued and not isinstance(result, AsyncCollectiveTensor):
+                if issued and not isinstance(result, PENDING_TENSOR_TYPES):
                     problems.append(f"{name}: async result is a {type(result).__name__}, not an AsyncCollectiveTensor")
-                if isinstance(result, AsyncCollectiveTensor):
+                if isinstance(result, PENDING_TENSOR_TYPES):
                     if waits_before_use != len(issued) - 1:
                         problems.append(f"{name}: {waits_before_use} waits before first use, {len(issued)} collectives")
                     pending = result

@@ -29,7 +29,7 @@ from redistribute_helpers import (
 )
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard
 from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._collectives import ONE_ROUND_SWITCH, AsyncCollectiveTensor
+from shardwise.dtensor_ops._collectives import ONE_ROUND_SWITCH, PENDING_TENSOR_TYPES
 from shardwise.dtensor_ops._redistribute import plan_redistribute, redistribute_local_tensor
 from shardwise.dtensor_ops._redistribute_plan import StepKind
 from shardwise.dtensor_ops.debug import CommDebugMode
@@ -89,7 +89,7 @@ def run_cases(
         log = CollectiveLog()
         with log:
             result = redistribute_local_tensor(local, src_spec, dst_spec, async_op=async_op)
-            if isinstance(result, AsyncCollectiveTensor):
+            if isinstance(result, PENDING_TENSOR_TYPES):
                 result = result + 0  # first use: the pending all-to-all is waited for and reduced
         # Pieces that are empty on every rank of a group skip their collective: compare where all are non-empty.
         if min(shape) >= 4 and log.collectives != planned:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map_only
 
 from shardwise.mesh import DeviceMesh
@@ -32,6 +33,7 @@ from ._options import ENVIRONMENT_OVERRIDES, current_options
 
 __all__ = [
     "AsyncCollectiveTensor",
+    "PENDING_TENSOR_TYPES",
     "all_gather_rows_over_mesh",
     "all_reduce_along_mesh_dim",
     "broadcast_along_mesh_dim",
@@ -432,8 +434,13 @@ class _ApplyAfterWait:
         return result
 
 
+# What an asynchronous redistribution returns while its last collective is in flight: ours (something
+# remains to do on arrival), or torch's functional-collectives tensor (nothing does: as PyTorch's DTensor).
+PENDING_TENSOR_TYPES: tuple[type[torch.Tensor], ...] = (AsyncCollectiveTensor, funcol.AsyncCollectiveTensor)
+
+
 def wait_local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself, or the finished plain tensor when it is an :class:`AsyncCollectiveTensor`."""
-    if isinstance(tensor, AsyncCollectiveTensor):
+    """``tensor`` itself, or the finished plain tensor when it is pending (:data:`PENDING_TENSOR_TYPES`)."""
+    if isinstance(tensor, (AsyncCollectiveTensor, funcol.AsyncCollectiveTensor)):
         return tensor.wait()
     return tensor

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, cast
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from shardwise.placement import (
     DTensorSpec,
@@ -724,6 +725,16 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     raise AssertionError(f"{kind} is not a local step")
 
 
+def _arrives_finished(step: _ExecStep, pending: torch.Tensor, final_shape: tuple[int, ...]) -> bool:
+    """Whether :func:`_finish` would hand the collective's output back as it is (no scaling, root,
+    regrouping, trimming or local reduction)."""
+    if step.joint is not None or tuple(pending.shape) != tuple(final_shape):
+        return False
+    if step.kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
+        return step.reduce_op in ("sum", "max", "min", "product")
+    return step.kind is StepKind.ALL_GATHER and step.from_dim == 0 and step.joined == step.group_size * step.from_piece
+
+
 @dataclass(frozen=True, slots=True)
 class _Continuation:
     """What remains of a program once its last collective has been waited for."""
@@ -927,6 +938,9 @@ def redistribute_local_tensor(
             return _run_steps(_THIS_RANK, [program], [local], len(program.steps))[0]
         (local,) = _run_steps(_THIS_RANK, [program], [local], last)
         pending = _issue(_send_buffer(local, program.steps[last]), program.steps[last])
+        if last == len(program.steps) - 1 and _arrives_finished(program.steps[last], pending, program.dst_local_shape):
+            # Nothing left to do once it arrives: torch's own pending tensor, as PyTorch's DTensor returns.
+            return funcol.AsyncCollectiveTensor(pending)
         return AsyncCollectiveTensor(pending, _Continuation(program, last), program.dst_local_shape)
     if isinstance(view, int):
         # One simulated rank, inside run_for_each_simulated_rank: ranks cannot communicate there.

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement
 
-from .._collectives import AsyncCollectiveTensor
+from .._collectives import wait_local_tensor
 from .._dtensor import DTensor
 
 __all__ = ["local_map"]
@@ -113,8 +113,7 @@ def _call_on_local_shards(
             local = arg.to_local(grad_placements=grad)
         else:
             local = arg.to_local()
-        if isinstance(local, AsyncCollectiveTensor):
-            local = local.wait()
+        local = wait_local_tensor(local)
         local_args.append(local)
     result = func(*pytree.tree_unflatten(local_args, args_spec), **kwargs)
     if not saw_dtensor:
