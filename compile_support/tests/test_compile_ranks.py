@@ -212,6 +212,31 @@ def test_async_redistribution_compiles_and_waits_before_use() -> None:
 
 
 @multi_rank(world_size=WORLD)
+def test_async_redistribution_with_work_left_after_the_collective_traces_forward_and_backward() -> None:
+    # Uneven rows: eagerly, shardwise's pending tensor trims the padding on first use; traced, the graph
+    # holds the collective and its wait (a pending tensor of functional tensors cannot be waited there).
+    mesh = _mesh()
+
+    def fn(x: DTensor) -> torch.Tensor:
+        gathered = x.redistribute(mesh, [Replicate()], async_op=True)
+        return (gathered.to_local() * 2).sum()
+
+    compiled, counter = _compile(fn, CompileCounterWithBackend("aot_eager"))
+    full = torch.arange(14, dtype=torch.float32).reshape(7, 2)
+    eager_x = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    expected = fn(eager_x)
+    expected.backward()
+    x = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    out = compiled(x)
+    out.backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out, (full * 2).sum())
+    torch.testing.assert_close(out, expected)
+    assert x.grad is not None and eager_x.grad is not None
+    torch.testing.assert_close(x.grad.full_tensor(), eager_x.grad.full_tensor())
+
+
+@multi_rank(world_size=WORLD)
 def test_a_mesh_rebuilt_over_new_groups_does_not_reuse_the_graph_of_the_old_ones() -> None:
     mesh = _mesh()
 

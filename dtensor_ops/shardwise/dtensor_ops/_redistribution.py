@@ -39,6 +39,8 @@ from typing import Any, Mapping, Sequence, cast
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from shardwise.placement import (
     DTensorSpec,
@@ -725,6 +727,12 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     raise AssertionError(f"{kind} is not a local step")
 
 
+def _traced(local: torch.Tensor) -> bool:
+    """Whether ``local`` is being traced (torch.compile's fake or functional tensors): there the graph holds
+    the collective and its wait, and the compiler places the wait; a pending tensor would only hide it."""
+    return torch.compiler.is_compiling() or isinstance(local, (FunctionalTensor, FakeTensor))
+
+
 def _arrives_finished(step: _ExecStep, pending: torch.Tensor, final_shape: tuple[int, ...]) -> bool:
     """Whether :func:`_finish` would hand the collective's output back as it is (no scaling, root,
     regrouping, trimming or local reduction)."""
@@ -912,7 +920,8 @@ def redistribute_local_tensor(
     overlap); inside ``run_for_each_simulated_rank`` it runs that rank's program (local steps only).
 
     ``async_op=True`` may return an :class:`AsyncCollectiveTensor` whose last collective
-    is still in flight; it finishes on first use (or ``.wait()``).  The result may share
+    is still in flight; it finishes on first use (or ``.wait()``). (Not while torch.compile traces: the
+    graph's wait is the compiler's to place.)  The result may share
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
     """
@@ -934,7 +943,7 @@ def redistribute_local_tensor(
         if local.shape != program.src_local_shape:
             _check_local_shapes(_THIS_RANK, [program], [local], src, dst)
         last = program.last_collective
-        if not async_op or last < 0:
+        if not async_op or last < 0 or _traced(local):
             return _run_steps(_THIS_RANK, [program], [local], len(program.steps))[0]
         (local,) = _run_steps(_THIS_RANK, [program], [local], last)
         pending = _issue(_send_buffer(local, program.steps[last]), program.steps[last])
