@@ -215,3 +215,24 @@ def test_strided_shard_split_and_gather_helpers() -> None:
     assert torch.equal(strided._to_replicate_tensor(pieces[rank], mesh, 0, [8]), x)
     plain, _ = Shard(0)._split_tensor(x, 4)
     assert torch.equal(Shard(0)._to_replicate_tensor(plain[rank], mesh, 0, [8]), x)
+
+
+@multi_rank(world_size=4)
+def test_pytorch_redistribute_local_tensor_refuses_another_partial_op_before_any_collective() -> None:
+    from shardwise.dtensor_ops import DTensor, Partial, Replicate
+    from shardwise.dtensor_ops._redistribute import redistribute_local_tensor
+    from shardwise.dtensor_ops.debug import CommDebugMode
+
+    mesh = _mesh((4,))
+    local = torch.full((4, 4), float(torch.distributed.get_rank()))
+    summed = DTensor.from_local(local, mesh, [Partial()], run_check=False)
+    to_avg = summed._spec.with_placements((Partial("avg"),))
+    with CommDebugMode() as comms:
+        for catch_as in (AssertionError, ValueError):
+            with pytest.raises(catch_as, match="from one partial type .* to another .* is unsupported"):
+                redistribute_local_tensor(local, summed._spec, to_avg)
+    assert comms.get_total_counts() == 0
+    # The same reduce op, or a reduction, is PyTorch's contract and runs.
+    reduced = redistribute_local_tensor(local, summed._spec, summed._spec.with_placements((Replicate(),)))
+    torch.testing.assert_close(reduced, torch.full((4, 4), 6.0))
+

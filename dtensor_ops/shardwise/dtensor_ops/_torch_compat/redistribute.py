@@ -1,7 +1,9 @@
 """PyTorch's ``torch.distributed.tensor._redistribute`` names over shardwise's redistribution.
 
-``redistribute_local_tensor`` is the executor itself (``_redistribution``); ``Redistribute`` is
-PyTorch's autograd-function spelling of ``DTensor.redistribute``.
+``redistribute_local_tensor`` is the executor (``_redistribution``) under PyTorch's contract for the
+name: a change from one Partial reduce op to another is refused (shardwise's engine, which may route
+one through Replicate, calls the executor itself); ``Redistribute`` is PyTorch's autograd-function
+spelling of ``DTensor.redistribute``.
 
 PyTorch's planner vocabulary reads shardwise's plan: ``_gen_transform_infos(src, dst)`` is
 ``plan_redistribute(src, dst)`` (the cheapest plan, joint steps included) written as PyTorch's
@@ -36,9 +38,9 @@ from .._redistribution import (
     plan_bytes_per_rank,
     plan_redistribute,
     redistribute_cost_bytes,
-    redistribute_local_tensor,
     redistribute_lower_bound_bytes,
 )
+from .._redistribution import redistribute_local_tensor as _run_redistribution
 
 __all__ = [
     "_FlattenedTransformInfo",
@@ -48,6 +50,7 @@ __all__ = [
     "_optimize_transform_infos",
     "disable_redistribute_transform_optimization",
     "DTensorRedistributePlanner",
+    "PartialConversionError",
     "get_redistribute_planner",
     "use_min_cost_redistribution_plan",
     "Redistribute",
@@ -244,6 +247,33 @@ def _gen_transform_infos(
 ) -> list[_TransformInfo]:
     """:func:`_gen_transform_infos_non_cached`, cached per spec pair (``cache_clear()`` empties it)."""
     return _gen_transform_infos_non_cached(src_spec, dst_spec, use_graph_based_transform)
+
+
+class PartialConversionError(ValueError, AssertionError):
+    """A change from one Partial reduce op to another asked of ``redistribute_local_tensor`` (PyTorch raises
+    AssertionError there; both types catch it)."""
+
+
+def redistribute_local_tensor(
+    local_tensor: torch.Tensor,
+    current_spec: DTensorSpec[Any],
+    target_spec: DTensorSpec[Any],
+    *,
+    async_op: bool = False,
+    is_backward: bool = False,
+    use_graph_based_transform: bool | None = None,
+) -> torch.Tensor:
+    """This rank's piece of ``target_spec`` from its piece of ``current_spec`` (PyTorch's function).
+
+    ``is_backward`` and ``use_graph_based_transform`` change nothing (one planner, the cheapest plan).
+    """
+    for mesh_dim, (current, target) in enumerate(zip(current_spec.placements, target_spec.placements)):
+        if isinstance(current, Partial) and isinstance(target, Partial) and current.reduce_op != target.reduce_op:
+            raise PartialConversionError(
+                f"Redistribution from one partial type ({current}) to another ({target}) is unsupported "
+                f"(mesh dim {mesh_dim}): reduce to Replicate or Shard first"
+            )
+    return _run_redistribution(local_tensor, current_spec, target_spec, async_op=async_op)
 
 
 class DTensorRedistributePlanner:
