@@ -16,7 +16,7 @@ PyTorch's path (under torch.distributed.tensor)  here                     over
 ``_collective_utils``                          ``collective_utils``     ``_collectives``, the planner's costs
 ``_utils``                                     ``utils``                layout math of ``shardwise.placement``
 ``_dtensor_spec``                              ``dtensor_spec``         ``shardwise.placement``'s ``DTensorSpec``, ``ShardOrderEntry``
-``_redistribute``                              ``redistribute``         the executor, ``Redistribute``, the planner vocabulary (``_TransformInfo``...)
+``_redistribute``                              ``redistribute``         the executor, ``Redistribute``, the planner vocabulary (``_TransformInfo``..., ``get_redistribute_planner``)
 ``_ops._matrix_ops``                           ``matrix_ops``           single-dim einsum strategies
 ``device_mesh`` (of ``_tensor``)                ``device_mesh``          ``shardwise.mesh``
 =============================================  =======================  ==========================================
