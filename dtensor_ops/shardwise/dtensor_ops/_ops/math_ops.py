@@ -230,14 +230,20 @@ def _vector_norm_strategies(call: OpCall) -> list[OneDimStrategy]:
     )
 
 
+def _norm_of_pieces_is_exact(call: OpCall, inputs: PlacementsPerTensor, reduced: frozenset[int]) -> bool:
+    """Whether per-rank norms over the pieces of ``reduced`` combine exactly: always for finite orders (the
+    norm of an empty piece is 0, the identity of the sum and of the p-norm), for ±inf only without empty
+    pieces (the max of nothing is not defined)."""
+    if math.isfinite(_norm_order(call)):
+        return True
+    sharded = frozenset(p.dim for p in inputs[0] if isinstance(p, Shard) and p.dim in reduced)
+    return every_sharded_piece_nonempty(call.input_shape(0), tuple(call.mesh.shape), inputs[0], sharded)
+
+
 def _vector_norm_is_exact(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
-    if math.isfinite(_norm_order(call)):
-        return True  # ord 0 and 1 of an empty piece is 0, the identity of the sum
-    reduced, _ = reduced_dims(call)
-    sharded = frozenset(p.dim for p in inputs[0] if isinstance(p, Shard) and p.dim in reduced)
-    return every_sharded_piece_nonempty(call.input_shape(0), tuple(call.mesh.shape), inputs[0], sharded)
+    return _norm_of_pieces_is_exact(call, inputs, reduced_dims(call)[0])
 
 
 def _vector_norm_output_meta(
@@ -270,10 +276,7 @@ def _dist_strategies(call: OpCall) -> list[OneDimStrategy]:
 def _dist_is_exact(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
-    if math.isfinite(_norm_order(call)):
-        return True
-    sharded = frozenset(p.dim for p in inputs[0] if isinstance(p, Shard))
-    return every_sharded_piece_nonempty(call.input_shape(0), tuple(call.mesh.shape), inputs[0], sharded)
+    return _norm_of_pieces_is_exact(call, inputs, frozenset(range(len(call.input_shape(0)))))
 
 
 def _dist_output_meta(
