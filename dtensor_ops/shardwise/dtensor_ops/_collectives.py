@@ -19,7 +19,7 @@ complex: those travel as bytes / real pairs).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -441,6 +441,6 @@ PENDING_TENSOR_TYPES: tuple[type[torch.Tensor], ...] = (AsyncCollectiveTensor, f
 
 def wait_local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or the finished plain tensor when it is pending (:data:`PENDING_TENSOR_TYPES`)."""
-    if isinstance(tensor, (AsyncCollectiveTensor, funcol.AsyncCollectiveTensor)):
-        return tensor.wait()
+    if isinstance(tensor, PENDING_TENSOR_TYPES):
+        return cast(AsyncCollectiveTensor, tensor).wait()  # (both kinds have wait())
     return tensor

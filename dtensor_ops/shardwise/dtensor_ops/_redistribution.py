@@ -589,9 +589,8 @@ def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _Join
     value = contributions.view(*layout.slot_shape, *step.shape_after)
     for axis in reversed(range(len(layout.slot_shape))):
         reduce_op = layout.slot_ops[axis]
-        order = norm_order_of(reduce_op)
-        if order is not None:
-            value = value.abs().pow(order).sum(axis).pow(1.0 / order)
+        if norm_order_of(reduce_op) is not None:
+            value = from_reduced(to_reducible(value, reduce_op).sum(axis), reduce_op)
         elif reduce_op in ("sum", "avg"):
             value = value.sum(axis)
             if reduce_op == "avg":
