@@ -156,8 +156,8 @@ def test_exported_at_pytorchs_paths() -> None:
 
     ours = set(_attention.__all__)
     missing = {name for name in torch_attention.__all__ if name not in ours}
-    # Flex attention's balancers and the templated ring's internals are PyTorch's own; everything else is here.
-    assert missing <= {"_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer", "_templated_ring_attention"}, missing
+    # The templated ring's internals are PyTorch's own; everything else is here.
+    assert missing <= {"_templated_ring_attention"}, missing
 
 
 # -- multi-rank: numerics and counts -----------------------------------------------------------------------

@@ -359,14 +359,15 @@ class ContextParallelLocalTensorTest(LocalDTensorTestBase):
                 lambda: _context_parallel_shard(mesh, [query], [2], load_balancer=_HeadTailLoadBalancer(16, 4, "cpu")),
             )  # fmt: skip
             self.expect_refusal(ValueError, "pytree structure", lambda: _context_parallel_shard(mesh, [query, [other, other]], [2, 2]))  # type: ignore[list-item]
-            self.expect_refusal(TypeError, "buffer 0 is a str; only tensors are supported", lambda: _context_parallel_shard(mesh, ["mask"], [2]))  # type: ignore[list-item]
+            self.expect_refusal(TypeError, "buffer 0 is a str; expected a torch.Tensor or a flex_attention BlockMask", lambda: _context_parallel_shard(mesh, ["mask"], [2]))  # type: ignore[list-item]
             self.expect_refusal(
-                NotImplementedError, "supports attention_type=SDPA only",
-                lambda: _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX),
+                ValueError, "unknown attention type 'flex'",
+                lambda: _ContextParallel(seq_dim=2, attention_type="flex"),  # type: ignore[arg-type]
             )  # fmt: skip
             self.expect_refusal(
-                ValueError, "SDPA's sequence dim is 2 .* got 1", lambda: _ContextParallel(seq_dim=1, attention_type=_ContextParallel.AttentionType.SDPA)
-            )
+                ValueError, "sequence dim of .* attention inputs is 2; got 1",
+                lambda: _ContextParallel(seq_dim=1, attention_type=_ContextParallel.AttentionType.SDPA),
+            )  # fmt: skip
             self.expect_refusal(ValueError, "needs a 1-D mesh", lambda: _ContextParallel(2, _ContextParallel.AttentionType.SDPA)._apply(nn.Module(), mesh_2d))
 
             # DTensor inputs under the dispatcher.

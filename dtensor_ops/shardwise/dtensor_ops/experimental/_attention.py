@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -41,13 +42,17 @@ from shardwise.placement import Placement, Shard
 
 from .. import _collectives
 from .._dtensor import DTensor
+from ._cp_flex import DEFAULT_BLOCK_SIZE, MaskMod, cp_block_mask, gather_key_value
 from ._cp_kernels import choose_kernel
 from ._cp_layout import (
     SequenceLayout,
     _HeadTailLoadBalancer,
     _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
     contiguous_layout,
     head_tail_layout,
+    one_layout,
 )
 from ._cp_ring import RingSpec, on_each_rank, ring_attention
 from ._cp_ulysses import ulysses_attention
@@ -57,6 +62,7 @@ __all__ = [
     "_context_parallel_shard",
     "_ContextParallel",
     "_cp_options",
+    "_create_cp_block_mask",
     "_create_default_load_balancer",
     "_disable_context_parallel_dispatcher",
     "_enable_context_parallel_dispatcher",
@@ -64,6 +70,8 @@ __all__ = [
     "_RotateMethod",
     "_HeadTailLoadBalancer",
     "_LoadBalancer",
+    "_PerDocumentHeadTailLoadBalancer",
+    "_PTRRLoadBalancer",
     "context_parallel",
     "context_parallel_unshard",
     "set_rotate_method",
@@ -141,22 +149,35 @@ def _default_layout(global_length: int, world_size: int) -> SequenceLayout:
     return contiguous_layout(global_length, world_size)
 
 
-# The layout the most recent context_parallel / _context_parallel_shard cut its buffers with: SDPA in
-# the context and context_parallel_unshard after it read it back.
-_sharded_layout: SequenceLayout | None = None
+# The layouts (one, or one per batch row) the most recent context_parallel / _context_parallel_shard cut
+# its buffers with: attention in the context and context_parallel_unshard after it read them back.
+_sharded_rows: tuple[SequenceLayout, ...] | None = None
+
+
+def _record_layouts(rows: tuple[SequenceLayout, ...]) -> None:
+    global _sharded_rows
+    _sharded_rows = rows
+
+
+def _rows_of_local_length(local_length: int, rank: int, world_size: int) -> tuple[SequenceLayout, ...]:
+    """The recorded layouts when this rank's share of them is ``local_length`` tokens, else the default layout.
+
+    The same answer on every rank.
+    """
+    rows: tuple[SequenceLayout, ...] = on_each_rank(rank, _rows_of_rank_length, local_length, world_size)
+    return rows
+
+
+def _rows_of_rank_length(rank: int, local_length: int, world_size: int) -> tuple[SequenceLayout, ...]:
+    recorded = _sharded_rows
+    if recorded is not None and recorded[0].world_size == world_size and recorded[0].local_length(rank) == local_length:
+        return recorded
+    return (_default_layout(local_length * world_size, world_size),)
 
 
 def _layout_of_local_length(local_length: int, rank: int, world_size: int) -> SequenceLayout:
-    """The layout whose share on ``rank`` is ``local_length`` tokens (the same answer on every rank)."""
-    layout: SequenceLayout = on_each_rank(rank, _layout_of_rank_length, local_length, world_size)
-    return layout
-
-
-def _layout_of_rank_length(rank: int, local_length: int, world_size: int) -> SequenceLayout:
-    recorded = _sharded_layout
-    if recorded is not None and recorded.world_size == world_size and recorded.local_length(rank) == local_length:
-        return recorded
-    return _default_layout(local_length * world_size, world_size)
+    """The one layout whose share on ``rank`` is ``local_length`` tokens (refused when rows were rearranged apart)."""
+    return one_layout(_rows_of_local_length(local_length, rank, world_size), "the load balancer the buffers were sharded with")
 
 
 # -- checks (local, identical on every rank: raised before any collective) ----------------------------------
@@ -215,6 +236,21 @@ def _shard(buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int
     return piece
 
 
+def _shard_rows(buffer: torch.Tensor, seq_dim: int, rows: tuple[SequenceLayout, ...], rank: int) -> torch.Tensor:
+    """This rank's piece of ``buffer``, batch row ``b`` (dim 0) cut by ``rows[b]`` when there are several layouts.
+
+    A buffer whose sequence dim is 0 has no batch dim and takes the first row's layout (as PyTorch's).
+    """
+    if len(rows) == 1 or seq_dim == 0:
+        return _shard(buffer, seq_dim, rows[0], rank)
+    if buffer.size(0) != len(rows):
+        raise ValueError(
+            f"the load balancer rearranges {len(rows)} batch rows; a buffer of shape {tuple(buffer.shape)} has {buffer.size(0)} "
+            "rows along dim 0"
+        )
+    return torch.stack([_shard(buffer[row], seq_dim - 1, layout, rank) for row, layout in enumerate(rows)])
+
+
 def _piece_of_rank(rank: int, buffer: torch.Tensor, seq_dim: int, layout: SequenceLayout) -> torch.Tensor:
     segments = layout.segments[rank]
     if len(segments) == 1:
@@ -229,8 +265,12 @@ def _padded_front(rank: int, piece: torch.Tensor, seq_dim: int, widest: int) -> 
     return F.pad(front, (0, 0) * (front.dim() - 1) + (0, widest - front.size(0))) if widest > front.size(0) else front
 
 
-def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, layout: SequenceLayout, rank: int) -> torch.Tensor:
-    """The whole sequence in its original order, from every rank's piece: one all-gather."""
+def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, rows: tuple[SequenceLayout, ...], rank: int) -> torch.Tensor:
+    """The whole sequence in its original order, from every rank's piece: one all-gather.
+
+    With one layout per batch row, row ``b`` (dim 0 of ``piece``) is put back in its own order.
+    """
+    layout = rows[0]
     world_size = layout.world_size
     lengths = layout.local_lengths()
     widest = max(lengths)
@@ -240,22 +280,38 @@ def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, layout: Sequen
     )
     pieces = [gathered[rank * widest : rank * widest + lengths[rank]] for rank in range(world_size)]
     in_layout_order = torch.cat(pieces) if world_size > 1 else pieces[0]
+    if len(rows) > 1 and seq_dim > 0:
+        # Sequence first, then batch: row b's tokens are in_layout_order[:, b].
+        restored_rows = [
+            in_layout_order[:, row].index_select(0, _restore_index(row_layout, piece.device)) for row, row_layout in enumerate(rows)
+        ]
+        return torch.stack(restored_rows, dim=1).movedim(0, seq_dim)
     if not layout.is_contiguous:
-        restore = torch.argsort(torch.tensor(layout.order(), dtype=torch.long, device=piece.device))
-        in_layout_order = in_layout_order.index_select(0, restore)
+        in_layout_order = in_layout_order.index_select(0, _restore_index(layout, piece.device))
     return in_layout_order.movedim(0, seq_dim)
 
 
-def _layout_for_balancer(load_balancer: _LoadBalancer | None, seq_length: int, world_size: int) -> SequenceLayout:
+def _restore_index(layout: SequenceLayout, device: torch.device) -> torch.Tensor:
+    return torch.argsort(torch.tensor(layout.order(), dtype=torch.long, device=device))
+
+
+def _rows_for_balancer(load_balancer: _LoadBalancer | None, seq_length: int, world_size: int) -> tuple[SequenceLayout, ...]:
     if load_balancer is None:
-        return contiguous_layout(seq_length, world_size)
-    layout = load_balancer._layout()
+        return (contiguous_layout(seq_length, world_size),)
+    rows = load_balancer._row_layouts()
+    layout = rows[0]
     if layout.global_length != seq_length or layout.world_size != world_size:
         raise ValueError(
             f"the load balancer lays out {layout.global_length} tokens over {layout.world_size} ranks; the buffers have "
             f"{seq_length} tokens over a mesh of {world_size}"
         )
-    return layout
+    lengths = {row.local_lengths() for row in rows}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"the load balancer gives the ranks {sorted(lengths)} tokens in different batch rows; every row must give each "
+            "rank the same number of tokens (make every row's documents cut alike, e.g. lengths that divide by 2 * world size)"
+        )
+    return rows
 
 
 @torch.no_grad()
@@ -267,8 +323,10 @@ def context_parallel_unshard(
 ) -> list[torch.Tensor]:
     """Gather context-parallel pieces (outputs, gradients) back into whole sequences, one all-gather each.
 
-    Without ``load_balancer`` the layout is the one the last ``context_parallel`` sharded with (when
-    these pieces are its shares), else the default for ``local length * W`` tokens.
+    Without ``load_balancer`` the layout is the one the last ``context_parallel`` or
+    ``_context_parallel_shard`` sharded with (when these pieces are its shares), else the default
+    for ``local length * W`` tokens.  A balancer that rearranges each batch row its own way puts
+    each row (dim 0) back in its order.
     """
     _check_cp_mesh(mesh, "context_parallel_unshard")
     buffers = list(buffers)
@@ -279,11 +337,18 @@ def context_parallel_unshard(
     rank = mesh.get_local_rank(0)
     local_length = buffers[0].shape[normalized[0]]
     if load_balancer is not None:
-        layout = load_balancer._layout()
-        on_each_rank(rank, _check_balancer_share, layout, local_length, world_size)
+        first = load_balancer._row_layouts()[0]
+        on_each_rank(rank, _check_balancer_share, first, local_length, world_size)
+        rows = _rows_for_balancer(load_balancer, first.global_length, world_size)
     else:
-        layout = _layout_of_local_length(local_length, rank, world_size)
-    return [_unshard(mesh, buffer, dim, layout, rank) for buffer, dim in zip(buffers, normalized)]
+        rows = _rows_of_local_length(local_length, rank, world_size)
+    for index, (buffer, dim) in enumerate(zip(buffers, normalized)):
+        if len(rows) > 1 and dim > 0 and buffer.size(0) != len(rows):
+            raise ValueError(
+                f"context_parallel_unshard: the layout rearranges {len(rows)} batch rows; buffer {index} "
+                f"{tuple(buffer.shape)} has {buffer.size(0)} rows along dim 0"
+            )
+    return [_unshard(mesh, buffer, dim, rows, rank) for buffer, dim in zip(buffers, normalized)]
 
 
 def _check_balancer_share(rank: int, layout: SequenceLayout, local_length: int, world_size: int) -> None:
@@ -296,17 +361,18 @@ def _check_balancer_share(rank: int, layout: SequenceLayout, local_length: int, 
 
 def _context_parallel_shard(
     mesh: DeviceMesh,
-    buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    buffers: Sequence[torch.Tensor | BlockMask] | Mapping[str, torch.Tensor | BlockMask],
     seq_dims: Sequence[int] | Mapping[str, int],
     load_balancer: _LoadBalancer | None = None,
 ) -> Any:
-    """This rank's pieces of ``buffers`` (new tensors, same container structure), rearranged by ``load_balancer``.
+    """This rank's pieces of ``buffers`` (same container structure), rearranged by ``load_balancer``.
 
-    No communication.  Records the layout, so that SDPA under ``_ContextParallel`` and
-    ``context_parallel_unshard`` read the same one; as PyTorch's, load balancing is on exactly
-    when a balancer is given.
+    Tensors become new tensors holding this rank's tokens; a flex_attention ``BlockMask`` becomes
+    this rank's mask for its queries against the all-gathered keys (:func:`_create_cp_block_mask`;
+    its seq dim is ignored).  No communication.  Records the layout, so that attention under
+    ``_ContextParallel`` and ``context_parallel_unshard`` read the same one; as PyTorch's, load
+    balancing is on exactly when a balancer is given.
     """
-    global _sharded_layout
     _check_cp_mesh(mesh, "_context_parallel_shard")
     if len(buffers) != len(seq_dims):
         raise ValueError("`seq_dims` must have the same number of elements as `buffers`.")
@@ -315,21 +381,68 @@ def _context_parallel_shard(
     if len(flat_buffers) != len(flat_seq_dims):
         raise ValueError("`seq_dims` must have the pytree structure as `buffers`.")
     for index, buffer in enumerate(flat_buffers):
-        if not isinstance(buffer, torch.Tensor):
+        if not isinstance(buffer, (torch.Tensor, BlockMask)):
             raise TypeError(
-                f"_context_parallel_shard: buffer {index} is a {type(buffer).__name__}; only tensors are supported "
-                "(flex_attention BlockMasks are not)"
+                f"_context_parallel_shard: buffer {index} is a {type(buffer).__name__}; expected a torch.Tensor or a "
+                "flex_attention BlockMask"
             )
-    normalized = _normalized_seq_dims(flat_buffers, flat_seq_dims, "_context_parallel_shard")
+    tensor_indices = [index for index, buffer in enumerate(flat_buffers) if isinstance(buffer, torch.Tensor)]
+    tensors = [flat_buffers[index] for index in tensor_indices]
+    normalized = _normalized_seq_dims(tensors, [flat_seq_dims[index] for index in tensor_indices], "_context_parallel_shard")
+    masks = [buffer for buffer in flat_buffers if isinstance(buffer, BlockMask)]
     if not flat_buffers:
         return tree_unflatten([], structure)
-    seq_length = flat_buffers[0].shape[normalized[0]]
-    layout = _layout_for_balancer(load_balancer, seq_length, mesh.size())
+    mask_lengths = {int(mask.seq_lengths[0]) for mask in masks}
+    seq_length = tensors[0].shape[normalized[0]] if tensors else mask_lengths.pop()
+    if any(length != seq_length for length in mask_lengths):
+        raise ValueError(
+            f"_context_parallel_shard: the BlockMasks' query lengths {sorted(mask_lengths)} differ from the buffers' "
+            f"sequence length {seq_length}"
+        )
+    rows = _rows_for_balancer(load_balancer, seq_length, mesh.size())
     rank = mesh.get_local_rank(0)
-    shards = [_shard(buffer, dim, layout, rank) for buffer, dim in zip(flat_buffers, normalized)]
+    sharded: list[Any] = list(flat_buffers)
+    for index, buffer, dim in zip(tensor_indices, tensors, normalized):
+        sharded[index] = _shard_rows(buffer, dim, rows, rank)
+    for index, buffer in enumerate(flat_buffers):
+        if isinstance(buffer, BlockMask):
+            sharded[index] = _cp_block_mask_of(buffer, mesh, rows)
     _cp_options.enable_load_balance = load_balancer is not None
-    _sharded_layout = layout
-    return tree_unflatten(shards, structure)
+    _record_layouts(rows)
+    return tree_unflatten(sharded, structure)
+
+
+def _cp_block_mask_of(block_mask: BlockMask, mesh: DeviceMesh, rows: tuple[SequenceLayout, ...]) -> BlockMask:
+    batch, heads = block_mask.kv_num_blocks.shape[:2]
+    kv_length = int(block_mask.seq_lengths[1])
+    kv_rows = rows if kv_length == rows[0].global_length else (contiguous_layout(kv_length, mesh.size()),)
+    return cp_block_mask(
+        block_mask.mask_mod, batch, heads, rows, kv_rows, mesh.get_local_rank(0), block_mask.kv_num_blocks.device,
+        block_size=(int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1])),
+    )  # fmt: skip
+
+
+def _create_cp_block_mask(
+    mask_mod: MaskMod,
+    B: int,
+    H: int,
+    Q_LEN: int,
+    KV_LEN: int,
+    device_mesh: DeviceMesh,
+    load_balancer: _LoadBalancer | None = None,
+) -> BlockMask:
+    """A flex_attention ``BlockMask`` for this rank's queries against the all-gathered keys (PyTorch's name and arguments).
+
+    ``mask_mod`` is written on global positions.  Without ``load_balancer`` the default one applies
+    (head-tail while ``_cp_options.enable_load_balance``), as PyTorch's.  Any lengths (PyTorch's needs
+    ``Q_LEN % (W * 128) == 0``); keys of another length than the queries are laid out contiguously.
+    """
+    _check_cp_mesh(device_mesh, "_create_cp_block_mask")
+    world_size = device_mesh.size()
+    balancer = load_balancer or _create_default_load_balancer(Q_LEN, world_size, device_mesh.device_type)
+    rows = _rows_for_balancer(balancer, Q_LEN, world_size)
+    kv_rows = rows if KV_LEN == Q_LEN else (contiguous_layout(KV_LEN, world_size),)
+    return cp_block_mask(mask_mod, B, H, rows, kv_rows, device_mesh.get_local_rank(0), device_mesh.device_type, DEFAULT_BLOCK_SIZE)
 
 
 # -- attention inside the context ---------------------------------------------------------------------------
@@ -554,7 +667,6 @@ def context_parallel(
     also when the block raised.  Buffers must not require grad while they are resized (set
     ``requires_grad`` inside the context).  Contexts do not nest.
     """
-    global _sharded_layout
     buffer_list = list(buffers) if buffers is not None else []
     seq_dims = list(buffer_seq_dims) if buffer_seq_dims is not None else []
     not_restored = list(no_restore_buffers) if no_restore_buffers is not None else []
@@ -589,7 +701,7 @@ def context_parallel(
                     piece = _shard(buffer, dim, layout, rank)
                     buffer.resize_(piece.shape)
                     buffer.copy_(piece)
-            _sharded_layout = layout
+            _record_layouts((layout,))
         with mode:
             yield
     finally:
@@ -610,13 +722,19 @@ def context_parallel(
 
 
 class _ContextParallel:
-    """Ring attention inside one module's forward (PyTorch's ``_ContextParallel`` ParallelStyle).
+    """Context parallelism inside one attention module's forward (PyTorch's ``_ContextParallel`` ParallelStyle).
 
-    Apply it with ``parallelize_module(module, cp_mesh, _ContextParallel(seq_dim=2,
-    attention_type=_ContextParallel.AttentionType.SDPA))`` (``shardwise.tp_styles`` counts it as a
-    ``ParallelStyle``).  During the module's forward, SDPA on plain tensors is ring attention over
-    the mesh, with the layout of the last ``_context_parallel_shard``; DTensor inputs sharded on
-    their sequence dim are ring-attended too.
+    Apply it with ``parallelize_module(module, cp_mesh, _ContextParallel(seq_dim=2, attention_type=...))``
+    (``shardwise.tp_styles`` counts it as a ``ParallelStyle``):
+
+    * ``AttentionType.SDPA``: during the module's forward, SDPA on plain tensors is ring attention over
+      the mesh, with the layout of the last ``_context_parallel_shard``; DTensor inputs sharded on
+      their sequence dim are ring-attended too.
+    * ``AttentionType.FLEX``: the module is called as ``flex_attention`` is, ``(query, key, value, ...)``
+      with this rank's pieces; before its forward, key and value become the whole sequence in layout
+      order (one all-gather; one reduce-scatter of their gradients in backward), so the module's
+      ``flex_attention`` with the ``BlockMask`` from ``_context_parallel_shard`` (or
+      ``_create_cp_block_mask``) computes this rank's rows exactly.
     """
 
     class AttentionType(Enum):
@@ -626,20 +744,23 @@ class _ContextParallel:
     src_data_rank: int | None = 0
 
     def __init__(self, seq_dim: int, attention_type: _ContextParallel.AttentionType) -> None:
-        if attention_type is not self.AttentionType.SDPA:
-            raise NotImplementedError(
-                f"_ContextParallel supports attention_type=SDPA only; {attention_type} (flex_attention) is not supported"
-            )
+        if not isinstance(attention_type, self.AttentionType):
+            raise ValueError(f"_ContextParallel: unknown attention type {attention_type!r}; expected one of {list(self.AttentionType)}")
         if seq_dim % 4 != SDPA_SEQ_DIM:
-            raise ValueError(f"_ContextParallel: SDPA's sequence dim is {SDPA_SEQ_DIM} of (batch, heads, seq, head_dim); got {seq_dim}")
+            raise ValueError(
+                f"_ContextParallel: the sequence dim of (batch, heads, seq, head_dim) attention inputs is {SDPA_SEQ_DIM}; got {seq_dim}"
+            )
         self.seq_dim = seq_dim
         self.attention_type = attention_type
 
     def _check_module(self, module: nn.Module, module_path: str | None) -> None:
-        """Any module may hold SDPA calls: nothing to refuse."""
+        """Any module may hold attention calls: nothing to refuse."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_cp_mesh(device_mesh, "_ContextParallel")
+        if self.attention_type is self.AttentionType.FLEX:
+            module.register_forward_pre_hook(_FlexKeyValueGather(device_mesh, self.seq_dim % 4), with_kwargs=True)
+            return module
         hooks = _RingAttentionDuringForward(device_mesh)
         module.register_forward_pre_hook(hooks.enter)
         module.register_forward_hook(hooks.leave, always_call=True)
@@ -648,6 +769,41 @@ class _ContextParallel:
     def _apply_at(self, module: nn.Module, device_mesh: DeviceMesh, module_path: str | None) -> nn.Module:
         """What ``shardwise.tp_styles.parallelize_module`` calls (it registers this class as a ParallelStyle)."""
         return self._apply(module, device_mesh)
+
+
+class _FlexKeyValueGather:
+    """A forward pre-hook: the module's ``key``/``value`` arguments become every rank's pieces in layout order."""
+
+    ARGUMENT_NAMES = ("query", "key", "value")
+
+    def __init__(self, mesh: DeviceMesh, seq_dim: int) -> None:
+        self.mesh = mesh
+        self.seq_dim = seq_dim
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        bound = dict(zip(self.ARGUMENT_NAMES, args))
+        bound.update({name: kwargs[name] for name in self.ARGUMENT_NAMES if name in kwargs})
+        missing = [name for name in self.ARGUMENT_NAMES if not isinstance(bound.get(name), torch.Tensor)]
+        if missing:
+            raise TypeError(
+                f"_ContextParallel(FLEX) calls the module as flex_attention(query, key, value, ...); {missing} are not tensors "
+                f"(got {type(module).__name__} called with {len(args)} positional and {sorted(kwargs)} keyword arguments)"
+            )
+        query, key, value = (bound[name] for name in self.ARGUMENT_NAMES)
+        if isinstance(query, DTensor) or isinstance(key, DTensor) or isinstance(value, DTensor):
+            raise TypeError("_ContextParallel(FLEX) takes this rank's pieces as plain tensors, not DTensors")
+        world_size = self.mesh.size()
+        rank = self.mesh.get_local_rank(0)
+        key_layout = _rows_of_local_length(key.shape[self.seq_dim], rank, world_size)[0]
+        gathered_key, gathered_value = gather_key_value(
+            key, value, self.seq_dim, _collectives.mesh_dim_group_name(self.mesh, 0), key_layout.local_lengths()
+        )
+        replaced = {"key": gathered_key, "value": gathered_value}
+        new_args = list(args)
+        for index, name in enumerate(self.ARGUMENT_NAMES[: len(args)]):
+            new_args[index] = replaced.get(name, new_args[index])
+        new_kwargs = {name: replaced.get(name, arg) for name, arg in kwargs.items()}
+        return tuple(new_args), new_kwargs
 
 
 class _RingAttentionDuringForward:

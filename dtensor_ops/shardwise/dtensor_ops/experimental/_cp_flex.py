@@ -1,0 +1,167 @@
+"""flex_attention under context parallelism: this rank's queries against the whole key/value sequence.
+
+Two pieces, as PyTorch's flex context parallelism has them, written over :class:`SequenceLayout`:
+
+* :func:`cp_block_mask` turns a ``mask_mod`` over global positions into a ``BlockMask`` for this rank's
+  queries (in its local order) against every rank's keys in layout order (rank 0's piece, then rank
+  1's, ...), so a load balancer's permutation, per batch row if it has rows, is read by the mask
+  itself.  Any lengths: the layout's uneven pieces and ``create_block_mask``'s own padding of a
+  partial last block (PyTorch's needs ``Q_LEN % (W * 128) == 0``).
+* :func:`gather_key_value` hands every rank the whole key and value sequence in layout order: key and
+  value travel together, padded to the widest piece, in ONE all-gather; the backward returns each
+  rank its summed gradient pieces with ONE reduce-scatter (PyTorch's: two of each).
+
+``flex_attention(query, gathered_key, gathered_value, block_mask=cp_mask)`` then computes this rank's
+rows of the global attention exactly; no log-sum-exp merging is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask, create_block_mask
+
+from .. import _collectives
+from ._cp_layout import SequenceLayout
+
+__all__ = ["cp_block_mask", "gather_key_value", "DEFAULT_BLOCK_SIZE"]
+
+DEFAULT_BLOCK_SIZE = _DEFAULT_SPARSE_BLOCK_SIZE
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _positions_of_rank(layout: SequenceLayout, rank: int) -> list[int]:
+    return [position for start, stop in layout.segments[rank] for position in range(start, stop)]
+
+
+def cp_block_mask(
+    mask_mod: MaskMod,
+    batch: int | None,
+    heads: int | None,
+    query_rows: Sequence[SequenceLayout],
+    kv_rows: Sequence[SequenceLayout],
+    rank: int,
+    device: str | torch.device,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """This rank's ``BlockMask``: its queries in local order, every key in layout order, ``mask_mod`` on global positions.
+
+    ``query_rows``/``kv_rows`` hold one layout, or one per batch row (then ``batch`` must equal their
+    number); every row must give this rank as many queries as the others do.
+    """
+    rows = max(len(query_rows), len(kv_rows))
+    for name, layouts in (("query", query_rows), ("key/value", kv_rows)):
+        if len(layouts) not in (1, rows):
+            raise ValueError(f"context parallel block mask: {len(layouts)} {name} layouts for {rows} batch rows")
+    if rows > 1 and batch != rows:
+        raise ValueError(f"context parallel block mask: the load balancer rearranges {rows} batch rows; the mask has batch {batch}")
+    query_lengths = {layout.local_length(rank) for layout in query_rows}
+    if len(query_lengths) != 1:
+        raise ValueError(
+            f"context parallel block mask: rank {rank} would hold {sorted(query_lengths)} queries in different batch rows; "
+            "every row must give a rank the same number of tokens"
+        )
+    query_positions = torch.tensor([_positions_of_rank(layout, rank) for layout in query_rows], dtype=torch.long, device=device)
+    kv_order = torch.tensor([layout.order() for layout in kv_rows], dtype=torch.long, device=device)
+    per_row_queries, per_row_keys = len(query_rows) > 1, len(kv_rows) > 1
+
+    def local_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        q_position = query_positions[b, q_idx] if per_row_queries else query_positions[0, q_idx]
+        kv_position = kv_order[b, kv_idx] if per_row_keys else kv_order[0, kv_idx]
+        return mask_mod(b, h, q_position, kv_position)
+
+    return create_block_mask(
+        local_mask_mod,
+        batch,
+        heads,
+        query_lengths.pop(),
+        kv_rows[0].global_length,
+        device=device,
+        BLOCK_SIZE=block_size,
+    )
+
+
+def _pack_rows(key: torch.Tensor, value: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """Key and value side by side as ``(seq, key features + value features)``."""
+    key_rows = key.movedim(seq_dim, 0).reshape(key.size(seq_dim), -1)
+    value_rows = value.movedim(seq_dim, 0).reshape(value.size(seq_dim), -1)
+    return torch.cat([key_rows, value_rows], dim=1)
+
+
+def _rest_of(shape: torch.Size, seq_dim: int) -> tuple[int, ...]:
+    """``shape`` without its sequence dim, in the order ``movedim(seq_dim, 0)`` leaves the others."""
+    return tuple(shape[:seq_dim]) + tuple(shape[seq_dim + 1 :])
+
+
+def _unpack_rows(
+    rows: torch.Tensor, key_rest: tuple[int, ...], value_rest: tuple[int, ...], seq_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_pack_rows` for ``rows.size(0)`` tokens."""
+    key_features = 1
+    for extent in key_rest:
+        key_features *= extent
+    key = rows[:, :key_features].reshape(rows.size(0), *key_rest).movedim(0, seq_dim)
+    value = rows[:, key_features:].reshape(rows.size(0), *value_rest).movedim(0, seq_dim)
+    return key, value
+
+
+def _padded(rows: torch.Tensor, widest: int) -> torch.Tensor:
+    return F.pad(rows, (0, 0, 0, widest - rows.size(0))) if widest > rows.size(0) else rows
+
+
+class _GatherKeyValue(torch.autograd.Function):
+    """Forward: one all-gather of packed key/value pieces; backward: one reduce-scatter of the packed gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, key: torch.Tensor, value: torch.Tensor, seq_dim: int, group_name: str, lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        world_size, widest = len(lengths), max(lengths)
+        ctx.seq_dim, ctx.group_name, ctx.lengths = seq_dim, group_name, lengths
+        ctx.local_length = key.size(seq_dim)
+        ctx.key_rest, ctx.value_rest = _rest_of(key.shape, seq_dim), _rest_of(value.shape, seq_dim)
+        packed = _padded(_pack_rows(key, value, seq_dim), widest).contiguous()
+        gathered = _collectives.wait(_collectives.launch_all_gather(packed, world_size, group_name))
+        pieces = [gathered[rank * widest : rank * widest + length] for rank, length in enumerate(lengths)]
+        in_layout_order = torch.cat(pieces) if world_size > 1 else pieces[0]
+        return _unpack_rows(in_layout_order, ctx.key_rest, ctx.value_rest, seq_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad_key: torch.Tensor | None, grad_value: torch.Tensor | None) -> tuple[Any, ...]:
+        lengths, seq_dim = ctx.lengths, ctx.seq_dim
+        world_size, widest, total = len(lengths), max(lengths), sum(lengths)
+        known = grad_key if grad_key is not None else grad_value
+        assert known is not None  # autograd calls backward only when some output has a gradient
+        if grad_key is None:
+            grad_key = known.new_zeros((total, *ctx.key_rest)).movedim(0, seq_dim)
+        if grad_value is None:
+            grad_value = known.new_zeros((total, *ctx.value_rest)).movedim(0, seq_dim)
+        packed = _pack_rows(grad_key, grad_value, seq_dim)
+        offsets = [sum(lengths[:rank]) for rank in range(world_size)]
+        blocks = [_padded(packed[offset : offset + length], widest) for offset, length in zip(offsets, lengths)]
+        summed = _collectives.wait(
+            _collectives.launch_reduce_scatter(torch.cat(blocks).contiguous(), "sum", world_size, ctx.group_name)
+        )
+        key_grad, value_grad = _unpack_rows(summed[: ctx.local_length], ctx.key_rest, ctx.value_rest, seq_dim)
+        return key_grad, value_grad, None, None, None
+
+
+def gather_key_value(
+    key: torch.Tensor, value: torch.Tensor, seq_dim: int, group_name: str, lengths: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's key and value pieces along ``seq_dim``, concatenated in rank order (one all-gather; differentiable)."""
+    if key.dtype != value.dtype or key.device != value.device:
+        raise ValueError(
+            f"context parallel flex_attention: key ({key.dtype}, {key.device}) and value ({value.dtype}, {value.device}) "
+            "must share dtype and device"
+        )
+    if key.size(seq_dim) != value.size(seq_dim):
+        raise ValueError(
+            f"context parallel flex_attention: key {tuple(key.shape)} and value {tuple(value.shape)} differ along the "
+            f"sequence dim {seq_dim}"
+        )
+    gathered: tuple[torch.Tensor, torch.Tensor] = _GatherKeyValue.apply(key, value, seq_dim, group_name, tuple(lengths))
+    return gathered
