@@ -277,3 +277,27 @@ def test_flex_bad_input_raises_on_every_rank_before_any_collective() -> None:
     alive = torch.ones(1)
     dist.all_reduce(alive)
     assert alive.item() == world
+
+
+@multi_rank
+def test_compiled_flex_attention_under_context_parallel_is_one_frame() -> None:
+    """A compiled function calling the module: one frame, the key/value all-gather and flex_attention in its graph."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    length = 256
+    query, key, value = (torch.randn(1, 2, length, 8) for _ in range(3))
+    block_mask = create_block_mask(_document_causal([[100, 156]]), 1, 1, length, length, device="cpu")
+    expected = FlexAttention()(query, key, value, block_mask)
+    module = parallelize_module(FlexAttention(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    balancer = _PerDocumentHeadTailLoadBalancer([[100, 156]], world, "cpu")
+    *qkv, cp_mask = _context_parallel_shard(mesh, [query, key, value, block_mask], [2, 2, 2, 0], load_balancer=balancer)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, mask: module(q, k, v, mask), backend=counter, fullgraph=True)
+    out = compiled(*qkv, cp_mask)
+    (whole,) = context_parallel_unshard(mesh, [out], [2], load_balancer=balancer)
+    torch.testing.assert_close(whole, expected, atol=2e-5, rtol=1e-4)
+    assert counter.frame_count == 1
+    targets = [str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
+    assert sum("all_gather_into_tensor" in target for target in targets) == 1, targets
+    assert any("flex_attention" in target.lower() for target in targets), targets
