@@ -1,4 +1,4 @@
-"""Type-checks one shardwise package (`shardwise.<name>`) with the repository's mypy.ini, as a Bazel test."""
+"""Type-checks shardwise packages (`shardwise.<name> ...`) in one mypy run with the repository's mypy.ini, as a Bazel test."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from mypy import api
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: mypy_runner shardwise.<package>", file=sys.stderr)
+    packages = sys.argv[1:]
+    if not packages:
+        print("usage: mypy_runner shardwise.<package> [shardwise.<package> ...]", file=sys.stderr)
         return 2
     cache_dir = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "mypy_cache")
-    stdout, stderr, status = api.run(
-        ["--config-file", "mypy.ini", "--cache-dir", cache_dir, "--no-error-summary", "-p", sys.argv[1]]
-    )
+    package_args = [argument for package in packages for argument in ("-p", package)]
+    stdout, stderr, status = api.run(["--config-file", "mypy.ini", "--cache-dir", cache_dir, "--no-error-summary", *package_args])
     sys.stdout.write(stdout)
     sys.stderr.write(stderr)
     if status == 0:
-        print(f"mypy: {sys.argv[1]} type-checks clean")
+        print(f"mypy: {', '.join(packages)} type-check clean")
     return status
 
 

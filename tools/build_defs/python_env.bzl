@@ -1,10 +1,10 @@
 """A repository rule that builds the pinned Python environment, and its toolchain, in one of two forms.
 
-`hermetic = True` (`@shardwise_python_hermetic`, selected by `--config=hermetic`, which every remote
-config includes): the environment as ONE declared archive plus a launcher, described below.
-`hermetic = False` (`@shardwise_python`, the default toolchain of `bazel test //...`): a virtual
-environment in the output base named by `interpreter_path`, which carries no inputs. Both are built
-from the same lock file, so editing it re-runs this rule (it is a label attribute).
+`hermetic = True` (`@shardwise_python_hermetic`, the default toolchain, registered in WORKSPACE): the
+environment as ONE declared archive plus a launcher, described below.
+`hermetic = False` (`@shardwise_python`, selected by `--config=venv`): a virtual environment in the
+output base named by `interpreter_path`, which carries no inputs (local use only). Both are built from
+the same lock file, so editing it re-runs this rule (it is a label attribute).
 
 Hermetic form:
 
