@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta, holds_same_values
 
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, ShardingRule
@@ -145,16 +145,8 @@ def _check_strategy_shapes(
             )
 
 
-def _same_values(held: Placement, wanted: Placement) -> bool:
-    """Whether a tensor at ``held`` already is at ``wanted``: equal, or Partials of one reduce op (a
-    ``_MaskPartial`` is a pending sum like ``Partial("sum")``; only its class differs)."""
-    return held == wanted or (
-        isinstance(held, Partial) and isinstance(wanted, Partial) and held.reduce_op == wanted.reduce_op
-    )
-
-
 def _same_layout(held: Sequence[Placement], wanted: Sequence[Placement]) -> bool:
-    return len(held) == len(wanted) and all(_same_values(h, w) for h, w in zip(held, wanted))
+    return len(held) == len(wanted) and all(holds_same_values(h, w) for h, w in zip(held, wanted))
 
 
 def _fits_written_tensors(
@@ -164,11 +156,11 @@ def _fits_written_tensors(
     kept_outputs: Mapping[int, DTensorSpec[Any]],
 ) -> bool:
     for index, spec in kept_inputs.items():
-        if not _same_values(spec.placements[mesh_dim], strategy.inputs[index]):
+        if not holds_same_values(spec.placements[mesh_dim], strategy.inputs[index]):
             return False
     for index, spec in kept_outputs.items():
         output = strategy.outputs[index]
-        if output is None or not _same_values(spec.placements[mesh_dim], output):
+        if output is None or not holds_same_values(spec.placements[mesh_dim], output):
             return False
     return True
 

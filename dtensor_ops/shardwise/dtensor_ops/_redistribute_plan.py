@@ -120,6 +120,7 @@ from shardwise.placement import (
     Shard,
     _StridedShard,
     compute_local_shape_and_global_offset,
+    holds_same_values,
 )
 
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
@@ -267,7 +268,7 @@ def transition_kind(
     if before == after:
         return None
     if isinstance(before, Partial) and isinstance(after, Partial):
-        return StepKind.RELABEL if before.reduce_op == after.reduce_op else None
+        return StepKind.RELABEL if holds_same_values(before, after) else None
     if mesh_shape[mesh_dim] == 1:
         return StepKind.RELABEL
     if isinstance(before, Shard):
@@ -1126,7 +1127,7 @@ def _partials_compatible(src: Placement, dst: Placement) -> bool:
     return (
         isinstance(src, Partial)
         and isinstance(dst, Partial)
-        and (src.reduce_op == dst.reduce_op or (src.reduce_op in _LINEAR_REDUCE_OPS and dst.reduce_op in _LINEAR_REDUCE_OPS))
+        and (holds_same_values(src, dst) or (src.reduce_op in _LINEAR_REDUCE_OPS and dst.reduce_op in _LINEAR_REDUCE_OPS))
     )
 
 

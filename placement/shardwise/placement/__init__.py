@@ -21,7 +21,7 @@ from ._layout import (
     unpad_dim,
 )
 from ._mesh_protocol import MeshLike
-from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard
+from ._placements import SUPPORTED_REDUCE_OPS, Partial, Placement, Replicate, Shard, _StridedShard, holds_same_values
 from ._mask_partial import _MaskPartial
 from ._norm_partial import _NormPartial, norm_order_of, norm_reduce_op
 from ._shard_order import ShardOrder, ShardOrderEntry
@@ -41,6 +41,7 @@ __all__ = [
     "Replicate",
     "Partial",
     "SUPPORTED_REDUCE_OPS",
+    "holds_same_values",
     "TensorMeta",
     "DTensorSpec",
     "ShardOrder",

@@ -392,6 +392,16 @@ class Partial(Placement):
         return (Partial, (self.reduce_op,))
 
 
+def holds_same_values(held: Placement, wanted: Placement) -> bool:
+    """Whether a tensor laid out as ``held`` on a mesh dim already is laid out as ``wanted`` there.
+
+    Equal placements, or Partials of one reduce op: the subclasses that carry extra bookkeeping
+    (``_MaskPartial``'s masked rows, ...) hold pending reductions of the same values, so moving
+    between them is a relabel, not a collective.
+    """
+    return held == wanted or (isinstance(held, Partial) and isinstance(wanted, Partial) and held.reduce_op == wanted.reduce_op)
+
+
 def _piece_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
     full_chunk = -(-curr_local_size // num_chunks)
     offset = min(rank * full_chunk, curr_local_size)
