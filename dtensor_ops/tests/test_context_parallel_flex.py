@@ -39,7 +39,6 @@ from shardwise.dtensor_ops.experimental._attention import (
 )
 from shardwise.dtensor_ops.experimental._cp_layout import head_tail_chunk_sizes, ptrr_groups
 from shardwise.testing import multi_rank, run_on_ranks
-from shardwise.tp_styles import parallelize_module
 from context_parallel_helpers import comm_counts
 
 ALL_GATHER = "c10d_functional.all_gather_into_tensor"
@@ -185,7 +184,7 @@ def _flex_case(mesh: Any, balancer_kind: str, documents: list[list[int]], backwa
     mask_mod = _document_causal(documents)
     full_mask = create_block_mask(mask_mod, batch, 1, length, length, device="cpu")
     module = DenseMaskAttention() if backward else FlexAttention()
-    parallelize_module(module, mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)._apply(module, mesh)
     balancer = _balancer(balancer_kind, documents, length, world, full_mask)
     reference = [t.clone().requires_grad_(backward) for t in (query, key, value)]
     expected = (DenseMaskAttention() if backward else FlexAttention())(*reference, full_mask)
@@ -258,7 +257,7 @@ def test_create_cp_block_mask_takes_the_default_balancer_and_any_length() -> Non
 def test_flex_bad_input_raises_on_every_rank_before_any_collective() -> None:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    module = parallelize_module(FlexAttention(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    module = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)._apply(FlexAttention(), mesh)
     query = torch.randn(1, 2, 8, 4)
 
     def expect(error: type[Exception], match: str, run: Callable[[], Any]) -> None:
@@ -289,7 +288,7 @@ def test_compiled_flex_attention_under_context_parallel_is_one_frame() -> None:
     query, key, value = (torch.randn(1, 2, length, 8) for _ in range(3))
     block_mask = create_block_mask(_document_causal([[100, 156]]), 1, 1, length, length, device="cpu")
     expected = FlexAttention()(query, key, value, block_mask)
-    module = parallelize_module(FlexAttention(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    module = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)._apply(FlexAttention(), mesh)
     balancer = _PerDocumentHeadTailLoadBalancer([[100, 156]], world, "cpu")
     *qkv, cp_mask = _context_parallel_shard(mesh, [query, key, value, block_mask], [2, 2, 2, 0], load_balancer=balancer)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")

@@ -23,6 +23,7 @@ WORLD = 2
 _LIB = torch.library.Library("swopschema", "DEF")
 _LIB.define("row_scale(Tensor x, Tensor scale) -> Tensor")
 _LIB.define("bad_count(Tensor x) -> Tensor")
+_LIB.define("scale_all(Tensor x, Tensor[] others) -> Tensor")
 
 
 def _row_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -34,8 +35,12 @@ _LIB.impl("row_scale", _row_scale, "Meta")
 _LIB.impl("bad_count", lambda x: x.clone(), "CPU")
 _LIB.impl("bad_count", lambda x: torch.empty_like(x), "Meta")
 
+_LIB.impl("scale_all", lambda x, others: x * sum(o.sum() for o in others), "CPU")
+_LIB.impl("scale_all", lambda x, others: torch.empty_like(x), "Meta")
+
 ROW_SCALE = torch.ops.swopschema.row_scale.default
 BAD_COUNT = torch.ops.swopschema.bad_count.default
+SCALE_ALL = torch.ops.swopschema.scale_all.default
 
 
 def _implementation(name: str) -> SimpleNamespace:
@@ -231,3 +236,119 @@ def test_bad_strategies_and_registrations_get_clear_errors() -> None:
     assert "returned a TupleStrategy with no children" in tuple_strategy
     with pytest.raises(TypeError, match="expected an OpOverload .* got OpOverloadPacket"):
         _op_schema().register_op_strategy(torch.ops.swopschema.row_scale)
+
+
+# -- PyTorch's einsum and matrix strategy vocabulary, the replicate fallback, unregistering ---------------
+
+_EQUATIONS = ["mk,kn->mn", "bmk,bkn->bmn", "bmk,kn->bmn", "bmk,k->bm", "abcd,abcd->abcd", "bcd,abcd->abcd", "abd,bf->abfd"]
+
+
+def _einsum_candidates(name: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+    """Candidate strings of gen_einsum_strategies and of mm/bmm/addmm's strategy functions, per implementation."""
+    impl = _implementation(name)
+    if name == "shardwise":
+        from shardwise.dtensor_ops._dtensor_spec import TensorMeta
+        from shardwise.dtensor_ops._ops._einsum_strategy import EinsumDims, gen_einsum_strategies
+        from shardwise.dtensor_ops._ops._matrix_ops import addmm_strategy, bmm_strategy, mm_strategy
+    else:
+        from torch.distributed.tensor._dtensor_spec import TensorMeta  # type: ignore[assignment]
+        from torch.distributed.tensor._ops._einsum_strategy import EinsumDims, gen_einsum_strategies  # type: ignore[no-redef]
+        from torch.distributed.tensor._ops._matrix_ops import addmm_strategy, bmm_strategy, mm_strategy  # type: ignore[no-redef]
+    mesh = impl.init_device_mesh("cpu", mesh_shape)
+    result: dict[str, Any] = {}
+    for equation in _EQUATIONS:
+        for linearity in (False, True):
+            result[f"{equation} linearity={linearity}"] = [str(spec) for spec in gen_einsum_strategies(equation, mesh, linearity=linearity).strategies]
+        dims = EinsumDims.parse_dims(*EinsumDims.parse_equation(equation))
+        result[f"{equation} dims"] = (dims.contracting_dims, dims.batch_dims, dims.lhs_out_only_dims, dims.rhs_out_only_dims)
+
+    def strategy_of(shape: tuple[int, ...], placements: tuple[Any, ...]) -> Any:
+        spec = impl.spec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), torch.empty(shape).stride(), torch.float32))
+        return impl.schema.OpStrategy([impl.schema.OpSpec(spec)])
+
+    replicated = tuple(impl.api.Replicate() for _ in mesh_shape)
+    rows = tuple(impl.api.Shard(0) for _ in mesh_shape)
+    calls = {
+        "mm": (mm_strategy, torch.ops.aten.mm.default, [((6, 8), rows), ((8, 12), replicated)]),
+        "bmm": (bmm_strategy, torch.ops.aten.bmm.default, [((4, 6, 8), rows), ((4, 8, 12), rows)]),
+        "addmm": (addmm_strategy, torch.ops.aten.addmm.default, [((12,), replicated), ((6, 8), rows), ((8, 12), replicated)]),
+    }
+    for label, (function, op, operands) in calls.items():
+        strategies = [strategy_of(shape, placements) for shape, placements in operands]
+        chosen = function(impl.schema.OpSchema(op, tuple(strategies), {}))
+        result[label] = sorted(str(spec) for spec in chosen.strategies)
+        current = tuple(strategy.strategies[0].output_spec for strategy in strategies)
+        result[f"{label} current costs"] = [spec.redistribute_cost for spec in chosen.strategies if tuple(spec.input_specs) == current]
+    return result
+
+
+@pytest.mark.parametrize("mesh_shape", [(WORLD,), (2, 2)])
+def test_einsum_and_matrix_strategies_list_pytorchs_candidates(mesh_shape: tuple[int, ...]) -> None:
+    # PyTorch-path modules rebind themselves in sys.modules on first import; import them before the
+    # rank threads do (two threads importing one at once can see the module half-bound).
+    import shardwise.dtensor_ops._ops._einsum_strategy  # noqa: F401
+    import shardwise.dtensor_ops._ops._matrix_ops  # noqa: F401
+
+    world = math.prod(mesh_shape)
+    ours = run_on_threads(_einsum_candidates, "shardwise", mesh_shape, world_size=world)[0]
+    theirs = run_on_threads(_einsum_candidates, "torch", mesh_shape, world_size=world)[0]
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        if key.endswith("current costs"):
+            # The input layout as it is costs nothing (the prices themselves are each model's own).
+            assert ours[key] and all(cost == 0.0 for row in ours[key][0] for cost in row), (key, ours[key])
+        else:
+            assert ours[key] == theirs[key], key
+    # mm: replicate, contract k, split m, split n on each mesh dim, in every combination.
+    assert len(ours["mk,kn->mn linearity=False"]) == 4 ** len(mesh_shape)
+
+
+def _scale_all_on_dtensors(mesh_shape: tuple[int, ...], registered: bool) -> dict[str, Any]:
+    from shardwise.dtensor_ops import Shard, distribute_tensor
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    generator = torch.Generator().manual_seed(0)  # ranks are threads: the global generator is shared
+    x_full, others_full = torch.randn(4, 6, generator=generator), [torch.randn(2, 4, generator=generator) for _ in range(3)]
+    x = distribute_tensor(x_full, mesh, [Shard(0)] * len(mesh_shape))
+    others = [distribute_tensor(o, mesh, [Shard(1)] * len(mesh_shape)) for o in others_full]
+    if registered:
+        out = SCALE_ALL(x, others)
+        return {"placements": tuple(out.placements), "equal": torch.allclose(out.full_tensor(), SCALE_ALL(x_full, others_full))}
+    with CommDebugMode() as comm, pytest.raises(NotImplementedError, match="does not have a sharding strategy registered"):
+        SCALE_ALL(x, others)
+    return {"collectives_when_refused": comm.get_total_counts()}
+
+
+def test_replicate_op_strategy_serves_a_list_input_op_and_deleting_it_unregisters() -> None:
+    from shardwise.dtensor_ops import DTensor, Replicate
+    from shardwise.dtensor_ops._op_schema import RuntimeSchemaInfo
+    from shardwise.dtensor_ops._ops.utils import register_op_strategy, replicate_op_strategy
+
+    # Registries are process-wide: registered and deleted between the rank-thread runs.
+    propagator = DTensor._op_dispatcher.sharding_propagator  # type: ignore[attr-defined]
+    for mesh_shape in ((WORLD,), (2, 2)):
+        world = math.prod(mesh_shape)
+        register_op_strategy(SCALE_ALL, schema_info=RuntimeSchemaInfo(needs_pytree=True))(replicate_op_strategy)
+        for result in run_on_threads(_scale_all_on_dtensors, mesh_shape, True, world_size=world):
+            assert result["placements"] == tuple(Replicate() for _ in mesh_shape) and result["equal"]
+        del propagator.op_strategy_funcs[SCALE_ALL]
+        assert SCALE_ALL not in propagator.op_strategy_funcs
+        for result in run_on_threads(_scale_all_on_dtensors, mesh_shape, False, world_size=world):
+            assert result["collectives_when_refused"] == 0
+
+
+def _compact_op_spec() -> str:
+    from shardwise.dtensor_ops import Partial, Replicate, Shard
+    from shardwise.dtensor_ops._op_schema import OpSpec
+    from shardwise.mesh import init_device_mesh
+    from shardwise.placement import DTensorSpec
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    spec = OpSpec(DTensorSpec(mesh, (Shard(1),)), input_specs=[DTensorSpec(mesh, (Partial(),)), DTensorSpec(mesh, (Replicate(),))])
+    return str(spec)
+
+
+def test_op_spec_prints_pytorchs_compact_form() -> None:
+    assert run_on_threads(_compact_op_spec, world_size=WORLD) == ["(P(sum), R) -> S(1)"] * WORLD

@@ -33,6 +33,7 @@ from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
 from ._random import set_rng_state_sync
 from ._redistribution import gather_along_mesh_dim
+from ._torch_compat.op_dispatch import op_dispatcher
 from .random import broadcast_first_rank_rng_state
 
 
@@ -73,6 +74,8 @@ def _wire() -> None:
     # OffsetBasedRNGTracker(run_state_sync=True) broadcasts the first rank's generator state; _random
     # sits below the collectives, so the broadcast is handed down to it from here.
     set_rng_state_sync(broadcast_first_rank_rng_state)
+    # PyTorch code reaches the strategy registries as DTensor._op_dispatcher.sharding_propagator.
+    DTensor._op_dispatcher = op_dispatcher  # type: ignore[attr-defined]
     # Placements are pure layout; their PyTorch-style _to_replicate_tensor needs this layer's collective.
     install_mesh_dim_gather(gather_along_mesh_dim)
     # torch.load(weights_only=True) loads only allowlisted classes: a saved DTensor needs these (as

@@ -275,6 +275,17 @@ def override_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> d
     return replaced
 
 
+def restore_rule(op: torch._ops.OpOverload, rule: ShardingRule | None) -> None:
+    """Undo :func:`override_rule` for ``op``: put back the rule it replaced (None: the op has no rule again).
+
+    The caller must forget cached decisions, as after ``override_rule``.
+    """
+    if rule is None:
+        _RULES.pop(op, None)
+    else:
+        _RULES[op] = rule
+
+
 def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:
     return _RULES.get(op)
 

@@ -80,6 +80,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_ops.single_dim_strategy",
             "_ops._embedding_ops",
             "_ops._matrix_ops",
+            "_ops._einsum_strategy",
             "device_mesh",
         ),
     ),

@@ -18,9 +18,12 @@ PyTorch's path (under torch.distributed.tensor)  here                     over
 ``_dtensor_spec``                              ``dtensor_spec``         ``shardwise.placement``'s ``DTensorSpec``, ``ShardOrderEntry``
 ``_redistribute``                              ``redistribute``         the executor, ``Redistribute``, the planner vocabulary (``_TransformInfo``..., ``get_redistribute_planner``)
 ``_ops._matrix_ops``                           ``matrix_ops``           single-dim einsum strategies
+``_ops._einsum_strategy``                      ``einsum_strategy``      ``EinsumDims``, full-mesh ``gen_einsum_strategies``
 ``device_mesh`` (of ``_tensor``)                ``device_mesh``          ``shardwise.mesh``
 =============================================  =======================  ==========================================
 
 The engine never imports this package: PyTorch-style registrations reach it as ordinary
-``ShardingRule`` s of the one rule registry.  Nothing here is imported until a user imports it.
+``ShardingRule`` s of the one rule registry.  Nothing here is imported until a user imports it, but
+``op_dispatch``: the package's wiring sets ``DTensor._op_dispatcher`` to it (PyTorch's handle on the
+registries), and it imports ``sharding_prop`` only when asked for the propagator.
 """

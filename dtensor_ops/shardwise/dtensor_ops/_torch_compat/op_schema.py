@@ -40,7 +40,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shar
 
 from .._caches import clear_all_caches
 from .._redistribute_plan import redistribute_cost_picoseconds
-from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule
+from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule, restore_rule
 
 __all__ = [
     "ArgsType",
@@ -130,11 +130,26 @@ class OpSpec:
                 return spec.mesh
         raise ValueError("OpSpec.mesh: no DTensorSpec among the output or input specs")
 
+    def __str__(self) -> str:
+        """PyTorch's compact form: ``(S(0), R) -> S(0)`` (one placement string per mesh dim, joined)."""
+        shown = _compact(self.output_specs)
+        return shown if self.input_specs is None else f"{_compact(self.input_specs)} -> {shown}"
+
     def input_spec(self, index: int = 0) -> DTensorSpec[Any]:
         if self.input_specs is None or not 0 <= index < len(self.input_specs):
             count = 0 if self.input_specs is None else len(self.input_specs)
             raise IndexError(f"OpSpec.input_spec({index}): this OpSpec has {count} input specs")
         return self.input_specs[index]
+
+
+def _compact(specs: object) -> str:
+    if specs is None:
+        return "None"
+    if isinstance(specs, DTensorSpec):
+        return "".join(str(placement) for placement in specs.placements)
+    if isinstance(specs, (list, tuple)):
+        return "(" + ", ".join(_compact(spec) for spec in specs) + ")"
+    raise TypeError(f"OpSpec: cannot show {type(specs).__name__} {specs!r} as a spec")
 
 
 class StrategyType:
@@ -209,11 +224,18 @@ class OpSchema:
 
     @property
     def args_strategy(self) -> tuple[OpStrategy, ...]:
-        return tuple(item for item in _flatten(self.args_schema) if isinstance(item, OpStrategy))
+        """The OpStrategy arguments; with ``schema_info.needs_pytree``, list arguments' elements too (PyTorch's)."""
+        return self._strategies_in(self.args_schema)
 
     @property
     def kwargs_strategy(self) -> tuple[OpStrategy, ...]:
-        return tuple(item for item in _flatten(tuple(self.kwargs_schema.values())) if isinstance(item, OpStrategy))
+        return self._strategies_in(tuple(self.kwargs_schema.values()))
+
+    def _strategies_in(self, values: Sequence[object]) -> tuple[OpStrategy, ...]:
+        flat = _flatten(values)
+        if self.schema_info is not None and self.schema_info.needs_pytree:
+            flat = [leaf for item in flat for leaf in (item.children if isinstance(item, TupleStrategy) else [item])]
+        return tuple(item for item in flat if isinstance(item, OpStrategy))
 
     @property
     def args_meta(self) -> tuple[object, ...]:
@@ -641,7 +663,7 @@ def _schema_of(call: OpCall, as_strategies: bool, keep_out: bool = False) -> OpS
     out_names = set() if keep_out else {position for position, is_out in zip(_positions(call), call.is_out_arg) if is_out}
     args = tuple(convert(arg) for arg in call.args)
     kwargs = {name: convert(value) for name, value in call.kwargs.items() if name not in out_names}
-    return OpSchema(call.op, args, kwargs)
+    return OpSchema(call.op, args, kwargs, schema_info=OP_TO_SCHEMA_INFO.get(call.op))
 
 
 def _positions(call: OpCall) -> tuple[object, ...]:
@@ -936,11 +958,33 @@ def prop_rule_as_sharding_rule(op_name: str, rule_func: Callable[[OpSchema], Out
 # PyTorch's registries on its propagator (op_single_dim_strategy_funcs, op_strategy_funcs, op_to_rules and
 # their schema infos): what users registered in PyTorch's forms.  The engine itself reads the rules these
 # became (_rules): for each op, the highest of single-dim strategy, op strategy, sharding-prop rule.
-OP_SINGLE_DIM_STRATEGY_FUNCS: dict[torch._ops.OpOverload, _SingleDimStrategyInfo] = {}
-OP_STRATEGY_FUNCS: dict[torch._ops.OpOverload, Callable[[OpSchema], StrategyType]] = {}
-OP_TO_RULES: dict[torch._ops.OpOverload, Callable[[OpSchema], OutputSharding]] = {}
-OP_TO_SCHEMA_INFO: dict[torch._ops.OpOverload, RuntimeSchemaInfo] = {}
-OP_TO_SCHEMA_INFO_FOR_SINGLE_DIM_STRATEGY: dict[torch._ops.OpOverload, RuntimeSchemaInfo] = {}
+_V = TypeVar("_V")
+
+
+class _Registry(dict[torch._ops.OpOverload, _V]):
+    """One of PyTorch's per-op registries.  Removing an op's entry (``del``, ``pop``: PyTorch's tests and
+    users unregister this way) gives the engine the op's next registration, or the rule it had before any."""
+
+    def __delitem__(self, overload: torch._ops.OpOverload) -> None:
+        super().__delitem__(overload)
+        _reinstall_after_removal(overload)
+
+    def pop(self, overload: torch._ops.OpOverload, *default: Any) -> Any:
+        present = overload in self
+        value = super().pop(overload, *default)
+        if present:
+            _reinstall_after_removal(overload)
+        return value
+
+
+OP_SINGLE_DIM_STRATEGY_FUNCS: _Registry[_SingleDimStrategyInfo] = _Registry()
+OP_STRATEGY_FUNCS: _Registry[Callable[[OpSchema], StrategyType]] = _Registry()
+OP_TO_RULES: _Registry[Callable[[OpSchema], OutputSharding]] = _Registry()
+OP_TO_SCHEMA_INFO: _Registry[RuntimeSchemaInfo] = _Registry()
+OP_TO_SCHEMA_INFO_FOR_SINGLE_DIM_STRATEGY: _Registry[RuntimeSchemaInfo] = _Registry()
+
+# The engine's rule of each op before its first PyTorch-style registration (None: it had none).
+_RULES_BEFORE_REGISTRATION: dict[torch._ops.OpOverload, ShardingRule | None] = {}
 
 
 def _install_registered_rule(overload: torch._ops.OpOverload) -> None:
@@ -952,7 +996,17 @@ def _install_registered_rule(overload: torch._ops.OpOverload) -> None:
         rule = strategy_as_sharding_rule(name, OP_STRATEGY_FUNCS[overload])
     else:
         rule = prop_rule_as_sharding_rule(name, OP_TO_RULES[overload])
-    override_rule([overload], rule)
+    replaced = override_rule([overload], rule)
+    _RULES_BEFORE_REGISTRATION.setdefault(overload, replaced[overload])
+    clear_all_caches()
+
+
+def _reinstall_after_removal(overload: torch._ops.OpOverload) -> None:
+    if overload in OP_SINGLE_DIM_STRATEGY_FUNCS or overload in OP_STRATEGY_FUNCS or overload in OP_TO_RULES:
+        _install_registered_rule(overload)
+        return
+    if overload in _RULES_BEFORE_REGISTRATION:
+        restore_rule(overload, _RULES_BEFORE_REGISTRATION.pop(overload))
     clear_all_caches()
 
 
