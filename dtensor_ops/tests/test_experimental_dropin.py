@@ -112,6 +112,67 @@ def test_register_sharding_on_a_custom_op_matches_pytorch() -> None:
             assert _short(placements) == _short(oracle_placements)
 
 
+# An out= variant: a sharding function lists a placement for every argument, the written ones too.
+_OUT_LIB = torch.library.Library("shardwise_dropin", "FRAGMENT")
+_OUT_LIB.define("row_max(Tensor x, int dim, *, Tensor(a!) values, Tensor(b!) indices) -> (Tensor(a!), Tensor(b!))")
+
+
+def _row_max(x: torch.Tensor, dim: int, *, values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    found = torch.max(x, dim=dim, keepdim=True)
+    return values.copy_(found.values), indices.copy_(found.indices)
+
+
+_OUT_LIB.impl("row_max", _row_max, "CPU")
+_OUT_LIB.impl("row_max", lambda x, dim, *, values, indices: (values, indices), "Meta")
+
+
+def row_max_sharding(x: Any, dim: int, *, values: Any, indices: Any) -> list[tuple[list[Any], list[Any]]]:
+    placements = _PLACEMENTS[0]
+    replicated = ([placements.Replicate()] * 2, [placements.Replicate(), None, placements.Replicate(), placements.Replicate()])
+    rows = ([placements.Shard(0)] * 2, [placements.Shard(0), None, placements.Shard(0), placements.Shard(0)]) if dim != 0 else replicated
+    return [replicated, rows]
+
+
+def _writes_into_out_tensors(module: Any, init_mesh: Callable[..., Any]) -> tuple[str, str, bool]:
+    mesh = init_mesh("cpu", (WORLD,))
+    full = torch.arange(32.0).reshape(8, 4).flip(1)
+    x = module.distribute_tensor(full, mesh, [module.Shard(0)])
+    values = module.distribute_tensor(torch.zeros(8, 1), mesh, [module.Shard(0)])
+    indices = module.distribute_tensor(torch.zeros(8, 1, dtype=torch.long), mesh, [module.Shard(0)])
+    torch.ops.shardwise_dropin.row_max(x, 1, values=values, indices=indices)
+    expected = torch.max(full, dim=1, keepdim=True)
+    correct = torch.equal(values.full_tensor(), expected.values) and torch.equal(indices.full_tensor(), expected.indices)
+    return str(values.placements), str(indices.placements), correct
+
+
+def test_register_sharding_lists_out_tensors_among_the_arguments_as_pytorch() -> None:
+    import torch.distributed.tensor.experimental as td_experimental
+
+    _PLACEMENTS[0] = sw
+    sw_experimental.register_sharding(torch.ops.shardwise_dropin.row_max.default)(row_max_sharding)
+
+    def for_torch(*args: Any, **kwargs: Any) -> Any:
+        _PLACEMENTS[0] = _torch_dtensor()
+        try:
+            return row_max_sharding(*args, **kwargs)
+        finally:
+            _PLACEMENTS[0] = sw
+
+    td_experimental.register_sharding(torch.ops.shardwise_dropin.row_max.default)(for_torch)
+    ours, theirs = _both(_writes_into_out_tensors)
+    for (values, indices, correct), (oracle_values, oracle_indices, oracle_correct) in zip(ours, theirs):
+        assert correct and oracle_correct
+        assert (_short(values), _short(indices)) == (_short(oracle_values), _short(oracle_indices))
+    # The info PyTorch derives for a register_sharding op (its first int argument is static).
+    from shardwise.dtensor_ops import DTensor
+
+    ours_info = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[torch.ops.shardwise_dropin.row_max.default]  # type: ignore[attr-defined]
+    theirs_info = _torch_dtensor().DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[torch.ops.shardwise_dropin.row_max.default]
+    assert (ours_info.static_argnum, ours_info.static_kwargkey, ours_info.needs_pytree) == (
+        theirs_info.static_argnum, theirs_info.static_kwargkey, theirs_info.needs_pytree,
+    ) == (1, None, True)  # fmt: skip
+
+
 def _short(placements: str) -> str:
     # Both print placements their own way: compare what they say.
     return (

@@ -40,7 +40,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shar
 
 from .._caches import clear_all_caches
 from .._redistribute_plan import redistribute_cost_picoseconds
-from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule, restore_rule
+from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule, restore_rule, rule_for
 
 __all__ = [
     "ArgsType",
@@ -980,7 +980,45 @@ class _Registry(dict[torch._ops.OpOverload, _V]):
 OP_SINGLE_DIM_STRATEGY_FUNCS: _Registry[_SingleDimStrategyInfo] = _Registry()
 OP_STRATEGY_FUNCS: _Registry[Callable[[OpSchema], StrategyType]] = _Registry()
 OP_TO_RULES: _Registry[Callable[[OpSchema], OutputSharding]] = _Registry()
-OP_TO_SCHEMA_INFO: _Registry[RuntimeSchemaInfo] = _Registry()
+class _SchemaInfoRegistry(_Registry[RuntimeSchemaInfo]):
+    """``op_to_schema_info``: what was registered, and for ops given a sharding by ``register_sharding``
+    (a rule of the engine, not an entry here) the info PyTorch's ``register_sharding`` derives: the first
+    int argument is static, int keyword-only arguments are static keys, lists of tensors are walked."""
+
+    def __missing__(self, overload: torch._ops.OpOverload) -> RuntimeSchemaInfo:
+        derived = _registered_sharding_schema_info(overload)
+        if derived is None:
+            raise KeyError(overload)
+        return derived
+
+    def __contains__(self, overload: object) -> bool:
+        if super().__contains__(overload):
+            return True
+        return isinstance(overload, torch._ops.OpOverload) and _registered_sharding_schema_info(overload) is not None
+
+    def get(self, overload: torch._ops.OpOverload, default: Any = None) -> Any:
+        return self[overload] if overload in self else default
+
+
+def _registered_sharding_schema_info(overload: torch._ops.OpOverload) -> RuntimeSchemaInfo | None:
+    from ..experimental._register_sharding import is_register_sharding_rule
+
+    rule = rule_for(overload)
+    if rule is None or not is_register_sharding_rule(rule):
+        return None
+    static_argnum, static_kwargkey = 100, []
+    for index, argument in enumerate(overload._schema.arguments):
+        kind = argument.type
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch.IntType):
+            static_argnum = min(static_argnum, index)
+            if argument.kwarg_only:
+                static_kwargkey.append(argument.name)
+    return RuntimeSchemaInfo(static_argnum, static_kwargkey or None, needs_pytree=True)
+
+
+OP_TO_SCHEMA_INFO: _SchemaInfoRegistry = _SchemaInfoRegistry()
 OP_TO_SCHEMA_INFO_FOR_SINGLE_DIM_STRATEGY: _Registry[RuntimeSchemaInfo] = _Registry()
 
 # The engine's rule of each op before its first PyTorch-style registration (None: it had none).

@@ -11,7 +11,7 @@ from shardwise.placement import Placement
 from .._caches import clear_all_caches
 from .._rules import OneDimStrategy, OpCall, ShardingRule, override_rule
 
-__all__ = ["register_sharding"]
+__all__ = ["register_sharding", "is_register_sharding_rule"]
 
 PlacementList = Sequence[Union[Placement, None]]
 ShardingFn = Callable[..., Sequence[tuple[PlacementList, PlacementList]]]
@@ -49,6 +49,11 @@ def register_sharding(op: torch._ops.OpOverload | list[torch._ops.OpOverload]) -
     return register
 
 
+def is_register_sharding_rule(rule: ShardingRule) -> bool:
+    """Whether ``rule`` is one that ``register_sharding`` made from a user's function."""
+    return isinstance(rule.one_dim_strategies, _UserStrategies)
+
+
 class _UserStrategies:
     """The user's function as the rule's one-mesh-dim strategies (an object: rules hold no closures)."""
 
@@ -74,6 +79,10 @@ class _UserStrategies:
             input_tuple = tuple(
                 _check_placement(p, self.name, call.op, "input") for p in inputs if p is not None
             )
+            if len(input_tuple) == len(call.all_specs) != num_inputs and any(call.is_out_arg):
+                # Placements for the out= tensors too (PyTorch's functions list every argument): those
+                # are written with the outputs' layout, not inputs to move.
+                input_tuple = tuple(p for p, is_out in zip(input_tuple, call.is_out_arg) if not is_out)
             if len(input_tuple) != num_inputs:
                 raise ValueError(
                     f"register_sharding function {self.name} for {call.op}: sharding {index} gives "
