@@ -158,6 +158,11 @@ def test_exported_at_pytorchs_paths() -> None:
     missing = {name for name in torch_attention.__all__ if name not in ours}
     # The templated ring's internals are PyTorch's own; everything else is here.
     assert missing <= {"_templated_ring_attention"}, missing
+    # PyTorch's newer package path holds the same objects.
+    from shardwise.dtensor_ops.experimental._context_parallel import _attention as at_new_path
+    from shardwise.dtensor_ops.experimental._context_parallel._load_balancer import _PTRRLoadBalancer
+
+    assert at_new_path is _attention and _PTRRLoadBalancer is _attention._PTRRLoadBalancer
 
 
 # -- multi-rank: numerics and counts -----------------------------------------------------------------------

@@ -300,3 +300,28 @@ def test_compiled_flex_attention_under_context_parallel_is_one_frame() -> None:
     targets = [str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
     assert sum("all_gather_into_tensor" in target for target in targets) == 1, targets
     assert any("flex_attention" in target.lower() for target in targets), targets
+
+
+@multi_rank(world_size=2)
+def test_flex_cp_allgather_is_a_checked_custom_op_gathering_key_and_value() -> None:
+    from shardwise.dtensor_ops.experimental._context_parallel._cp_custom_ops import flex_cp_allgather
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    group_name = mesh.get_group().group_name
+    rank = dist.get_rank()
+    key = torch.arange(32.0).reshape(1, 2, 4, 4) + 100 * rank
+    value = torch.arange(16.0).reshape(1, 2, 4, 2) - 100 * rank
+    gathered_key, gathered_value = flex_cp_allgather(key, value, 2, group_name)
+    whole_key = torch.cat([torch.arange(32.0).reshape(1, 2, 4, 4) + 100 * r for r in range(dist.get_world_size())], dim=2)
+    whole_value = torch.cat([torch.arange(16.0).reshape(1, 2, 4, 2) - 100 * r for r in range(dist.get_world_size())], dim=2)
+    assert torch.equal(gathered_key, whole_key) and torch.equal(gathered_value, whole_value)
+    # Fake kernel, schema and autograd registration checked by torch.  (A custom op is opaque to
+    # CommDebugMode, PyTorch's too: its collectives are not counted.)
+    torch.library.opcheck(flex_cp_allgather, (key.clone().requires_grad_(True), value.clone().requires_grad_(True), 2, group_name))
+    leaf_key, leaf_value = key.clone().requires_grad_(True), value.clone().requires_grad_(True)
+    out_key, out_value = flex_cp_allgather(leaf_key, leaf_value, 2, group_name)
+    (out_key.sum() + 2 * out_value.sum()).backward()
+    # Every rank's whole-sequence gradient is all ones (twos for value): each piece sums W of them.
+    world = dist.get_world_size()
+    assert torch.equal(leaf_key.grad, torch.full_like(key, float(world)))
+    assert torch.equal(leaf_value.grad, torch.full_like(value, 2.0 * world))

@@ -160,6 +160,25 @@ def test_a_skip_on_the_ranks_skips_the_test() -> None:
     assert [reason for _, reason in result.skipped] == ["not meaningful on this build"]
 
 
+class NoDevicesToRunOn(DTensorTestBase):
+    __test__ = False
+
+    @property
+    def world_size(self) -> int:
+        return 0  # as torch.cuda.device_count() reads on a machine without GPUs
+
+    @with_comms
+    def test_never_runs(self) -> None:
+        raise AssertionError("a test with no ranks ran")
+
+
+def test_a_world_of_no_ranks_is_a_skip_not_a_failure_to_start() -> None:
+    result = unittest.TestResult()
+    NoDevicesToRunOn("test_never_runs").run(result)
+    assert result.wasSuccessful(), result.errors + result.failures
+    assert [reason for _, reason in result.skipped] == ["NoDevicesToRunOn.world_size is 0: no rank to run the test on"]
+
+
 @with_comms
 def test_with_comms_on_a_module_level_function() -> None:
     mesh = DeviceMesh("cpu", list(range(NUM_DEVICES)))

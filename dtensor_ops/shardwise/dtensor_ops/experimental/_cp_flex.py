@@ -17,7 +17,7 @@ rows of the global attention exactly; no log-sum-exp merging is needed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockM
 from .. import _collectives
 from ._cp_layout import SequenceLayout
 
-__all__ = ["cp_block_mask", "gather_key_value", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["cp_block_mask", "gather_key_value", "flex_cp_allgather", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = _DEFAULT_SPARSE_BLOCK_SIZE
 
@@ -165,3 +165,62 @@ def gather_key_value(
         )
     gathered: tuple[torch.Tensor, torch.Tensor] = _GatherKeyValue.apply(key, value, seq_dim, group_name, tuple(lengths))
     return gathered
+
+
+# PyTorch's ``cplib::flex_cp_allgather`` under shardwise's namespace: key and value of equal pieces on every
+# rank of the group named ``pg_name``, gathered along ``seq_dim`` (one all-gather; its backward one
+# reduce-scatter), as one opaque op with a fake kernel and autograd (``torch.library.opcheck`` passes).
+@torch.library.custom_op("shardwise_cp::flex_cp_allgather", mutates_args=())
+def flex_cp_allgather(key: torch.Tensor, value: torch.Tensor, seq_dim: int, pg_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = (key.size(seq_dim),) * _group_size(pg_name)
+    with torch.no_grad():
+        gathered_key, gathered_value = _GatherKeyValue.apply(key, value, seq_dim, pg_name, lengths)
+    return gathered_key.contiguous(), gathered_value.contiguous()
+
+
+@flex_cp_allgather.register_fake
+def _(key: torch.Tensor, value: torch.Tensor, seq_dim: int, pg_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    world_size = _group_size(pg_name)
+    key_shape, value_shape = list(key.shape), list(value.shape)
+    key_shape[seq_dim] *= world_size
+    value_shape[seq_dim] *= world_size
+    return key.new_empty(key_shape), value.new_empty(value_shape)
+
+
+@torch.library.custom_op("shardwise_cp::flex_cp_allgather_backward", mutates_args=())
+def flex_cp_allgather_backward(
+    grad_key: torch.Tensor, grad_value: torch.Tensor, seq_dim: int, pg_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    world_size = _group_size(pg_name)
+    length = grad_key.size(seq_dim) // world_size
+    packed = _pack_rows(grad_key, grad_value, seq_dim).contiguous()
+    summed = _collectives.wait(_collectives.launch_reduce_scatter(packed, "sum", world_size, pg_name))
+    key_grad, value_grad = _unpack_rows(summed[:length], _rest_of(grad_key.shape, seq_dim), _rest_of(grad_value.shape, seq_dim), seq_dim)
+    return key_grad.contiguous(), value_grad.contiguous()
+
+
+@flex_cp_allgather_backward.register_fake
+def _(grad_key: torch.Tensor, grad_value: torch.Tensor, seq_dim: int, pg_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    world_size = _group_size(pg_name)
+    key_shape, value_shape = list(grad_key.shape), list(grad_value.shape)
+    key_shape[seq_dim] //= world_size
+    value_shape[seq_dim] //= world_size
+    return grad_key.new_empty(key_shape), grad_value.new_empty(value_shape)
+
+
+def _flex_cp_allgather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.seq_dim, ctx.pg_name = inputs[2], inputs[3]
+
+
+def _flex_cp_allgather_grad(ctx: Any, grad_key: torch.Tensor, grad_value: torch.Tensor) -> tuple[Any, ...]:
+    key_grad, value_grad = flex_cp_allgather_backward(grad_key.contiguous(), grad_value.contiguous(), ctx.seq_dim, ctx.pg_name)
+    return key_grad, value_grad, None, None
+
+
+flex_cp_allgather.register_autograd(_flex_cp_allgather_grad, setup_context=_flex_cp_allgather_setup)
+
+
+def _group_size(pg_name: str) -> int:
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    return int(_get_group_size_by_name(cast(Any, pg_name)))
