@@ -19,6 +19,7 @@ from shardwise.testing import multi_rank
 from shardwise.tp_styles import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -168,17 +169,19 @@ def test_plan_errors_are_raised_before_any_module_changes() -> None:
     mode = CommDebugMode()
 
     with mode:
-        with pytest.raises(ValueError) as unknown:
-            parallelize_module(
-                model, mesh, {"layers.*.attention.wq": ColwiseParallel(), "layers.*.atention.wo": RowwiseParallel()}
-            )
-        message = str(unknown.value)
-        assert "'layers.*.atention.wo' matches no submodule of Toy" in message
+        # A path matching nothing is skipped with a warning, as PyTorch's; the warning says why.
+        untouched = deepcopy(model)
+        with pytest.warns(UserWarning) as unknown:
+            parallelize_module(model, mesh, {"layers.*.atention.wo": RowwiseParallel()})
+        message = str(unknown[0].message)
+        assert "'layers.*.atention.wo' matches no submodule of Toy" in message and "skipped" in message
         assert "segment 'atention'" in message and "'attention'" in message and "'feed_forward'" in message
-        with pytest.raises(ValueError, match=r"Closest module paths: \['layers.0.attention.wo'"):
+        with pytest.warns(UserWarning, match=r"Closest module paths: \['layers.0.attention.wo'"):
             parallelize_module(model, mesh, {"layers.0.atention.wo": RowwiseParallel()})
-        with pytest.raises(ValueError, match=r"'outptu' matches no submodule.*top-level children are \['layers', 'output'\]"):
+        with pytest.warns(UserWarning, match=r"'outptu' matches no submodule.*top-level children are \['layers', 'output'\]"):
             parallelize_module(model, mesh, {"outptu": ColwiseParallel()})
+        assert all(type(p) is nn.Parameter for p in model.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), untouched.state_dict().values()))
 
         with pytest.raises(NotImplementedError) as conv:
             parallelize_module(_WithConv(), mesh, {"proj": RowwiseParallel(), "conv": ColwiseParallel()})
@@ -194,8 +197,8 @@ def test_plan_errors_are_raised_before_any_module_changes() -> None:
             parallelize_module(model, mesh, {"output": "colwise"})  # type: ignore[dict-item]
         with pytest.raises(TypeError, match="parallelize_plan must be a ParallelStyle or a dict"):
             parallelize_module(model, mesh, [ColwiseParallel()])  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="names the module itself"):
-            parallelize_module(model, mesh, {"": ColwiseParallel()})
+        with pytest.raises(NotImplementedError, match=r"ColwiseParallel .*, but the module is a .*Toy"):
+            parallelize_module(model, mesh, {"": ColwiseParallel()})  # "" is the module itself, as PyTorch's
         with pytest.raises(ValueError, match=r"input_kwarg_layouts names \['mask'\].*takes \['x'\]"):
             parallelize_module(
                 model,
@@ -373,3 +376,28 @@ def test_mlp_training_matches_single_process() -> None:
     torch.testing.assert_close(
         by_rows(my_chunk(whole_rows, 0)), reference.net2(whole_rows), msg="row-sharded input to an uneven rowwise"
     )
+
+
+@multi_rank
+def test_the_empty_plan_path_is_the_module_itself_beside_its_children() -> None:
+    """``""`` lays out the root module's own inputs and outputs while its children get theirs (PyTorch's meaning)."""
+    rank, world = rank_and_world()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = MLP(dim=8, hidden=16)
+    reference = deepcopy(model)
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "": PrepareModuleInputOutput(
+                input_layouts=Replicate(), desired_input_layouts=Shard(0), output_layouts=Shard(0), desired_output_layouts=Replicate()
+            ),
+            "net1": ColwiseParallel(input_layouts=Shard(0)),
+            "net2": RowwiseParallel(output_layouts=Shard(0)),
+        },
+    )
+    x = torch.randn(4 * world, 8)
+    out = model(x)
+    assert isinstance(out, torch.Tensor) and not isinstance(out, DTensor)  # desired output: Replicate, back to local
+    torch.testing.assert_close(out, reference(x))

@@ -1,13 +1,14 @@
 """``parallelize_module``: apply parallel styles to a module and its submodules by path.
 
-Drop-in for ``torch.distributed.tensor.parallel.api`` (PyTorch 2.13), with three
+Drop-in for ``torch.distributed.tensor.parallel.api`` (PyTorch 2.13), with
 differences that only turn PyTorch's silent or confusing cases into working code
-or clear errors:
+or clearer messages:
 
 * an n-D mesh with a dim named ``"tp"`` is accepted: its ``"tp"`` sub-mesh is used
   (PyTorch requires a 1-D mesh);
-* a plan path that matches no submodule raises a ``ValueError`` naming the path,
-  where matching stopped and the closest module paths (PyTorch ignores it);
+* a plan path that matches no submodule is skipped with a ``UserWarning`` (as PyTorch's)
+  that names the path, where matching stopped and the closest module paths; the path
+  ``""`` is the module itself (as PyTorch's);
 * the whole plan is resolved and every target module checked before any module is
   changed or any collective runs, so a bad plan leaves the model untouched.
 """
@@ -25,7 +26,7 @@ from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh
 
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = ["parallelize_module", "ParallelizePlan", "TP_MESH_DIM_NAME"]
+__all__ = ["parallelize_module", "ParallelizePlan", "PlanPathNotFound", "TP_MESH_DIM_NAME"]
 
 # The mesh dim parallelize_module takes from an n-D mesh.
 TP_MESH_DIM_NAME = "tp"
@@ -69,7 +70,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _unmatched_path_error(root: nn.Module, path: str, matched_prefixes: list[tuple[str, nn.Module]], depth: int) -> ValueError:
+class PlanPathNotFound(ValueError):
+    """A plan path that matches no submodule (``parallelize_module`` warns and skips it, as PyTorch's)."""
+
+
+def _unmatched_path_error(root: nn.Module, path: str, matched_prefixes: list[tuple[str, nn.Module]], depth: int) -> PlanPathNotFound:
     segments = path.split(".")
     all_paths = [name for name, _ in root.named_modules() if name]
     near = difflib.get_close_matches(path, all_paths, n=5, cutoff=0.6)
@@ -85,19 +90,17 @@ def _unmatched_path_error(root: nn.Module, path: str, matched_prefixes: list[tup
         parts.append(f"; its top-level children are {[name for name, _ in root.named_children()]}")
     if near:
         parts.append(f". Closest module paths: {near}")
-    return ValueError("".join(parts))
+    return PlanPathNotFound("".join(parts))
 
 
 def resolve_plan_path(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     """Every submodule of ``root`` whose path matches ``path`` segment by segment (fnmatch wildcards
-    ``*``, ``?``, ``[...]`` within a segment), in ``named_children`` order; raises if none does."""
+    ``*``, ``?``, ``[...]`` within a segment), in ``named_children`` order (``""``: ``root`` itself);
+    raises :class:`PlanPathNotFound` if none does."""
     if not isinstance(path, str):
         raise TypeError(f"parallelize_module: plan keys must be module paths (str), got {path!r}")
     if path == "":
-        raise ValueError(
-            "parallelize_module: the plan path '' names the module itself; pass the style directly as "
-            "parallelize_plan instead of a dict"
-        )
+        return [("", root)]
     segments = path.split(".")
     if any(segment == "" for segment in segments):
         raise ValueError(f"parallelize_module: the plan path {path!r} has an empty segment")
@@ -150,7 +153,12 @@ def parallelize_module(
     elif isinstance(parallelize_plan, Mapping):
         for path, style in parallelize_plan.items():
             checked = _check_style(style, f"the plan entry {path!r}")
-            for matched_path, submodule in resolve_plan_path(module, path):
+            try:
+                matches = resolve_plan_path(module, path)
+            except PlanPathNotFound as not_found:
+                warnings.warn(f"{not_found}; the entry is skipped", UserWarning, stacklevel=2)
+                continue
+            for matched_path, submodule in matches:
                 targets.append((matched_path, submodule, checked))
     else:
         raise TypeError(
