@@ -145,6 +145,14 @@ def test_dtensor_parameters_and_per_module_collectives(tmp_path: Path) -> None:
     ) in table
     assert "*Parameter List" not in mode.generate_comm_debug_tracing_table(noise_level=0)
 
+    # PyTorch's summary of the modules seen (every module called, its type and depth below "Global").
+    helper = mode.advanced_module_tracker.module_helper_dict
+    assert list(helper) == ["Global", "Model", "Model.proj"]
+    assert helper["Global"] == {"depth": 0}
+    assert helper["Model"] == {"module_type": "class 'test_comm_mode_dtensor.Model'", "depth": 1}
+    assert helper["Model.proj"]["depth"] == 2
+    assert helper["Model.proj"]["parameters"] == {"weight": "(Shard(dim=0),)", "bias": "(Shard(dim=0),)"}
+
     dump = tmp_path / f"rank{dist.get_rank()}.json"
     mode.generate_json_dump(str(dump), noise_level=1)
     proj = json.loads(dump.read_text())["children"][0]["children"][0]

@@ -13,6 +13,7 @@ module's counts include its submodules', and ``"Global"`` holds everything.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Mapping, Sequence
 
@@ -28,6 +29,13 @@ from ._report import build_module_tree, render_json, render_table
 from ._trace import EventKind, TraceEvent, check_noise_level, describe_tensor_args, is_metadata_only_op
 
 __all__ = ["CommDebugMode"]
+
+
+@dataclass(frozen=True)
+class ModuleSummary:
+    """What ``CommDebugMode.advanced_module_tracker`` answers (PyTorch's attribute, read as a summary)."""
+
+    module_helper_dict: dict[str, dict[str, Any]]
 
 
 class CommDebugMode(TorchDispatchMode):
@@ -52,6 +60,7 @@ class CommDebugMode(TorchDispatchMode):
         self.comm_module_counts: dict[str, dict[str, CommCounts]] = {}
         self._events: list[TraceEvent] = []
         self._dtensor_parameters: dict[str, dict[str, torch.Tensor]] = {}
+        self._module_types: dict[str, type[nn.Module]] = {}
         self._dtensor_class: type[torch.Tensor] | None = DTensor
         self._tracker = ModuleTracker(on_module_call=self._on_module_call)
         self._active = False
@@ -67,6 +76,7 @@ class CommDebugMode(TorchDispatchMode):
         self.comm_module_counts = {GLOBAL_MODULE_NAME: self._empty_pass_counts()}
         self._events = []
         self._dtensor_parameters = {}
+        self._module_types = {}
         self._tracker.start()
         try:
             super().__enter__()
@@ -168,6 +178,7 @@ class CommDebugMode(TorchDispatchMode):
     def _on_module_call(self, module: nn.Module, fqn: str) -> None:
         if fqn not in self.comm_module_counts:
             self.comm_module_counts[fqn] = self._empty_pass_counts()
+        self._module_types.setdefault(fqn, type(module))
         dtensor_class = self._dtensor_class
         if dtensor_class is None:
             return
@@ -176,6 +187,22 @@ class CommDebugMode(TorchDispatchMode):
                 self._dtensor_parameters.setdefault(fqn, {})[name] = param
 
     # ------------------------------------------------------------------ results
+    @property
+    def advanced_module_tracker(self) -> ModuleSummary:
+        """PyTorch's view of the modules seen: ``module_helper_dict[fqn]`` holds ``module_type``, ``depth``
+        (``"Global"`` is 0, each dot one deeper) and, for DTensor parameters, ``parameters`` (their placements)."""
+        helper: dict[str, dict[str, Any]] = {GLOBAL_MODULE_NAME: {"depth": 0}}
+        for fqn, module_type in self._module_types.items():
+            entry: dict[str, Any] = {
+                "module_type": str(module_type).replace("<", "").replace(">", ""),
+                "depth": fqn.count(".") + 1,
+            }
+            parameters = self._dtensor_parameters.get(fqn)
+            if parameters:
+                entry["parameters"] = {name: str(getattr(param, "placements")) for name, param in parameters.items()}
+            helper[fqn] = entry
+        return ModuleSummary(helper)
+
     def get_total_counts(self) -> int:
         """Number of collectives issued in the last ``with`` block."""
         return self.comm_counts.total()
