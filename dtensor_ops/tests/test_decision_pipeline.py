@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._decomp
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
@@ -42,6 +43,7 @@ def test_the_deciders_are_stated_in_order_with_when_they_are_asked() -> None:
     assert [(d.name, d.asked, d.from_specs) for d in DECIDERS] == [
         ("user handlers", "every call", False),
         ("built-in handlers", "on a miss", False),
+        ("decomposition", "on a miss", False),
         ("strided shards", "on a miss", True),
         ("the op's rule", "on a miss", True),
         ("replicate fallback", "on a miss", True),
@@ -95,6 +97,50 @@ def test_a_handler_answer_is_the_result_and_is_never_cached() -> None:
     assert not RANK_CACHES.decisions
     # Without the handler, the op's rule decides.
     assert torch.allclose(local_of(torch.exp(x)), torch.exp(torch.arange(4.0)))
+
+
+_DECOMP_LIB = torch.library.Library("shardwise_decomp_test", "DEF")
+_DECOMP_LIB.define("scaled_matmul(Tensor x, Tensor y) -> Tensor")
+_DECOMP_LIB.define("via_scaled(Tensor x, Tensor y) -> Tensor")
+_DECOMP_LIB.define("self_calling(Tensor x) -> Tensor")
+for _name, _impl in (
+    ("scaled_matmul", lambda x, y: (x @ y) * 2.0),
+    ("via_scaled", lambda x, y: (x @ y) * 2.0 + 1.0),
+    ("self_calling", lambda x: x + 1.0),
+):
+    _DECOMP_LIB.impl(_name, _impl, "CPU")
+    _DECOMP_LIB.impl(_name, _impl, "Meta")
+_ops = torch.ops.shardwise_decomp_test
+
+
+@torch._decomp.register_decomposition(_ops.scaled_matmul.default)
+def _scaled_matmul_decomposition(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, y) * 2.0
+
+
+@torch._decomp.register_decomposition(_ops.via_scaled.default)
+def _via_scaled_decomposition(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _ops.scaled_matmul(x, y) + 1.0  # a decomposition into another decomposed op
+
+
+@torch._decomp.register_decomposition(_ops.self_calling.default)
+def _self_calling_decomposition(x: torch.Tensor) -> torch.Tensor:
+    return _ops.self_calling(x)  # decomposes into itself: must not recurse
+
+
+def test_an_op_without_a_rule_runs_as_its_registered_decomposition_each_inner_op_decided_by_its_rule() -> None:
+    clear_all_caches()
+    x_full, y_full = torch.arange(12.0).reshape(3, 4), torch.arange(8.0).reshape(4, 2)
+    x, y = on_fake_mesh(x_full, Shard(0)), on_fake_mesh(y_full)
+    out = _ops.via_scaled(x, y)
+    assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+    assert torch.equal(out.to_local(), (x_full @ y_full) * 2.0 + 1.0)
+    decided = set(RANK_CACHES.decisions)
+    _ops.via_scaled(x, y)
+    _ops.scaled_matmul(x, y)
+    assert set(RANK_CACHES.decisions) == decided  # the inner ops' decisions, reused; nothing stored for the decomposed ops
+    with pytest.raises(NotImplementedError, match="self_calling.*does not have a sharding strategy registered"):
+        _ops.self_calling(x)
 
 
 def test_an_op_no_decider_takes_raises_naming_it_until_the_fallback_takes_it() -> None:

@@ -7,9 +7,11 @@ Every call is offered to the deciders below in this order; the first that does n
 ====  ==================  ===========================  ==========================================
  1    user handlers       every call, before the cache  the result (never cached)
  2    built-in handlers   on a decision-cache miss      the result (never cached; declining is)
- 3    strided shards      on a miss, from specs         a decision (cached)
- 4    the op's rule       on a miss, from specs         a decision (cached)
- 5    replicate fallback  on a miss, from specs         a decision (cached); off unless switched on
+ 3    decomposition       on a miss, ops with no rule   the result of torch's decomposition of the
+                          that torch can decompose      op run on the DTensors (never cached)
+ 4    strided shards      on a miss, from specs         a decision (cached)
+ 5    the op's rule       on a miss, from specs         a decision (cached)
+ 6    replicate fallback  on a miss, from specs         a decision (cached); off unless switched on
 ====  ==================  ===========================  ==========================================
 
 and an op no decider takes raises ``NotImplementedError`` naming the op and its input placements.
@@ -19,6 +21,11 @@ and an op no decider takes raises ``NotImplementedError`` naming the op and its 
   built-in one) promise that declining depends only on the cache key, so they are asked on a
   miss and their declining is cached with the decision that follows; any other (a user's,
   ``loss_parallel``'s) is asked on every call of its op, before the cache.
+* *Decomposition* (as PyTorch 2.13): an op without a rule whose decomposition is registered with
+  ``torch._decomp`` (a custom op's ``register_decomposition`` included) runs as that decomposition,
+  each op inside it dispatched on the DTensors as usual (and so decided and cached by its own
+  rule).  It declines for ops with a rule and, on one thread, for an op whose decomposition is
+  already running (a decomposition that calls its own op goes on to the spec deciders).
 * *Spec deciders* see the call with DTensors replaced by their specs and return a plain-data
   :class:`OpDecision` that dispatch caches and executes.  ``strided shards`` decides calls on
   ``_StridedShard`` inputs whose rule cannot read them by asking the deciders after it on the
@@ -34,10 +41,12 @@ spec deciders, cached under the same key).  Layer: propagation (no collectives, 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
+import torch._decomp
 
 from shardwise.placement import DTensorSpec
 
@@ -143,6 +152,25 @@ def _builtin_handlers(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
     return _ask_handlers(HANDLERS_BY_OP_ID.get(op_id), op, args, kwargs)
 
 
+_DECOMPOSING = threading.local()  # .ops: the ops whose decomposition runs on this thread (rank threads share none)
+
+
+def _decomposition(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if rule_for(op) is not None:
+        return NotImplemented
+    decompose = torch._decomp.decomposition_table.get(op)
+    if decompose is None:
+        return NotImplemented
+    running: set[torch._ops.OpOverload] = getattr(_DECOMPOSING, "ops", None) or set()
+    if op in running:
+        return NotImplemented
+    _DECOMPOSING.ops = running | {op}
+    try:
+        return Handled(decompose(*args, **kwargs))
+    finally:
+        _DECOMPOSING.ops = running
+
+
 def _strided_shards(call: SpecCall) -> Any:
     op, args, kwargs = call.op, call.args, call.kwargs
     if not (has_strided_shard(args) or has_strided_shard(kwargs)) or rule_reads_strided_shards(op, args, kwargs):
@@ -168,6 +196,7 @@ def _replicate_fallback(call: SpecCall) -> Any:
 DECIDERS: tuple[Decider, ...] = (
     Decider("user handlers", "every call", from_specs=False, decide=_user_handlers),
     Decider("built-in handlers", "on a miss", from_specs=False, decide=_builtin_handlers),
+    Decider("decomposition", "on a miss", from_specs=False, decide=_decomposition),
     Decider("strided shards", "on a miss", from_specs=True, decide=_strided_shards),
     Decider("the op's rule", "on a miss", from_specs=True, decide=_rule),
     Decider("replicate fallback", "on a miss", from_specs=True, decide=_replicate_fallback),
