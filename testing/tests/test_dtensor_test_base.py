@@ -482,3 +482,20 @@ class EightRanks(DTensorTestBase):
             sharded = distribute_tensor(full, mesh, placements)
             self.assertEqual(sharded.full_tensor(), full)
             self.assertEqual(sharded.placements, placements)
+
+
+from torch.testing._internal.common_device_type import instantiate_device_type_tests  # noqa: E402
+
+
+class TolerancesOnRankThreads(DTensorOpTestBase):
+    """A device-type test class (as PyTorch's OpInfo sweep builds them) run on rank threads."""
+
+    def test_each_rank_reads_and_sets_its_own_precision(self, device: str) -> None:
+        self.assertEqual((self.precision, self.rel_tol), (0, 0))  # torch's defaults, on every rank thread
+        self.precision = 0.5 * (self.rank + 1)
+        dist.barrier()  # every rank has set its own before any reads again
+        self.assertEqual(self.precision, 0.5 * (self.rank + 1))
+        self.assertEqual(torch.tensor([1.0]), torch.tensor([1.0 + 0.4]))  # within this rank's atol
+
+
+instantiate_device_type_tests(TolerancesOnRankThreads, globals(), only_for="cpu")

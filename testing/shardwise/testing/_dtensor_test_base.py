@@ -34,6 +34,7 @@ import functools
 import itertools
 import os
 import sys
+import threading
 import unittest
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence, TypeVar, cast, overload
@@ -691,6 +692,20 @@ def _run_test_method(class_ref: FunctionRef, method_name: str, args: tuple[Any, 
 # ------------------------------------------------------------------------------ threads
 
 
+def _give_thread_its_tolerances(test: unittest.TestCase) -> None:
+    """Device-type test classes (``instantiate_device_type_tests``) keep ``precision``/``rel_tol`` in a
+    class-level ``threading.local`` set on the thread that made the class: a rank thread would find it
+    empty.  Each rank's instance gets its own, at torch's defaults (a test's own override sets it again)."""
+    if not hasattr(type(test), "_tls"):
+        return
+    from torch.testing._internal.common_utils import TestCase as TorchTestCase
+
+    tolerances = threading.local()
+    tolerances.precision = TorchTestCase._precision
+    tolerances.rel_tol = TorchTestCase._rel_tol
+    test._tls = tolerances  # type: ignore[attr-defined]
+
+
 class DTensorOpTestBase(_RankRunner):
     """Base for fast op tests: every test method runs on ``world_size`` rank threads.
 
@@ -720,6 +735,7 @@ class DTensorOpTestBase(_RankRunner):
 
         def run_on_this_thread() -> None:
             test = test_class(method_name)
+            _give_thread_its_tolerances(test)
             test._enter_rank(_THREAD_RANKS)
             _run_on_this_rank(test, method_name, args, kwargs, test.perThreadSetUp, test.perThreadTearDown)
 
