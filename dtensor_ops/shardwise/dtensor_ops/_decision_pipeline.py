@@ -24,7 +24,7 @@ and an op no decider takes raises ``NotImplementedError`` naming the op and its 
 * *Decomposition* (as PyTorch 2.13): an op without a rule whose decomposition is registered with
   ``torch._decomp`` (a custom op's ``register_decomposition`` included) runs as that decomposition,
   each op inside it dispatched on the DTensors as usual (and so decided and cached by its own
-  rule).  It declines for ops with a rule and, on one thread, for an op whose decomposition is
+  rule), plain tensors it makes itself taken as replicated (``implicit_replication``).  It declines for ops with a rule and, on one thread, for an op whose decomposition is
   already running (a decomposition that calls its own op goes on to the spec deciders).
 * *Spec deciders* see the call with DTensors replaced by their specs and return a plain-data
   :class:`OpDecision` that dispatch caches and executes.  ``strided shards`` decides calls on
@@ -53,6 +53,7 @@ from shardwise.placement import DTensorSpec
 from ._decision import ArgPosition, OpDecision
 from ._caches import RANK_CACHES
 from ._decision_cache import call_key, lookup_decision, remember_decision
+from ._implicit_replication import implicit_replication
 from ._op_handlers import HANDLERS_BY_OP_ID, UNKEYED_HANDLERS_BY_OP_ID, OpHandler
 from ._ops import rule_for
 from ._ops.fallback import replicate_fallback_rule
@@ -166,7 +167,9 @@ def _decomposition(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
         return NotImplemented
     _DECOMPOSING.ops = running | {op}
     try:
-        return Handled(decompose(*args, **kwargs))
+        # Plain tensors a decomposition makes itself (an arange, a constant) are the same on every rank.
+        with implicit_replication():
+            return Handled(decompose(*args, **kwargs))
     finally:
         _DECOMPOSING.ops = running
 
