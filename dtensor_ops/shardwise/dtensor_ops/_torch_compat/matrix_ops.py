@@ -23,7 +23,7 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard
 
-from .einsum_strategy import gen_einsum_strategies
+from .einsum_strategy import EinsumDims, gen_einsum_strategies
 from .op_schema import OpSchema, OpSpec, OpStrategy, _ShardingPlaceholder, generate_redistribute_costs, is_tensor_shardable
 
 __all__ = ["addmm_strategy", "bmm_strategy", "gen_single_dim_einsum_strategies", "mm_single_dim_strategy", "mm_strategy"]
@@ -126,7 +126,7 @@ def _einsum_strategy(equation: str, operands: Sequence[OpStrategy], bias: OpStra
 
 
 def _product_shape(equation: str, operands: Sequence[OpStrategy]) -> list[int]:
-    inputs, output = _parse(equation)
+    inputs, output = EinsumDims.parse_equation(equation)
     extents: dict[str, int] = {}
     for labels, operand in zip(inputs, operands):
         meta = operand.strategies[0].output_spec.tensor_meta

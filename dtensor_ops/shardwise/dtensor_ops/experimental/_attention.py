@@ -42,7 +42,7 @@ from shardwise.placement import Placement, Shard
 
 from .. import _collectives
 from .._dtensor import DTensor
-from ._cp_flex import DEFAULT_BLOCK_SIZE, MaskMod, cp_block_mask, gather_key_value
+from ._cp_flex import DEFAULT_BLOCK_SIZE, MaskMod, cp_block_mask, gather_key_value, gather_rows, padded_rows
 from ._cp_kernels import choose_kernel
 from ._cp_layout import (
     SequenceLayout,
@@ -261,8 +261,7 @@ def _piece_of_rank(rank: int, buffer: torch.Tensor, seq_dim: int, layout: Sequen
 
 def _padded_front(rank: int, piece: torch.Tensor, seq_dim: int, widest: int) -> torch.Tensor:
     """``piece`` with its sequence dim first, padded to ``widest`` tokens."""
-    front = piece.movedim(seq_dim, 0).contiguous()
-    return F.pad(front, (0, 0) * (front.dim() - 1) + (0, widest - front.size(0))) if widest > front.size(0) else front
+    return padded_rows(piece.movedim(seq_dim, 0).contiguous(), widest)
 
 
 def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, rows: tuple[SequenceLayout, ...], rank: int) -> torch.Tensor:
@@ -271,15 +270,10 @@ def _unshard(mesh: DeviceMesh, piece: torch.Tensor, seq_dim: int, rows: tuple[Se
     With one layout per batch row, row ``b`` (dim 0 of ``piece``) is put back in its own order.
     """
     layout = rows[0]
-    world_size = layout.world_size
     lengths = layout.local_lengths()
     widest = max(lengths)
     padded = on_each_rank(rank, _padded_front, piece, seq_dim, widest)
-    gathered = _collectives.wait(
-        _collectives.launch_all_gather(padded, world_size, _collectives.mesh_dim_group_name(mesh, 0))
-    )
-    pieces = [gathered[rank * widest : rank * widest + lengths[rank]] for rank in range(world_size)]
-    in_layout_order = torch.cat(pieces) if world_size > 1 else pieces[0]
+    in_layout_order = gather_rows(padded, lengths, _collectives.mesh_dim_group_name(mesh, 0))
     if len(rows) > 1 and seq_dim > 0:
         # Sequence first, then batch: row b's tokens are in_layout_order[:, b].
         restored_rows = [

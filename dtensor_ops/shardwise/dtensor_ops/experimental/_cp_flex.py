@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockM
 from .. import _collectives
 from ._cp_layout import SequenceLayout
 
-__all__ = ["cp_block_mask", "gather_key_value", "flex_cp_allgather", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["cp_block_mask", "gather_key_value", "gather_rows", "padded_rows", "sum_scatter_rows", "flex_cp_allgather", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = _DEFAULT_SPARSE_BLOCK_SIZE
 
@@ -108,8 +108,28 @@ def _unpack_rows(
     return key, value
 
 
-def _padded(rows: torch.Tensor, widest: int) -> torch.Tensor:
-    return F.pad(rows, (0, 0, 0, widest - rows.size(0))) if widest > rows.size(0) else rows
+def padded_rows(rows: torch.Tensor, widest: int) -> torch.Tensor:
+    """``rows`` zero-padded along dim 0 to ``widest`` (any number of trailing dims)."""
+    extra = widest - rows.size(0)
+    return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, extra)) if extra > 0 else rows
+
+
+def gather_rows(padded: torch.Tensor, lengths: Sequence[int], group_name: str) -> torch.Tensor:
+    """Every rank's rows along dim 0, in rank order, each trimmed to its length (``padded``: this rank's
+    rows padded to ``max(lengths)``): one all-gather."""
+    widest = max(lengths)
+    gathered = _collectives.wait(_collectives.launch_all_gather(padded.contiguous(), len(lengths), group_name))
+    pieces = [gathered[rank * widest : rank * widest + length] for rank, length in enumerate(lengths)]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def sum_scatter_rows(rows: torch.Tensor, lengths: Sequence[int], group_name: str) -> torch.Tensor:
+    """The inverse of :func:`gather_rows` for gradients: rank ``r`` gets the sum over ranks of rows
+    ``[offset_r, offset_r + lengths[r])`` (padded to the widest): one reduce-scatter."""
+    widest = max(lengths)
+    offsets = [sum(lengths[:rank]) for rank in range(len(lengths))]
+    blocks = [padded_rows(rows[offset : offset + length], widest) for offset, length in zip(offsets, lengths)]
+    return _collectives.wait(_collectives.launch_reduce_scatter(torch.cat(blocks).contiguous(), "sum", len(lengths), group_name))
 
 
 class _GatherKeyValue(torch.autograd.Function):
@@ -119,32 +139,23 @@ class _GatherKeyValue(torch.autograd.Function):
     def forward(
         ctx: Any, key: torch.Tensor, value: torch.Tensor, seq_dim: int, group_name: str, lengths: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        world_size, widest = len(lengths), max(lengths)
         ctx.seq_dim, ctx.group_name, ctx.lengths = seq_dim, group_name, lengths
         ctx.local_length = key.size(seq_dim)
         ctx.key_rest, ctx.value_rest = _rest_of(key.shape, seq_dim), _rest_of(value.shape, seq_dim)
-        packed = _padded(_pack_rows(key, value, seq_dim), widest).contiguous()
-        gathered = _collectives.wait(_collectives.launch_all_gather(packed, world_size, group_name))
-        pieces = [gathered[rank * widest : rank * widest + length] for rank, length in enumerate(lengths)]
-        in_layout_order = torch.cat(pieces) if world_size > 1 else pieces[0]
-        return _unpack_rows(in_layout_order, ctx.key_rest, ctx.value_rest, seq_dim)
+        packed = padded_rows(_pack_rows(key, value, seq_dim), max(lengths))
+        return _unpack_rows(gather_rows(packed, lengths, group_name), ctx.key_rest, ctx.value_rest, seq_dim)
 
     @staticmethod
     def backward(ctx: Any, grad_key: torch.Tensor | None, grad_value: torch.Tensor | None) -> tuple[Any, ...]:
         lengths, seq_dim = ctx.lengths, ctx.seq_dim
-        world_size, widest, total = len(lengths), max(lengths), sum(lengths)
+        total = sum(lengths)
         known = grad_key if grad_key is not None else grad_value
         assert known is not None  # autograd calls backward only when some output has a gradient
         if grad_key is None:
             grad_key = known.new_zeros((total, *ctx.key_rest)).movedim(0, seq_dim)
         if grad_value is None:
             grad_value = known.new_zeros((total, *ctx.value_rest)).movedim(0, seq_dim)
-        packed = _pack_rows(grad_key, grad_value, seq_dim)
-        offsets = [sum(lengths[:rank]) for rank in range(world_size)]
-        blocks = [_padded(packed[offset : offset + length], widest) for offset, length in zip(offsets, lengths)]
-        summed = _collectives.wait(
-            _collectives.launch_reduce_scatter(torch.cat(blocks).contiguous(), "sum", world_size, ctx.group_name)
-        )
+        summed = sum_scatter_rows(_pack_rows(grad_key, grad_value, seq_dim), lengths, ctx.group_name)
         key_grad, value_grad = _unpack_rows(summed[: ctx.local_length], ctx.key_rest, ctx.value_rest, seq_dim)
         return key_grad, value_grad, None, None, None
 
@@ -193,8 +204,7 @@ def flex_cp_allgather_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     world_size = _group_size(pg_name)
     length = grad_key.size(seq_dim) // world_size
-    packed = _pack_rows(grad_key, grad_value, seq_dim).contiguous()
-    summed = _collectives.wait(_collectives.launch_reduce_scatter(packed, "sum", world_size, pg_name))
+    summed = sum_scatter_rows(_pack_rows(grad_key, grad_value, seq_dim), (length,) * world_size, pg_name)
     key_grad, value_grad = _unpack_rows(summed[:length], _rest_of(grad_key.shape, seq_dim), _rest_of(grad_value.shape, seq_dim), seq_dim)
     return key_grad.contiguous(), value_grad.contiguous()
 

@@ -84,10 +84,7 @@ class SequenceLayout:
                 )
             runs: list[Segment] = []
             for position in positions:
-                if runs and runs[-1][1] == position:
-                    runs[-1] = (runs[-1][0], position + 1)
-                else:
-                    runs.append((position, position + 1))
+                _append_run(runs, position, position + 1)
             segments.append(tuple(runs))
         return SequenceLayout(len(order), tuple(segments))
 
@@ -187,10 +184,7 @@ class _HeadTailLoadBalancer(_LoadBalancer):
         self.device = device
 
     def _generate_indices(self, restore: bool = False) -> torch.Tensor:
-        order = torch.tensor(head_tail_layout(self.seq_length, self.world_size).order(), dtype=torch.long, device=self.device)
-        if restore:
-            order = torch.argsort(order)
-        return order.unsqueeze(0)
+        return _indices_of_rows(self._row_layouts(), restore, self.device)
 
     def _rank_lengths(self) -> tuple[int, ...]:
         return head_tail_layout(self.seq_length, self.world_size).local_lengths()
