@@ -298,21 +298,40 @@ def test_timeout_comes_from_argument_then_environment_then_default(monkeypatch: 
         resolve_timeout(None)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_nccl_runs_with_one_gpu_per_rank_or_skips(world_size: int) -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_nccl_runs_with_one_gpu_per_rank_else_shares_the_gpus_over_gloo(world_size: int) -> None:
+    if not torch.cuda.is_available():
         with pytest.raises(pytest.skip.Exception, match="nccl"):
             run_on_ranks(nccl_all_reduce, world_size=world_size, backend="nccl")
         return
+    gpus = torch.cuda.device_count()
+    expected_backend = "nccl" if gpus >= world_size else "gloo"
     assert run_on_ranks(nccl_all_reduce, world_size=world_size, backend="nccl") == [
-        (rank, float(world_size)) for rank in range(world_size)
+        (rank % gpus, float(world_size), expected_backend) for rank in range(world_size)
     ]
 
 
-def nccl_all_reduce() -> tuple[int, float]:
+def test_a_test_asking_for_nccl_gets_the_pool_the_gpus_allow(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.testing import _multi_rank
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv(_multi_rank.SHARE_GPUS_ENV_VAR, raising=False)
+    assert _multi_rank._pool_backend_for("nccl", 2) == "nccl"
+    assert _multi_rank._pool_backend_for("nccl", 4) == _multi_rank.SHARED_GPU_POOL
+    assert _multi_rank._pool_backend_for("gloo", 4) == "gloo"
+    monkeypatch.setenv(_multi_rank.SHARE_GPUS_ENV_VAR, "0")
+    with pytest.raises(pytest.skip.Exception, match="needs one GPU per rank: world_size=4 but 2 GPUs"):
+        _multi_rank._pool_backend_for("nccl", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="needs CUDA"):
+        _multi_rank._pool_backend_for("nccl", 1)
+
+
+def nccl_all_reduce() -> tuple[int, float, str]:
     ones = torch.ones(2, device="cuda")
     dist.all_reduce(ones)
-    return torch.cuda.current_device(), ones[0].item()
+    return torch.cuda.current_device(), ones[0].item(), str(dist.get_backend())
 
 
 SOURCE_OF_A_MODULE_PYTEST_IMPORTED_UNDER_ITS_OWN_NAME = """

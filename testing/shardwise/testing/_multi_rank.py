@@ -29,6 +29,9 @@ def _default_world_size() -> int:
 
 DEFAULT_WORLD_SIZE = _default_world_size()
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+# A pool whose ranks share the visible GPUs round-robin over gloo (rank % GPU count); see _pool_backend_for.
+SHARED_GPU_POOL = protocol.SHARED_GPU_POOL
+SHARE_GPUS_ENV_VAR = "SHARDWISE_TEST_SHARE_GPUS"
 # Every time limit lives in _timeouts (what a hang is, how limits scale); these names stay importable.
 DEFAULT_TIMEOUT_S = _timeouts.DEFAULT_STALL_S
 TIMEOUT_ENV_VAR = _timeouts.TIMEOUT_ENV_VAR
@@ -65,16 +68,28 @@ def _skip(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _skip_unless_gpus_for(backend: str, world_size: int) -> None:
+def _pool_backend_for(backend: str, world_size: int) -> str:
+    """The pool that runs a test asking for ``backend`` on ``world_size`` ranks (skips when none can).
+
+    NCCL needs one GPU per rank. With fewer GPUs (at least one) the ranks share them over gloo, CUDA
+    tensors and all (``SHARED_GPU_POOL``): the same CUDA kernels, gloo's transport, so a one-GPU
+    machine runs the GPU tests. ``$SHARDWISE_TEST_SHARE_GPUS=0`` skips such tests instead.
+    """
     if backend != "nccl":
-        return
+        return backend
     import torch
 
     if not torch.cuda.is_available():
         _skip(f"backend 'nccl' needs CUDA, which is not available (world_size={world_size})")
     available = torch.cuda.device_count()
-    if available < world_size:
-        _skip(f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {available} GPUs are visible")
+    if available >= world_size:
+        return backend
+    if os.environ.get(SHARE_GPUS_ENV_VAR, "1").strip() == "0":
+        _skip(
+            f"backend 'nccl' needs one GPU per rank: world_size={world_size} but {available} GPUs are visible "
+            f"(${SHARE_GPUS_ENV_VAR}=0: not sharing them over gloo)"
+        )
+    return SHARED_GPU_POOL
 
 
 def _module_name_for_ranks(module_name: str) -> str:
@@ -131,7 +146,8 @@ def run_on_ranks(
     """Run the module-level ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     Every rank has a fresh default process group (``backend`` "gloo" on CPU when None, or "nccl"
-    with one GPU per rank) for the duration of the call. Raises ``MultiRankError`` naming the
+    with one GPU per rank; with fewer GPUs than ranks, gloo with the ranks sharing the GPUs) for the
+    duration of the call. Raises ``MultiRankError`` naming the
     ranks that raised (with the first one's traceback), died, or made no progress (no CPU used by
     any rank or a process it started) for ``timeout`` seconds (default: $SHARDWISE_TEST_TIMEOUT,
     else 120 s; both times $SHARDWISE_TEST_TIMEOUT_SCALE); see ``shardwise.testing._timeouts``.
@@ -142,8 +158,7 @@ def run_on_ranks(
     timeout_s = resolve_timeout(timeout)
     reference = function_ref(fn)
     payload = pickle_call(args, kwargs, reference.describe())
-    _skip_unless_gpus_for(resolved_backend, world_size)
-    pool = get_pool(world_size, resolved_backend, _timeouts.startup_seconds(timeout_s))
+    pool = get_pool(world_size, _pool_backend_for(resolved_backend, world_size), _timeouts.startup_seconds(timeout_s))
     results = pool.run(reference, payload, timeout_s=timeout_s, description=reference.describe())
     skip_reasons = {result.skip_reason for result in results if result.skip_reason is not None}
     if skip_reasons:

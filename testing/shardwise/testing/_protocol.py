@@ -16,6 +16,9 @@ _LENGTH_PREFIX = struct.Struct("!Q")
 ENV_RANK = "SHARDWISE_RANK"
 ENV_WORLD_SIZE = "SHARDWISE_WORLD_SIZE"
 ENV_BACKEND = "SHARDWISE_BACKEND"
+# ENV_BACKEND's value for a pool whose ranks share the visible GPUs over gloo (CUDA tensors, rank % GPU count).
+SHARED_GPU_POOL = "gloo-shared-gpu"
+
 ENV_CONTROL_FD = "SHARDWISE_CONTROL_FD"
 ENV_STORE_HOST = "SHARDWISE_STORE_HOST"
 ENV_STORE_PORT = "SHARDWISE_STORE_PORT"
@@ -23,6 +26,11 @@ ENV_STARTUP_TIMEOUT = "SHARDWISE_STARTUP_TIMEOUT"
 # Comma-separated names of the variables the pool sets for a rank; they win over the test
 # process's environment, which every task otherwise carries to the ranks.
 ENV_RANK_VARIABLES = "SHARDWISE_RANK_VARIABLES"
+
+
+def process_group_backend(pool_backend: str) -> str:
+    """The c10d backend a pool's ranks start their default groups with."""
+    return "gloo" if pool_backend == SHARED_GPU_POOL else pool_backend
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def reinit_default_group(backend: str | None = None) -> None:
     _reinit_count += 1
     dist = worker.dist
     dist.init_process_group(
-        backend or worker.backend,
+        backend or worker.process_group_backend,
         store=dist.PrefixStore(f"{task.store_prefix}reinit-{_reinit_count}/", worker.store),
         rank=worker.rank,
         world_size=worker.world_size,
@@ -165,6 +165,7 @@ class _Worker:
         self.rank = int(os.environ[protocol.ENV_RANK])
         self.world_size = int(os.environ[protocol.ENV_WORLD_SIZE])
         self.backend = os.environ[protocol.ENV_BACKEND]
+        self.process_group_backend = protocol.process_group_backend(self.backend)
         self.control = socket.socket(fileno=int(os.environ[protocol.ENV_CONTROL_FD]))
 
         import torch
@@ -180,6 +181,8 @@ class _Worker:
             pass
         if self.backend == "nccl":
             torch.cuda.set_device(self.rank)
+        elif self.backend == protocol.SHARED_GPU_POOL:
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         startup_timeout = float(os.environ[protocol.ENV_STARTUP_TIMEOUT])
         self.store = dist.TCPStore(
             os.environ[protocol.ENV_STORE_HOST],
@@ -259,7 +262,7 @@ class _Worker:
             body = resolve_function(task.function)
             args, kwargs = pickle.loads(task.call_payload)
             dist.init_process_group(
-                self.backend,
+                self.process_group_backend,
                 store=dist.PrefixStore(task.store_prefix, self.store),
                 rank=self.rank,
                 world_size=self.world_size,
