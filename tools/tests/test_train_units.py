@@ -69,6 +69,8 @@ def test_default_tolerances_follow_the_dtype() -> None:
         (["--nnodes", "2"], "--rdzv-endpoint"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2"),
         (["--compile-backend", "tvm"], "--compile-backend"),
+        (["--backend", "nccl"], "--backend nccl needs --device cuda"),
+        (["--device", "cuda"], "--device cuda needs --dtype float32"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(
@@ -78,6 +80,15 @@ def test_bad_flags_exit_with_a_message_naming_the_flag(
         parse_config(argv)
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_backend_follows_the_device_unless_named() -> None:
+    assert TrainConfig().process_group_backend == "gloo" and not TrainConfig().shares_gpus
+    assert TrainConfig(device="cuda", dtype="float32").process_group_backend == "nccl"
+    # gloo on cuda: CUDA tensors over gloo, ranks sharing the GPUs (one GPU runs every rank).
+    shared = TrainConfig(device="cuda", dtype="float32", backend="gloo")
+    assert shared.process_group_backend == "gloo" and shared.shares_gpus
+    assert parse_config(shared.to_argv()) == shared
 
 
 def test_output_dir_defaults_to_where_bazel_run_was_typed(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:

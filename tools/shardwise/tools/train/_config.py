@@ -14,6 +14,8 @@ __all__ = ["TrainConfig", "ConfigError", "build_parser", "parse_config", "defaul
 DEFAULT_OUTPUT_FOLDER = "shardwise_train_out"
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("cpu", "cuda")
+# "auto": gloo on cpu, NCCL on cuda (one GPU per rank); "gloo" on cuda: ranks share the GPUs round-robin.
+BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = ("float64", "float32")
 MODELS = ("transformer", "llama")
 PLANS = ("manual", "auto")
@@ -66,6 +68,7 @@ class TrainConfig:
     foreach: bool = True
     clip_grad_norm: float = 1.0
     device: str = "cpu"
+    backend: str = "auto"  # the process group's backend; see BACKENDS
     dtype: str = "float64"
     nnodes: int = 1
     node_rank: int = 0
@@ -78,6 +81,18 @@ class TrainConfig:
     parity_atol: float | None = None
     compile: bool = False  # forward and loss under torch.compile(fullgraph=True)
     compile_backend: str = "inductor"
+
+    @property
+    def process_group_backend(self) -> str:
+        """The c10d backend the ranks start: "auto" resolved by device."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether ranks may share a GPU (gloo moves CUDA tensors from a shared device; NCCL needs one each)."""
+        return self.device == "cuda" and self.process_group_backend == "gloo"
 
     @property
     def world_size(self) -> int:
@@ -226,6 +241,17 @@ class TrainConfig:
             raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device {self.device!r}: expected one of {', '.join(DEVICES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ConfigError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
+        if self.device == "cuda" and self.dtype == "float64":
+            # No fused CUDA attention kernel takes float64: torch runs its composite math attention, whose
+            # causal mask is a plain tensor made inside the op, and DTensor refuses mixing it (PyTorch's too).
+            raise ConfigError(
+                "--device cuda needs --dtype float32: float64 attention on CUDA runs torch's math fallback, whose "
+                "causal mask is a plain tensor that DTensors cannot mix with (the fused kernels take float32)"
+            )
         if self.world_size % self.nnodes != 0:
             raise ConfigError(
                 f"--nnodes {self.nnodes} must divide the world size --tp x --dp x --cp = {self.world_size}: "
@@ -322,7 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parallel.add_argument(
         "--device", choices=DEVICES, default=defaults.device,
-        help="cpu: gloo; cuda: NCCL, one GPU per rank",
+        help="cpu: gloo; cuda: NCCL, one GPU per rank (or --backend gloo to share fewer GPUs)",
+    )
+    parallel.add_argument(
+        "--backend", choices=BACKENDS, default=defaults.backend,
+        help="the process group's backend. auto: gloo on cpu, nccl on cuda; gloo with --device cuda: CUDA tensors "
+        "over gloo, the ranks sharing this machine's GPUs round-robin (local rank %% GPU count), so a machine with "
+        "one GPU runs any number of ranks",
     )
     training.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=defaults.compile,

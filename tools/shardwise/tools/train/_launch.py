@@ -40,10 +40,11 @@ def check_launch_environment(config: TrainConfig) -> None:
                 "--device cuda: CUDA is not available (no GPU visible, or this PyTorch is a CPU-only build: "
                 f"torch {torch.__version__}); use --device cpu"
             )
-        if torch.cuda.device_count() < config.nproc_per_node:
+        if not config.shares_gpus and torch.cuda.device_count() < config.nproc_per_node:
             raise ConfigError(
                 f"--device cuda: {config.nproc_per_node} ranks on this machine need one GPU each, but only "
-                f"{torch.cuda.device_count()} GPU(s) are visible; lower --tp or spread the ranks over --nnodes machines"
+                f"{torch.cuda.device_count()} GPU(s) are visible; lower --tp, spread the ranks over --nnodes machines, or "
+                "share the GPUs with --backend gloo"
             )
 
 

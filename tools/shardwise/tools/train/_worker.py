@@ -67,6 +67,11 @@ def _device_for_rank(config: TrainConfig, local_rank: int) -> torch.device:
         raise ConfigError(
             "--device cuda: CUDA is not available to this process (no GPU visible or a CPU-only PyTorch build)"
         )
+    if config.shares_gpus:
+        # gloo moves CUDA tensors through host memory, so ranks may share a device.
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             f"--device cuda: local rank {local_rank} needs GPU {local_rank}, but this machine shows "
@@ -122,8 +127,7 @@ def run_worker(config: TrainConfig) -> int:
             f"{config.world_size}; start {config.world_size} ranks in total (nproc-per-node x nnodes)"
         )
     device = _device_for_rank(config, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group(backend=config.process_group_backend, timeout=datetime.timedelta(minutes=5))
     try:
         status = _train_and_check(config, rank, world_size, device)
         # The other ranks wait for rank 0's reference run: no rank tears the group down while
