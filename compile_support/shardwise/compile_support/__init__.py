@@ -11,8 +11,9 @@ from __future__ import annotations
 from shardwise.dtensor_ops._extensions import installed_extensions
 
 from ._dtensor_ops_extension import install
+from ._registration import compile_refusal
 
-__all__ = ["install", "is_active"]
+__all__ = ["compile_refusal", "install", "is_active"]
 
 
 def is_active() -> bool:

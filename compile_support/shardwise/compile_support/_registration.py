@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -68,17 +69,35 @@ _MESH_MEMBERS = {
 
 
 _registered = False
+_refusal: str | None = None  # why this torch refused the opaque types, if it did
 
 
 def register_opaque_types() -> None:
     """Register placements and ``DeviceMesh`` with torch.compile (once per process)."""
-    global _registered
+    global _registered, _refusal
     if _registered:
         return
-    for cls, members in _PLACEMENT_MEMBERS.items():
-        register_opaque_type(cls, typ="value", members=members)
-    register_opaque_type(DeviceMesh, typ="value", members=_MESH_MEMBERS)
     _registered = True
+    try:
+        for cls, members in _PLACEMENT_MEMBERS.items():
+            register_opaque_type(cls, typ="value", members=members)
+        register_opaque_type(DeviceMesh, typ="value", members=_MESH_MEMBERS)
+    except TypeError as refusal:
+        _refusal = str(refusal)
+        # torch before 2.13 (2.11 on the GPU image) takes value types only as subclasses of its
+        # OpaqueBase. Eager DTensor needs none of this: say what is lost instead of failing the import.
+        warnings.warn(
+            f"shardwise.compile_support: torch {torch.__version__} refuses placements and DeviceMesh as opaque "
+            f"value types ({refusal}); torch.compile of functions that read them may fail. Use torch 2.13.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def compile_refusal() -> str | None:
+    """Why torch.compile cannot trace shardwise's placements and meshes on this torch (None: it can)."""
+    register_opaque_types()
+    return None if _refusal is None else f"torch {torch.__version__} refuses them as opaque value types (torch 2.13 takes them)"
 
 
 # The conversions dynamo writes into the graph as calls instead of tracing their bodies.

@@ -1315,7 +1315,10 @@ def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
     by that problem: retracing, or another spec with the same example sizes, searches no more. One-dim
     steps only (a joint step's cost looks at every rank's piece).
     """
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch before 2.13 (the GPU image's 2.11) names it hint_int
+        from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint  # type: ignore[attr-defined,no-redef]
 
     global_shape = check_redistribute_specs(src, dst)
     example_shape = tuple(int(optimization_hint(size)) for size in global_shape)

@@ -153,8 +153,10 @@ ELEMENT_OPS[aten._foreach_copy_.default] = ElementOp(aten.copy_.default)
 ELEMENT_OPS[aten._foreach_copy.default] = ElementOp(aten.copy_.default)
 ELEMENT_OPS[aten._foreach_zero_.default] = ElementOp(aten.zero_.default)
 ELEMENT_OPS[aten._foreach_zero.default] = ElementOp(aten.zero_.default)
-ELEMENT_OPS[aten._foreach_clone.default] = ElementOp(aten.clone.default)
-ELEMENT_OPS[aten._foreach_mm.default] = ElementOp(aten.mm.default)
+# New in torch 2.13 (the GPU image's torch 2.11 has neither): registered where this torch has them.
+for _name, _element in (("_foreach_clone", aten.clone.default), ("_foreach_mm", aten.mm.default)):
+    if hasattr(aten, _name):
+        ELEMENT_OPS[getattr(aten, _name).default] = ElementOp(_element)
 ELEMENT_OPS[aten._foreach_max.default] = ElementOp(aten.max.default)
 
 
