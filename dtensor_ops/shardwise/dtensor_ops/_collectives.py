@@ -104,13 +104,40 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...]:
     return tuple(mesh_dim_group_name(mesh, mesh_dim) for mesh_dim in range(len(mesh.shape)))
 
 
-def _as_real_collective(tensor: torch.Tensor, launch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+# Marks a collective's result that went through host memory and was waited there (see _as_real_collective).
+_ARRIVED = "_shardwise_arrived"
+
+
+def _gloo_moves_cuda(tensor: torch.Tensor, group_name: str) -> bool:
+    """Whether ``tensor`` is a CUDA tensor that ``group_name``'s group would hand to gloo.
+
+    Ranks sharing a GPU run their CUDA tensors over gloo (shardwise.testing's shared-GPU pool, the
+    trainer's ``--backend gloo``). Gloo's CUDA support is partial: ``all_gather_into_tensor`` on CUDA
+    tensors crashes the process (SIGSEGV, torch 2.11 on an H200; pytorch#152645), so such tensors
+    travel through host memory instead. CPU tensors return at the first test.
+    """
+    if not tensor.is_cuda:
+        return False
+    try:
+        group = dist.distributed_c10d._resolve_process_group(cast(Any, group_name))  # a GroupName on torch 2.13
+        backend = group._get_backend(tensor.device)
+    except (RuntimeError, ValueError, AttributeError, KeyError):
+        return False  # no real process group (simulated or fake ranks)
+    return type(backend).__name__ == "ProcessGroupGloo"
+
+
+def _as_real_collective(tensor: torch.Tensor, group_name: str, launch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``launch`` on ``tensor``; a complex tensor travels as its real view (gloo has no complex types).
 
     Every collective here works on dim-0 pieces or elementwise sums, which the trailing (real, imag)
     dim of ``view_as_real`` leaves intact. The complex result is waited here (a view of an unwaited
-    result could be read before its collective ends); waiting on it again is a no-op.
+    result could be read before its collective ends); waiting on it again is a no-op. A CUDA tensor
+    bound for gloo runs on a host copy, waited, and comes back (see ``_gloo_moves_cuda``).
     """
+    if _gloo_moves_cuda(tensor, group_name):
+        arrived = wait(_as_real_collective(tensor.cpu(), group_name, launch)).to(tensor.device)
+        setattr(arrived, _ARRIVED, True)  # waited already: the caller's wait() is a no-op
+        return arrived
     if not tensor.is_complex():
         return launch(tensor.contiguous())
     received = wait(launch(torch.view_as_real(tensor.contiguous())))
@@ -119,19 +146,19 @@ def _as_real_collective(tensor: torch.Tensor, launch: Callable[[torch.Tensor], t
 
 def launch_all_gather(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every group member's ``tensor`` along dim 0 (unwaited)."""
-    return _as_real_collective(tensor, lambda t: _functional.all_gather_into_tensor(t, group_size, group_name))
+    return _as_real_collective(tensor, group_name, lambda t: _functional.all_gather_into_tensor(t, group_size, group_name))
 
 
 def launch_reduce_scatter(tensor: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
     """Reduce ``tensor`` over the group and keep this member's equal dim-0 piece (unwaited)."""
     kind = c10d_reduce_op(reduce_op)
-    return _as_real_collective(tensor, lambda t: _functional.reduce_scatter_tensor(t, kind, group_size, group_name))
+    return _as_real_collective(tensor, group_name, lambda t: _functional.reduce_scatter_tensor(t, kind, group_size, group_name))
 
 
 def launch_all_reduce(tensor: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     """Reduce ``tensor`` over the group; every member gets the result (unwaited)."""
     kind = c10d_reduce_op(reduce_op)
-    return _as_real_collective(tensor, lambda t: _functional.all_reduce(t, kind, group_name))
+    return _as_real_collective(tensor, group_name, lambda t: _functional.all_reduce(t, kind, group_name))
 
 
 def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -141,7 +168,7 @@ def launch_all_to_all(tensor: torch.Tensor, group_size: int, group_name: str) ->
     """
     piece = tensor.size(0) // group_size
     splits = [piece] * group_size
-    return _as_real_collective(tensor, lambda t: _functional.all_to_all_single(t, splits, splits, group_name))
+    return _as_real_collective(tensor, group_name, lambda t: _functional.all_to_all_single(t, splits, splits, group_name))
 
 
 def launch_all_to_all_exact(
@@ -153,7 +180,7 @@ def launch_all_to_all_exact(
     of any sizes, so nothing is padded.
     """
     outputs, inputs = list(output_splits), list(input_splits)
-    return _as_real_collective(flat, lambda t: _functional.all_to_all_single(t, outputs, inputs, group_name))
+    return _as_real_collective(flat, group_name, lambda t: _functional.all_to_all_single(t, outputs, inputs, group_name))
 
 
 # -- one-round reduce-scatter and all-gather (opt-in, gloo) ---------------------------------------------
@@ -216,6 +243,8 @@ def launch_all_gather_one_round(tensor: torch.Tensor, group_size: int, group_nam
 
 def wait(tensor: torch.Tensor) -> torch.Tensor:
     """Wait for the collective that produces ``tensor``."""
+    if getattr(tensor, _ARRIVED, False):
+        return tensor
     return _functional.wait_tensor(tensor)
 
 
@@ -238,8 +267,11 @@ def _from_wire(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def broadcast_along_mesh_dim(tensor: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, src: int) -> torch.Tensor:
     """``tensor`` of the rank at index ``src`` along ``mesh_dim``, on every rank of that group."""
+    group_name = mesh_dim_group_name(mesh, mesh_dim)
+    if _gloo_moves_cuda(tensor, group_name):
+        return broadcast_along_mesh_dim(tensor.cpu(), mesh, mesh_dim, src).to(tensor.device)
     wire = _to_wire(tensor.contiguous())
-    received = wait(_functional.broadcast.default(wire, src, mesh_dim_group_name(mesh, mesh_dim)))
+    received = wait(_functional.broadcast.default(wire, src, group_name))
     return _from_wire(received, tensor.dtype)
 
 
@@ -259,6 +291,8 @@ def scatter_along_mesh_dim(
     sizes = chunk_sizes(dim_size, group_size)
     if group_size == 1:
         return tensor.contiguous()
+    if _gloo_moves_cuda(tensor, mesh_dim_group_name(mesh, mesh_dim)):
+        return scatter_along_mesh_dim(tensor.cpu(), mesh, mesh_dim, tensor_dim, src, my_index).to(tensor.device)
     largest = sizes[0]
     # Move the split dim to the front so every piece is one contiguous run of elements.
     front = _to_wire(tensor.movedim(tensor_dim, 0).contiguous())
@@ -287,11 +321,7 @@ def all_gather_rows_over_mesh(mesh: DeviceMesh, row: Sequence[int]) -> torch.Ten
     for mesh_dim in reversed(range(mesh.ndim)):
         group_size = mesh.shape[mesh_dim]
         if group_size > 1:
-            table = wait(
-                _functional.all_gather_into_tensor.default(
-                    table.contiguous(), group_size, mesh_dim_group_name(mesh, mesh_dim)
-                )
-            )
+            table = wait(launch_all_gather(table, group_size, mesh_dim_group_name(mesh, mesh_dim)))
     return table.reshape(*mesh.shape, len(row)).cpu()
 
 
