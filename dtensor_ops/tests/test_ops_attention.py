@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Placement, Replicate, Shard, distribute_tensor
+from shardwise.dtensor_ops._decision_pipeline import propagate_op_sharding
 from shardwise.dtensor_ops._ops import rule_for
 from shardwise.dtensor_ops._propagation import run_on_meta as _run_on_meta
 from shardwise.dtensor_ops.debug import CommDebugMode
@@ -298,3 +299,71 @@ class AttentionBlockTest(DTensorOpTestBase):
 @multi_rank(world_size=4)
 def test_attention_block_on_processes() -> None:
     check_attention_block(DeviceMesh("cpu", list(range(dist.get_world_size()))))
+
+
+# -- CUDA kernels: decided on every machine, run by test_tp_sdpa_gpu.py on a GPU ----------------------------
+
+CUDA_KERNELS = {
+    # forward op, its positional arguments after q/k/v, its backward op
+    "flash": (aten._scaled_dot_product_flash_attention.default, (0.0, True), aten._scaled_dot_product_flash_attention_backward.default),
+    "efficient": (aten._scaled_dot_product_efficient_attention.default, (None, True, 0.0, True), aten._scaled_dot_product_efficient_attention_backward.default),
+    "cudnn": (aten._scaled_dot_product_cudnn_attention.default, (None, True, 0.0, True), aten._scaled_dot_product_cudnn_attention_backward.default),
+}
+
+
+def _placed(tensor: torch.Tensor | None, mesh: FakeMesh, placement: Placement) -> DTensorSpec[Any] | None:
+    if tensor is None:
+        return None
+    return DTensorSpec(mesh, (placement,), TensorMeta(tensor.shape, tuple(tensor.stride()), tensor.dtype))
+
+
+def _backward_args(kernel: str, q: torch.Tensor, forward_results: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The backward's arguments as autograd passes them (meta tensors), from the forward's results."""
+    out, lse = forward_results[0], forward_results[1]
+    if kernel == "flash":
+        _, _, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = forward_results
+        return (out, q, q, q, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused)
+    if kernel == "efficient":
+        seed, offset = forward_results[2], forward_results[3]
+        return (out, q, q, q, None, out, lse, seed, offset, 0.0, [True, True, True, False], True)
+    seed, offset = forward_results[6], forward_results[7]
+    return (out, q, q, q, out, lse, seed, offset, None, None, None, q.shape[2], q.shape[2], 0.0, True)
+
+
+@pytest.mark.parametrize("kernel", sorted(CUDA_KERNELS))
+def test_cuda_kernels_run_head_and_batch_sharded_without_communication(kernel: str) -> None:
+    forward, rest, backward = CUDA_KERNELS[kernel]
+    mesh = FakeMesh((4,), (1,))
+    q = torch.empty(4, 8, 16, 8, device="meta", dtype=torch.bfloat16)
+    results = forward(q, q, q, *rest)
+    for cut in (0, 1):
+        specs = tuple(_placed(q, mesh, Shard(cut)) for _ in range(3))
+        decision = propagate_op_sharding(forward, (*specs, *rest), {})
+        assert not decision.needs_redistribute, (kernel, cut)
+        assert isinstance(decision.output_specs, tuple)
+        outputs = decision.output_specs
+        assert outputs[0] is not None and outputs[0].placements == (Shard(cut),)
+        assert outputs[1] is not None and outputs[1].placements == (Shard(cut),), "logsumexp follows the cut"
+        for index, spec in enumerate(outputs[2:], 2):
+            assert spec is None or spec.placements == (Replicate(),), (kernel, index, spec)
+        # The backward, with the forward's results as autograd hands them back (bookkeeping replicated).
+        args = tuple(
+            _placed(arg, mesh, Shard(cut) if isinstance(arg, torch.Tensor) and arg.dim() >= 3 else Replicate())
+            if isinstance(arg, torch.Tensor) else arg
+            for arg in _backward_args(kernel, q, results)
+        )
+        grads = propagate_op_sharding(backward, args, {})
+        assert not grads.needs_redistribute, (kernel, cut)
+        assert isinstance(grads.output_specs, tuple)
+        assert [spec.placements for spec in grads.output_specs[:3] if spec is not None] == [(Shard(cut),)] * 3
+
+
+@pytest.mark.parametrize("kernel", sorted(CUDA_KERNELS))
+def test_cuda_kernels_gather_query_rows_first(kernel: str) -> None:
+    """Query rows are not a cut of the fused kernels (padded logsumexp, causal masks): they are gathered."""
+    forward, rest, _ = CUDA_KERNELS[kernel]
+    q = torch.empty(4, 8, 16, 8, device="meta", dtype=torch.bfloat16)
+    specs = tuple(_placed(q, FakeMesh((4,), (1,)), Shard(2)) for _ in range(3))
+    decision = propagate_op_sharding(forward, (*specs, *rest), {})
+    assert decision.needs_redistribute
+    assert all(spec.placements[0] != Shard(2) for spec in decision.input_specs)

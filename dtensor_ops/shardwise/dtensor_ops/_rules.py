@@ -31,6 +31,7 @@ __all__ = [
     "DecideFn",
     "LINEAR_REDUCE_OPS",
     "OneDimStrategy",
+    "StrategiesFn",
     "OpCall",
     "OutputMetaFn",
     "PlacementsPerTensor",

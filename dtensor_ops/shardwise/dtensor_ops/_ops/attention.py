@@ -1,4 +1,7 @@
-"""Attention: the CPU flash kernel of ``scaled_dot_product_attention``, forward and backward.
+"""Attention: the kernels of ``scaled_dot_product_attention``, forward and backward.
+
+CPU: the flash kernel below. CUDA: flash, memory-efficient and cuDNN attention (the section
+"CUDA kernels" at the end), cut by batch or heads.
 
 On CPU, ``F.scaled_dot_product_attention`` runs
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``)
@@ -50,6 +53,7 @@ from .._rules import (
     OpCall,
     PlacementsPerTensor,
     ShardingRule,
+    StrategiesFn,
     broadcast_input_placement,
     register_rule,
 )
@@ -103,14 +107,15 @@ class _Layout:
 
 def _grouped_heads_line_up(call: OpCall, layout: _Layout, inputs: PlacementsPerTensor) -> bool:
     """With fewer key/value heads than query heads, each rank's query heads must map onto its kv heads."""
-    query_heads, kv_heads = layout.query[1], layout.key[1]
+    return _heads_line_up(call, layout.query[1], layout.key[1], inputs[layout.qkv[0]])
+
+
+def _heads_line_up(call: OpCall, query_heads: int, kv_heads: int, query_placements: Sequence[Placement]) -> bool:
     if query_heads == kv_heads:
         return True  # identical chunking of identical extents
     mesh_shape = tuple(call.mesh.shape)
     shards = math.prod(
-        mesh_shape[mesh_dim]
-        for mesh_dim, placement in enumerate(inputs[layout.qkv[0]])
-        if placement == Shard(_HEAD_DIM)
+        mesh_shape[mesh_dim] for mesh_dim, placement in enumerate(query_placements) if placement == Shard(_HEAD_DIM)
     )
     return query_heads % shards == 0 and kv_heads % shards == 0
 
@@ -346,3 +351,98 @@ FLASH_ATTENTION_BACKWARD_RULE = ShardingRule(
 
 register_rule([_FLASH], FLASH_ATTENTION_RULE)
 register_rule([_FLASH_BACKWARD], FLASH_ATTENTION_BACKWARD_RULE)
+
+
+# ------------------------------------------------------------------------------------------- CUDA kernels
+#
+# ``F.scaled_dot_product_attention`` on CUDA runs one of three fused kernels (flash, memory-efficient,
+# cuDNN), each with its backward. Every (batch, head) pair is an independent problem for them too, so
+# they are cut by batch or by heads (tensor parallelism); the query rows are not cut (the memory-efficient
+# kernel pads its logsumexp's row dim to a multiple of 32, and a causal mask would shift). Their
+# bookkeeping results (sequence offsets, the RNG seed and offset that dropout used) are per call, not per
+# row: replicated. Output metadata comes from torch's meta kernels. Found missing by the first GPU run
+# (an H200): before, a TP model on CUDA stopped at "no sharding rule for _scaled_dot_product_*".
+
+
+@dataclass(frozen=True)
+class _FusedAttentionRoles:
+    """Which arguments and results of one CUDA attention kernel follow the batch/head cut."""
+
+    cut_arguments: tuple[str, ...]  # (batch, heads, ...) tensors: q, k, v, and grad_out, out, logsumexp
+    bias_argument: str | None  # the additive (or bool) mask, broadcast to (batch, heads, q_seq, kv_seq)
+    cut_results: tuple[int, ...]  # the results cut alike (output and logsumexp, or the gradients)
+    bias_result: int | None = None  # the bias gradient, laid out like the bias
+
+
+def _fused_attention_strategies(roles: _FusedAttentionRoles) -> StrategiesFn:
+    def strategies(call: OpCall) -> list[OneDimStrategy]:
+        names = [argument.name for argument in call.op._schema.arguments]
+
+        def rule_input(name: str) -> int | None:
+            position = names.index(name)
+            index = call.input_index_at(position)
+            return index if index is not None else call.input_index_at(name)
+
+        query, key = rule_input("query"), rule_input("key")
+        if query is None or key is None:
+            raise TypeError(f"{call.op}: query and key must be DTensors when attention runs on DTensors")
+        query_shape, key_shape = call.input_shape(query), call.input_shape(key)
+        scores = (query_shape[0], query_shape[1], query_shape[2], key_shape[2])
+        bias = None if roles.bias_argument is None else rule_input(roles.bias_argument)
+        result: list[OneDimStrategy] = []
+        for cut in (_BATCH_DIM, _HEAD_DIM):
+            inputs: list[Placement] = [Replicate()] * len(call.input_specs)
+            for name in roles.cut_arguments:
+                index = rule_input(name)
+                if index is not None:
+                    inputs[index] = Shard(cut)
+            bias_placement = None
+            if bias is not None:
+                bias_placement = broadcast_input_placement(scores, call.input_shape(bias), cut)
+                inputs[bias] = bias_placement
+            outputs: list[Placement | None] = []
+            for position, meta in enumerate(call.output_metas):
+                if meta is None:
+                    outputs.append(None)
+                elif position in roles.cut_results:
+                    outputs.append(Shard(cut))
+                elif position == roles.bias_result and bias_placement is not None:
+                    outputs.append(bias_placement)
+                else:
+                    outputs.append(Replicate())
+            result.append(OneDimStrategy(tuple(outputs), tuple(inputs)))
+        replicated_outputs = tuple(None if meta is None else Replicate() for meta in call.output_metas)
+        result.append(OneDimStrategy(replicated_outputs, (Replicate(),) * len(call.input_specs)))
+        return result
+
+    return strategies
+
+
+def _fused_attention_is_valid(
+    call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
+) -> bool:
+    names = [argument.name for argument in call.op._schema.arguments]
+    query = call.input_index_at(names.index("query"))
+    key = call.input_index_at(names.index("key"))
+    if query is None or key is None:
+        return True
+    return _heads_line_up(call, call.input_shape(query)[1], call.input_shape(key)[1], inputs[query])
+
+
+def _register_fused_attention(name: str, roles: _FusedAttentionRoles) -> None:
+    op = getattr(aten, name).default
+    rule = ShardingRule(family=name.lstrip("_"), one_dim_strategies=_fused_attention_strategies(roles), is_valid=_fused_attention_is_valid)
+    register_rule([op], rule)
+
+
+_FORWARD_ROLES = _FusedAttentionRoles(("query", "key", "value"), None, (0, 1))
+_register_fused_attention("_scaled_dot_product_flash_attention", _FORWARD_ROLES)
+_register_fused_attention("_scaled_dot_product_efficient_attention", _FusedAttentionRoles(("query", "key", "value"), "attn_bias", (0, 1)))
+_register_fused_attention("_scaled_dot_product_cudnn_attention", _FusedAttentionRoles(("query", "key", "value"), "attn_bias", (0, 1)))
+_BACKWARD_CUT = ("grad_out", "query", "key", "value", "out", "logsumexp")
+_register_fused_attention("_scaled_dot_product_flash_attention_backward", _FusedAttentionRoles(_BACKWARD_CUT, None, (0, 1, 2)))
+_register_fused_attention(
+    "_scaled_dot_product_efficient_attention_backward",
+    _FusedAttentionRoles(("grad_out_", *_BACKWARD_CUT[1:]), "attn_bias", (0, 1, 2), bias_result=3),
+)
+_register_fused_attention("_scaled_dot_product_cudnn_attention_backward", _FusedAttentionRoles(_BACKWARD_CUT, "attn_bias", (0, 1, 2)))
