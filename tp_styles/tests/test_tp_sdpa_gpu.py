@@ -9,8 +9,8 @@ with Transformer.parallelize (whole heads per rank, sequence parallel between bl
 single-GPU model's logits, loss and gradients, with exactly the forward collectives of the CPU run
 (an unsupported kernel or a kernel without a rule would show up as extra all-gathers or an error).
 
-Needs 4 GPUs (Bazel: tagged gpu, gpu-count=4); skips without CUDA and per kernel where the GPU has
-no such kernel for the dtype, with the reason.
+Bazel: tagged gpu, gpu-count=4 (with fewer GPUs the ranks share them over gloo). Skips without CUDA
+and per kernel where the GPU has no such kernel for the dtype, with the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from shardwise.dtensor_ops import DTensor, Replicate, init_device_mesh
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.testing import ModelArgs, Transformer, multi_rank
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, one GPU per rank)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 WORLD = 4
 KERNELS = {
@@ -93,6 +93,7 @@ def tp_matches_single_gpu(kernel: str, dtype: torch.dtype, device: str = "cuda")
         grad_errors[name] = (full(tp_param.grad).float() - ref_param.grad.float()).abs().max().item()
     return {
         "logits": (full(logits).float() - expected_logits.float()).abs().max().item(),
+        "logits_scale": expected_logits.float().abs().max().item(),
         "loss": abs(full(loss).item() - expected_loss.item()),
         "grad": max(grad_errors.values()),
         "worst_grad": max(grad_errors, key=lambda key: grad_errors[key]),
@@ -109,7 +110,10 @@ def test_tp_transformer_with_each_cuda_attention_kernel_matches_one_gpu(kernel: 
     if "skip" in result:
         pytest.skip(result["skip"])
     tolerance = 2e-4 if dtype == torch.float32 else 6e-2
-    assert result["logits"] < tolerance and result["loss"] < tolerance, result
+    # bfloat16 logits reach ~60 here, where one bf16 step is 0.25 (an H200 run saw exactly that): compare
+    # them in steps of their own magnitude (2 steps), the loss and gradients absolutely.
+    logits_tolerance = tolerance if dtype == torch.float32 else 2 * 2.0**-7 * result["logits_scale"]
+    assert result["logits"] <= logits_tolerance and result["loss"] < tolerance, result
     assert result["grad"] < 10 * tolerance, result
     assert result["local_device"].startswith("cuda"), result
     # SP Transformer forward, 2 blocks: per block one all-gather into attention and the MLP each and
