@@ -138,3 +138,42 @@ def test_async_result_with_nothing_left_to_do_is_torchs_pending_tensor() -> None
     pending = partial.redistribute(mesh, (Replicate(),), async_op=True).to_local()
     assert type(pending) is funcol.AsyncCollectiveTensor
     torch.testing.assert_close(pending * 1, torch.full((2, 2), 4.0))
+
+
+@multi_rank(world_size=4)
+def test_torch_debug_mode_records_each_redistribution_with_its_plan() -> None:
+    """torch's DebugMode shows a shardwise ``redistribute`` as it shows PyTorch's: the trace of the plan, [explicit]."""
+    from torch.utils._debug_mode import DebugMode
+
+    from shardwise.dtensor_ops import distribute_tensor
+    from shardwise.dtensor_ops._redistribution import debug_trace
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh["a", "b"]._flatten("a_b")
+    full = torch.arange(32.0).reshape(8, 4)
+    both = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
+    rows = distribute_tensor(full, mesh, [Shard(0), Replicate()])
+    replicated = [Replicate(), Replicate()]
+    with DebugMode(record_torchfunction=False) as debug_mode:
+        cut = rows.redistribute(mesh, [Shard(0), Shard(1)])
+        gathered = both.redistribute(mesh, replicated)
+    text = debug_mode.debug_string()
+    assert torch.equal(cut.full_tensor(), full) and torch.equal(gathered.to_local(), full)
+    # A local step on mesh dim 1 is "->" between the states, in mesh-dim order.
+    assert "redistribute_input [explicit] (t: f32[4, 4], trace: S(0)R->S(0)S(1))" in text, text
+    # Both dims in one collective over their flattened group would be "-->"; the trace is the plan run.
+    expected = debug_trace(both._spec, both._spec.with_placements(replicated))
+    assert expected.startswith("S(0)[0]S(0)[1]-") and expected.endswith("RR"), expected
+    assert f"redistribute_input [explicit] (t: f32[2, 4], trace: {expected})" in text, text
+
+
+def test_debug_trace_spells_joint_steps_with_a_double_arrow() -> None:
+    from shardwise.dtensor_ops._redistribution import debug_trace
+    from shardwise.testing import FakeMesh, priced_by
+
+    mesh = FakeMesh((2, 2))
+    meta = TensorMeta(torch.Size([8, 4]), (4, 1), torch.float32)
+    with priced_by("nccl"):
+        trace = debug_trace(DTensorSpec(mesh, (Shard(0), Shard(0)), meta), DTensorSpec(mesh, (Replicate(), Replicate()), meta))
+    assert trace in ("S(0)[0]S(0)[1]-->RR", "S(0)[0]S(0)[1]->S(0)R->RR"), trace
+    assert debug_trace(DTensorSpec(mesh, (Shard(0), Replicate()), meta), DTensorSpec(mesh, (Shard(0), Replicate()), meta)) == "S(0)R"

@@ -353,7 +353,9 @@ class _Redistribute(torch.autograd.Function):
             local = dtensor._local_tensor
             # A fresh alias so the output is a distinct autograd node from the input.
             return wrap_local_tensor(cls, local.view_as(local), source_spec)
-        local = redistribute_local_tensor(dtensor._local_tensor, source_spec, target_spec, async_op=async_op)
+        local = redistribute_local_tensor(
+            dtensor._local_tensor, source_spec, target_spec, async_op=async_op, is_explicit=True
+        )
         return wrap_local_tensor(cls, local, target_spec)
 
     @staticmethod

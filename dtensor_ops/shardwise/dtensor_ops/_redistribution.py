@@ -49,6 +49,7 @@ from shardwise.placement import (
     Replicate,
     Shard,
     TensorMeta,
+    _StridedShard,
     chunk_size_and_offset,
     compute_local_shape_and_global_offset,
     contiguous_strides,
@@ -58,6 +59,14 @@ from shardwise.placement import (
 )
 
 from shardwise.mesh import _simulation as simulation
+
+try:
+    from torch.utils._debug_mode import get_active_debug_mode as _active_debug_mode
+except ImportError:  # a torch without DebugMode records nothing
+
+    def _active_debug_mode() -> Any:  # type: ignore[misc]
+        return None
+
 
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
@@ -906,6 +915,7 @@ def redistribute_local_tensor(
     dst: DTensorSpec[Any],
     *,
     async_op: bool = False,
+    is_explicit: bool = False,
 ) -> torch.Tensor:
     """This rank's shard of the tensor laid out as ``dst``, given its shard ``local`` laid out as ``src``.
 
@@ -923,10 +933,47 @@ def redistribute_local_tensor(
     graph's wait is the compiler's to place.)  The result may share
     memory with ``local`` (a no-op plan returns ``local`` itself; a local chunk along dim
     0 is a view).
+
+    Under torch's ``DebugMode`` the call is recorded with the plan as its trace (see
+    :func:`debug_trace`); ``is_explicit``: the user asked for it (``DTensor.redistribute``), not an op.
     """
+    debug_mode = _active_debug_mode()
+    if debug_mode is None:
+        return _redistribute(local, src, dst, async_op)
+    with debug_mode.record_redistribute_calls(
+        local, src.placements, dst.placements, debug_trace(src, dst), is_explicit=is_explicit
+    ):
+        return _redistribute(local, src, dst, async_op)
+
+
+def debug_trace(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> str:
+    """The plan from ``src`` to ``dst`` as torch's DebugMode prints redistributions.
+
+    Every state in mesh-dim order (``S(0)[1]``: the second mesh dim to cut tensor dim 0), ``->``
+    between states for a step on one mesh dim, ``-->`` for a joint step (one collective over the
+    flattened group of several mesh dims), as ``DTensorRedistributePlanner.stringify_transform_infos``.
+    """
+    src_layout, dst_layout = src.as_layout_spec(), dst.as_layout_spec()
+    plan = plan_redistribute(src_layout, dst_layout) if src_layout != dst_layout else ()
+    states = plan_states(src_layout.placements, plan)
+
+    def spelled(placements: Sequence[Placement]) -> str:
+        order = DTensorSpec._maybe_convert_StridedShard_to_shard_order(placements, src.mesh)
+        if order is None:
+            return "".join(str(p) for p in placements)  # strided cuts that spell no order: as they are
+        plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
+        return DTensorSpec.format_shard_order_str(plain, order)
+
+    trace = [spelled(states[0])]
+    for step, state in zip(plan, states[1:]):
+        trace += ["-->" if step.joint else "->", spelled(state)]
+    return "".join(trace)
+
+
+def _redistribute(local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[Any], async_op: bool) -> torch.Tensor:
     if src.has_explicit_shard_order or dst.has_explicit_shard_order:
         # A shard order is a _StridedShard layout spelled another way: run that layout's redistribution.
-        return redistribute_local_tensor(local, src.as_layout_spec(), dst.as_layout_spec(), async_op=async_op)
+        return _redistribute(local, src.as_layout_spec(), dst.as_layout_spec(), async_op)
     view = simulation.simulated_view()
     if view is None:
         program = lookup(RANK_CACHES.programs, (src, dst))
