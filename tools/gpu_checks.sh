@@ -13,6 +13,8 @@
 # `--backend gloo`): the same CUDA kernels, gloo's transport. Needs python3 with torch (CUDA build),
 # pytest and pybind11; pytest-xdist and pytest-timeout when present. Writes only under OUTPUT_DIR and
 # its own temporary folder. Exits non-zero when any step failed; the summary is the last lines.
+# Knobs (environment): GPU_TESTS_SELECT (a pytest -k expression), GPU_TESTS_WORKERS (xdist workers, 4),
+# GPU_TEST_TIMEOUT_S (per test, 420), GPU_TESTS_TIMEOUT_S (all tests, 900), TRAINER_TIMEOUT_S (300), PYTHON.
 set -u
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
@@ -63,14 +65,9 @@ pytest_args=(-p no:cacheprovider -rA -v --junitxml="$out/gpu_tests.xml")
 "$python" -c 'import xdist' 2>/dev/null && pytest_args+=(-n "${GPU_TESTS_WORKERS:-4}" --dist loadfile)
 "$python" -c 'import pytest_timeout' 2>/dev/null && pytest_args+=(--timeout "${GPU_TEST_TIMEOUT_S:-420}")
 [ -z "${GPU_TESTS_SELECT:-}" ] || pytest_args+=(-k "$GPU_TESTS_SELECT")  # a pytest -k expression
+gpu_test_files=(*/tests/test_*_gpu.py)  # what Bazel tags gpu (tools/build_defs/defs.bzl)
 step "gpu-tagged tests" gpu_tests.log timeout "${GPU_TESTS_TIMEOUT_S:-900}" "$python" -m pytest "${pytest_args[@]}" \
-    dtensor_ops/tests/test_redistribute_nccl_gpu.py \
-    dtensor_ops/tests/test_random_gpu.py \
-    dtensor_ops/tests/test_context_parallel_gpu.py \
-    tp_styles/tests/test_tp_sdpa_gpu.py \
-    compile_support/tests/test_compile_inductor_gpu.py \
-    tools/tests/test_train_gpu.py \
-    testing/tests/test_harness.py::test_nccl_runs_with_one_gpu_per_rank_else_shares_the_gpus_over_gloo
+    "${gpu_test_files[@]}" testing/tests/test_harness.py::test_nccl_runs_with_one_gpu_per_rank_else_shares_the_gpus_over_gloo
 
 rm -rf "$scratch"
 tail -3 "$out/gpu_tests.log" 2>/dev/null
