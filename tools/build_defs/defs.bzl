@@ -46,7 +46,8 @@ def sw_pytest(name, src, deps = [], data = [], env = {}, tags = [], size = "smal
 def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = {}, tags = [], size = "medium", **kwargs):
     """A pytest file whose tests run on `world_size` ranks through shardwise.testing's pool.
 
-    gpu=True: NCCL with one GPU per rank. Tagged `gpu` (filtered out by default, run by
+    gpu=True: NCCL with one GPU per rank (with fewer GPUs, shardwise.testing runs the ranks on the
+    GPUs they share, over gloo). Tagged `gpu` (filtered out by default, run by
     --config=gpu, one at a time through its --local_test_jobs=1), and carries exec_properties
     asking a remote-execution pool (--config=remote) for a machine with `world_size` GPUs. Not
     `exclusive`: Bazel 4 runs exclusive tests locally only, so --config=remote could not send them
