@@ -58,7 +58,7 @@ gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/nul
 backend=()
 [ "${gpus:-0}" -ge 4 ] || backend=(--backend gloo)
 step "trainer on cuda (dp 2 x tp 2${backend:+, ranks sharing $gpus GPU(s) over gloo})" trainer.log \
-    timeout "${TRAINER_TIMEOUT_S:-300}" "$python" -m shardwise.tools.train --device cuda "${backend[@]}" --dtype float32 --dp 2 --tp 2 --steps 8 \
+    timeout "${TRAINER_TIMEOUT_S:-300}" "$python" -m shardwise.tools.train --device cuda "${backend[@]}" --dp 2 --tp 2 --steps 8 \
     --output-dir "$out/trainer"
 
 pytest_args=(-p no:cacheprovider -rA -v --junitxml="$out/gpu_tests.xml")

@@ -1,8 +1,9 @@
 """The demo trainer on CUDA: `--device cuda` with TP alone and FSDP x TP.
 
 Started as a user would (``python -m shardwise.tools.train --device cuda``; the launcher starts its
-ranks through torch.distributed.run), in float32 (the fused attention kernels take no float64), checked
-against the single-GPU plain-torch run with the trainer's float32 tolerances. The checkpoint and the plot go to this test's temporary directory.
+ranks through torch.distributed.run). ``--dtype auto`` trains in float32 on cuda (the fused attention
+kernels take no float64), checked against the single-GPU plain-torch run with the trainer's float32
+tolerances. The checkpoint and the plot go to this test's temporary directory.
 
 With 4 GPUs the ranks run NCCL, one GPU each (Bazel: tagged gpu, gpu-count=4). With 1 to 3 GPUs they
 share them over gloo with CUDA tensors (``--backend gloo``): the same CUDA kernels, gloo's transport.
@@ -24,7 +25,7 @@ import torch
 from shardwise.compile_support import compile_refusal
 
 WORLD = 4
-TINY_MODEL = ["--dtype", "float32", "--steps", "6", "--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--batch-size", "4"]
+TINY_MODEL = ["--steps", "6", "--dim", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16", "--batch-size", "4"]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -70,7 +70,7 @@ def test_default_tolerances_follow_the_dtype() -> None:
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2"),
         (["--compile-backend", "tvm"], "--compile-backend"),
         (["--backend", "nccl"], "--backend nccl needs --device cuda"),
-        (["--device", "cuda"], "--device cuda needs --dtype float32"),
+        (["--device", "cuda", "--dtype", "float64"], "--device cuda takes --dtype float32 (or auto)"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(
@@ -84,7 +84,10 @@ def test_bad_flags_exit_with_a_message_naming_the_flag(
 
 def test_backend_follows_the_device_unless_named() -> None:
     assert TrainConfig().process_group_backend == "gloo" and not TrainConfig().shares_gpus
-    assert TrainConfig(device="cuda", dtype="float32").process_group_backend == "nccl"
+    assert TrainConfig(device="cuda").process_group_backend == "nccl"
+    # dtype auto: float64 on cpu, float32 on cuda (the fused attention kernels); named, it is kept.
+    assert TrainConfig().training_dtype == "float64" and TrainConfig(device="cuda").training_dtype == "float32"
+    assert TrainConfig(dtype="float32").training_dtype == "float32"
     # gloo on cuda: CUDA tensors over gloo, ranks sharing the GPUs (one GPU runs every rank).
     shared = TrainConfig(device="cuda", dtype="float32", backend="gloo")
     assert shared.process_group_backend == "gloo" and shared.shares_gpus

@@ -16,7 +16,8 @@ OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("cpu", "cuda")
 # "auto": gloo on cpu, NCCL on cuda (one GPU per rank); "gloo" on cuda: ranks share the GPUs round-robin.
 BACKENDS = ("auto", "nccl", "gloo")
-DTYPES = ("float64", "float32")
+# "auto": float64 on cpu (strict parity), float32 on cuda (no fused CUDA attention kernel takes float64).
+DTYPES = ("auto", "float64", "float32")
 MODELS = ("transformer", "llama")
 PLANS = ("manual", "auto")
 DEFAULT_WORLD_SIZE = 4
@@ -69,7 +70,7 @@ class TrainConfig:
     clip_grad_norm: float = 1.0
     device: str = "cpu"
     backend: str = "auto"  # the process group's backend; see BACKENDS
-    dtype: str = "float64"
+    dtype: str = "auto"  # see DTYPES; training_dtype resolves it
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
@@ -81,6 +82,13 @@ class TrainConfig:
     parity_atol: float | None = None
     compile: bool = False  # forward and loss under torch.compile(fullgraph=True)
     compile_backend: str = "inductor"
+
+    @property
+    def training_dtype(self) -> str:
+        """The dtype the run trains in: ``--dtype``, or for "auto" float64 on cpu and float32 on cuda."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cuda" else "float64"
 
     @property
     def process_group_backend(self) -> str:
@@ -125,11 +133,11 @@ class TrainConfig:
 
     @property
     def rtol(self) -> float:
-        return PARITY_TOLERANCES[self.dtype][0] if self.parity_rtol is None else self.parity_rtol
+        return PARITY_TOLERANCES[self.training_dtype][0] if self.parity_rtol is None else self.parity_rtol
 
     @property
     def atol(self) -> float:
-        return PARITY_TOLERANCES[self.dtype][1] if self.parity_atol is None else self.parity_atol
+        return PARITY_TOLERANCES[self.training_dtype][1] if self.parity_atol is None else self.parity_atol
 
     def resolved_checkpoint_dir(self) -> pathlib.Path:
         path = pathlib.Path(self.checkpoint_dir).expanduser()
@@ -249,8 +257,8 @@ class TrainConfig:
             # No fused CUDA attention kernel takes float64: torch runs its composite math attention, whose
             # causal mask is a plain tensor made inside the op, and DTensor refuses mixing it (PyTorch's too).
             raise ConfigError(
-                "--device cuda needs --dtype float32: float64 attention on CUDA runs torch's math fallback, whose "
-                "causal mask is a plain tensor that DTensors cannot mix with (the fused kernels take float32)"
+                "--device cuda takes --dtype float32 (or auto): float64 attention on CUDA runs torch's math fallback, "
+                "whose causal mask is a plain tensor that DTensors cannot mix with (the fused kernels take float32)"
             )
         if self.world_size % self.nnodes != 0:
             raise ConfigError(
@@ -368,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument(
         "--dtype", choices=DTYPES, default=defaults.dtype,
-        help="parameter, activation and loss dtype; float64 makes the parity check strict, float32 needs "
-        "loose tolerances with AdamW",
+        help="parameter, activation and loss dtype; auto: float64 on cpu (the parity check is then strict), "
+        "float32 on cuda (needs loose tolerances with AdamW; the fused CUDA attention kernels take no float64)",
     )
 
     launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")

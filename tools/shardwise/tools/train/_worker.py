@@ -82,7 +82,7 @@ def _device_for_rank(config: TrainConfig, local_rank: int) -> torch.device:
 
 
 def _dtype(config: TrainConfig) -> torch.dtype:
-    return {"float64": torch.float64, "float32": torch.float32}[config.dtype]
+    return {"float64": torch.float64, "float32": torch.float32}[config.training_dtype]
 
 
 def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -186,7 +186,7 @@ def _train_and_check(config: TrainConfig, rank: int, world_size: int, device: to
             f"model: {'Llama' if config.model == 'llama' else 'Transformer'} dim={config.dim} layers={config.n_layers} "
             f"heads={config.n_heads}{f' kv_heads={config.n_kv_heads}' if config.model == 'llama' and config.n_kv_heads else ''} "
             f"vocab={corpus.vocab_size} ({len(corpus.characters)} characters); data: {len(corpus.text):,} characters, "
-            f"batch {config.batch_size} x {config.seq_len}; {config.dtype}; {config.optimizer} lr={config.lr:g}, "
+            f"batch {config.batch_size} x {config.seq_len}; {config.training_dtype}; {config.optimizer} lr={config.lr:g}, "
             f"{config.steps} steps"
         )
         if auto_plan_used is not None:
