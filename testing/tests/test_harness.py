@@ -374,3 +374,21 @@ def test_function_reference_names_the_module_and_file_of_the_body() -> None:
     assert reference.assert_rewrite  # pytest rewrote this module, so the ranks rewrite it too
     decorated = function_ref(test_all_reduce_and_all_gather_work)
     assert decorated.qualname == "test_all_reduce_and_all_gather_work"
+
+
+def parent_of_this_rank() -> int:
+    return os.getppid()
+
+
+def test_gloo_ranks_are_forked_from_one_process_that_imported_torch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.testing import _rank_pool
+
+    _rank_pool.shutdown_pools()
+    monkeypatch.delenv(_rank_pool.FORK_RANKS_ENV_VAR, raising=False)
+    forked_parents = run_on_ranks(parent_of_this_rank, world_size=3)
+    # One parent for every rank, and not this process: the zygote.
+    assert len(set(forked_parents)) == 1 and forked_parents[0] != os.getpid()
+    _rank_pool.shutdown_pools()
+    monkeypatch.setenv(_rank_pool.FORK_RANKS_ENV_VAR, "0")
+    assert run_on_ranks(parent_of_this_rank, world_size=3) == [os.getpid()] * 3  # each its own interpreter
+    _rank_pool.shutdown_pools()

@@ -1,7 +1,9 @@
 """A pool of rank processes reused by many multi-rank tests.
 
 Starting a rank costs seconds (importing torch), a test often milliseconds, so the ranks are
-started once per (world size, backend) and reused. Each test gets a fresh default process group
+started once per (world size, backend) and reused. A gloo pool's ranks are forked from one process
+that imported torch once (``_rank_zygote``; ``SHARDWISE_TEST_FORK_RANKS=0`` starts each rank as its
+own interpreter, as NCCL and shared-GPU pools always do). Each test gets a fresh default process group
 on a new prefix of a TCPStore hosted here; after a test that hangs, crashes or leaves a rank in
 an unknown state, the whole pool is killed and the next test starts a new one.
 """
@@ -23,11 +25,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_readable
-from typing import IO, NoReturn
+from typing import IO, NoReturn, Protocol
 
 from shardwise.testing import _protocol as protocol
 from shardwise.testing import _rank_worker
 from shardwise.testing import _timeouts
+from shardwise.testing._rank_zygote import RankPlan
 
 # How long the others get to report once one rank has failed: several ranks failing the same
 # assertion report within milliseconds, and ranks blocked in a gloo collective with a failed peer
@@ -41,6 +44,97 @@ SEED = 0
 _OUTPUT_TAIL_LINES = 40
 
 _WORKER_COMMAND = "from shardwise.testing._rank_worker import main; main()"
+_ZYGOTE_COMMAND = "from shardwise.testing._rank_zygote import main; main()"
+FORK_RANKS_ENV_VAR = "SHARDWISE_TEST_FORK_RANKS"
+
+
+def _forks_ranks(backend: str) -> bool:
+    """Whether a pool of ``backend`` forks its ranks from one zygote (gloo on CPU: nothing to initialise per rank)."""
+    return backend == "gloo" and hasattr(os, "fork") and os.environ.get(FORK_RANKS_ENV_VAR, "1").strip() != "0"
+
+
+class _RankProcess(Protocol):
+    """The part of ``subprocess.Popen``'s interface the pool uses for a rank."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class _Zygote:
+    """The process the ranks were forked from (``_rank_zygote``); it reports each rank's exit code."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+        self.process = process
+        self.log = log
+        self.exit_codes: dict[int, int] = {}
+        self._pending = b""
+        assert process.stdout is not None
+        self._stdout = process.stdout
+        os.set_blocking(self._stdout.fileno(), False)
+
+    def read_lines(self) -> list[str]:
+        """The complete lines the zygote wrote since the last call."""
+        while True:
+            try:
+                chunk = os.read(self._stdout.fileno(), 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._pending += chunk
+        *lines, self._pending = self._pending.split(b"\n")
+        return [line.decode() for line in lines]
+
+    def collect_exit_codes(self) -> None:
+        for line in self.read_lines():
+            pid, code = line.split()
+            self.exit_codes[int(pid)] = int(code)
+
+    def close(self) -> None:
+        try:
+            self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._stdout.close()
+        self.log.close()
+
+
+class _ForkedRank:
+    """A rank forked by the pool's zygote, seen through ``_RankProcess``."""
+
+    def __init__(self, pid: int, zygote: _Zygote) -> None:
+        self._pid = pid
+        self._zygote = zygote
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    def poll(self) -> int | None:
+        self._zygote.collect_exit_codes()
+        return self._zygote.exit_codes.get(self._pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(_ZYGOTE_COMMAND, timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class MultiRankError(Exception):
@@ -78,7 +172,7 @@ MultiRankTimeout.__module__ = "shardwise.testing"
 @dataclass
 class _Rank:
     rank: int
-    process: subprocess.Popen[bytes]
+    process: _RankProcess
     control: socket.socket
     log_path: str
     log_reader: IO[bytes]
@@ -146,6 +240,7 @@ class RankPool:
             timeout=timedelta(seconds=startup_timeout_s),
         )
         self._ranks: list[_Rank] = []
+        self._zygote: _Zygote | None = None
         self.alive = False
         try:
             self._start(startup_timeout_s)
@@ -154,6 +249,9 @@ class RankPool:
             raise
 
     def _worker_environment(self, rank: int, control_fd: int, startup_timeout_s: float) -> dict[str, str]:
+        return {**os.environ, **self._rank_variables(rank, control_fd, startup_timeout_s)}
+
+    def _rank_variables(self, rank: int, control_fd: int, startup_timeout_s: float) -> dict[str, str]:
         python_path = absolute_sys_path()
         rank_variables = {
             "PYTHONPATH": os.pathsep.join(python_path),
@@ -176,9 +274,76 @@ class RankPool:
             protocol.ENV_STARTUP_TIMEOUT: str(startup_timeout_s),
         }
         rank_variables[protocol.ENV_RANK_VARIABLES] = ",".join([*rank_variables, protocol.ENV_RANK_VARIABLES])
-        return {**os.environ, **rank_variables}
+        return rank_variables
 
     def _start(self, startup_timeout_s: float) -> None:
+        if _forks_ranks(self.backend):
+            self._fork_ranks(startup_timeout_s)
+        else:
+            self._exec_ranks(startup_timeout_s)
+        self._wait_until_ready(startup_timeout_s)
+
+    def _fork_ranks(self, startup_timeout_s: float) -> None:
+        """Start the zygote, hand it every rank's plan, and read back the pids it forked."""
+        plans: list[RankPlan] = []
+        child_ends: list[socket.socket] = []
+        parent_ends: list[socket.socket] = []
+        for rank_number in range(self.world_size):
+            parent_end, child_end = socket.socketpair()
+            log_path = os.path.join(self._log_dir, f"rank{rank_number}.log")
+            open(log_path, "wb").close()
+            variables = self._rank_variables(rank_number, child_end.fileno(), startup_timeout_s)
+            plans.append(RankPlan(variables, log_path, child_end.fileno()))
+            child_ends.append(child_end)
+            parent_ends.append(parent_end)
+        zygote_log = open(os.path.join(self._log_dir, "zygote.log"), "wb")
+        process = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE_COMMAND],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=zygote_log,
+            pass_fds=tuple(end.fileno() for end in child_ends),
+            env={**os.environ, **plans[0].environment},
+        )
+        for end in child_ends:
+            end.close()
+        self._zygote = _Zygote(process, zygote_log)
+        assert process.stdin is not None
+        try:
+            process.stdin.write(pickle.dumps(plans))
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # it died while starting: reported below
+        deadline = time.monotonic() + startup_timeout_s
+        pids: list[int] = []
+        while not pids:
+            lines = self._zygote.read_lines()
+            if lines:
+                pids = [int(pid) for pid in lines[0].split()[1:]]
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                for end in parent_ends:
+                    end.close()
+                with open(zygote_log.name, "rb") as log:
+                    output = log.read().decode("utf-8", errors="replace").rstrip()
+                raise RuntimeError(
+                    f"the {self.world_size}-rank {self.backend} test pool's zygote ({sys.executable} -c "
+                    f"{_ZYGOTE_COMMAND!r}) forked no ranks within {startup_timeout_s:.0f} s"
+                    f" (exit code {process.poll()}):\n{output}"
+                )
+            time.sleep(0.01)
+        for rank_number, (pid, parent_end, plan) in enumerate(zip(pids, parent_ends, plans)):
+            self._ranks.append(
+                _Rank(
+                    rank=rank_number,
+                    process=_ForkedRank(pid, self._zygote),
+                    control=parent_end,
+                    log_path=plan.log_path,
+                    log_reader=open(plan.log_path, "rb"),
+                )
+            )
+
+    def _exec_ranks(self, startup_timeout_s: float) -> None:
         for rank_number in range(self.world_size):
             parent_end, child_end = socket.socketpair()
             log_path = os.path.join(self._log_dir, f"rank{rank_number}.log")
@@ -201,6 +366,8 @@ class RankPool:
                     log_reader=open(log_path, "rb"),
                 )
             )
+
+    def _wait_until_ready(self, startup_timeout_s: float) -> None:
         deadline = time.monotonic() + startup_timeout_s
         waiting = {rank.control: rank for rank in self._ranks}
         while waiting:
@@ -534,6 +701,9 @@ class RankPool:
         for rank in self._ranks:
             rank.control.close()
             rank.log_reader.close()
+        if self._zygote is not None:
+            self._zygote.close()  # it exits once every rank has
+            self._zygote = None
         shutil.rmtree(self._log_dir, ignore_errors=True)
 
 
