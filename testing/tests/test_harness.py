@@ -380,11 +380,11 @@ def parent_of_this_rank() -> int:
     return os.getppid()
 
 
-def test_gloo_ranks_are_forked_from_one_process_that_imported_torch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gloo_ranks_can_be_forked_from_one_process_that_imported_torch_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.testing import _rank_pool
 
     _rank_pool.shutdown_pools()
-    monkeypatch.delenv(_rank_pool.FORK_RANKS_ENV_VAR, raising=False)
+    monkeypatch.setenv(_rank_pool.FORK_RANKS_ENV_VAR, "1")
     forked_parents = run_on_ranks(parent_of_this_rank, world_size=3)
     # One parent for every rank, and not this process: the zygote.
     assert len(set(forked_parents)) == 1 and forked_parents[0] != os.getpid()
