@@ -374,14 +374,17 @@ class _FusedAttentionRoles:
     bias_result: int | None = None  # the bias gradient, laid out like the bias
 
 
+def _rule_input_named(call: OpCall, name: str) -> int | None:
+    """Which rule input is the schema argument ``name``, passed by position or keyword (None: no DTensor)."""
+    position = [argument.name for argument in call.op._schema.arguments].index(name)
+    index = call.input_index_at(position)
+    return index if index is not None else call.input_index_at(name)
+
+
 def _fused_attention_strategies(roles: _FusedAttentionRoles) -> StrategiesFn:
     def strategies(call: OpCall) -> list[OneDimStrategy]:
-        names = [argument.name for argument in call.op._schema.arguments]
-
         def rule_input(name: str) -> int | None:
-            position = names.index(name)
-            index = call.input_index_at(position)
-            return index if index is not None else call.input_index_at(name)
+            return _rule_input_named(call, name)
 
         query, key = rule_input("query"), rule_input("key")
         if query is None or key is None:
@@ -421,9 +424,7 @@ def _fused_attention_strategies(roles: _FusedAttentionRoles) -> StrategiesFn:
 def _fused_attention_is_valid(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
-    names = [argument.name for argument in call.op._schema.arguments]
-    query = call.input_index_at(names.index("query"))
-    key = call.input_index_at(names.index("key"))
+    query, key = _rule_input_named(call, "query"), _rule_input_named(call, "key")
     if query is None or key is None:
         return True
     return _heads_line_up(call, call.input_shape(query)[1], call.input_shape(key)[1], inputs[query])
