@@ -110,6 +110,25 @@ def test_placements_and_mesh_are_usable_inside_the_graph() -> None:
 
 
 @multi_rank(world_size=WORLD)
+def test_a_mesh_group_read_inside_the_graph_is_the_live_group_and_runs_collectives() -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+
+    def fn(m: Any, local: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        group = m.get_group()
+        return group, funcol.all_reduce(local, "sum", group=m.get_group("tp"))
+
+    compiled, counter = _compile(fn, backend="aot_eager")
+    local = torch.full((3,), float(dist.get_rank() + 1))
+    group, summed = compiled(mesh, local)
+    assert counter.frame_count == 1
+    # The graph hands back the group object itself (lifted as an input), not a copy or a name.
+    assert group is mesh.get_group()
+    torch.testing.assert_close(summed, torch.full((3,), float(sum(range(1, WORLD + 1)))))
+
+
+@multi_rank(world_size=WORLD)
 def test_gradients_through_a_compiled_function_equal_eager() -> None:
     mesh = _mesh()
     torch.manual_seed(1)

@@ -54,7 +54,6 @@ _MESH_MEMBERS = {
         "get_rank",
         "get_coordinate",
         "get_local_rank",
-        "get_group",
         "get_group_name",
         "__getitem__",
         "_flatten",
@@ -65,7 +64,7 @@ _MESH_MEMBERS = {
         "_dim_group_names",
         "_get_root_mesh",
     )
-}
+} | {"get_group": MemberType.INLINED}
 
 
 _registered = False

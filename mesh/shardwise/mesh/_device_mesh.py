@@ -240,6 +240,10 @@ class DeviceMesh:
 
     def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
         """The process group of ``mesh_dim`` (index or name) that holds this rank."""
+        if torch.compiler.is_compiling():
+            # Traced by dynamo (an inlined member, see compile_support): the group must come from a
+            # global so that dynamo can lift it into the graph as an input; the mesh is a constant.
+            return process_groups.live_group_named(self.get_group_name(mesh_dim))
         owner, dim = self._resolve_dim(self._default_dim(mesh_dim, "get_group"))
         return owner._require_groups(f"get_group({mesh_dim!r})")[dim]
 

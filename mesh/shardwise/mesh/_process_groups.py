@@ -277,6 +277,14 @@ def registered_group(group_name: str) -> dist.ProcessGroup | None:
     return _registry.lookup_by_name(group_name)
 
 
+def live_group_named(group_name: str) -> dist.ProcessGroup:
+    """The registered group (or the default group) called ``group_name``; raises if there is none."""
+    group = _registry.lookup_by_name(group_name)
+    if group is None:
+        raise MeshError(f"no live process group is called {group_name!r} in this process")
+    return group
+
+
 def registered_group_count() -> int:
     """Groups this process holds records of for the current world (for memory checks and benchmarks)."""
     return _registry.member_group_count()

@@ -151,12 +151,8 @@ def reinit_default_group(backend: str | None = None) -> None:
     worker, task = _running
     _reinit_count += 1
     dist = worker.dist
-    dist.init_process_group(
-        backend or worker.process_group_backend,
-        store=dist.PrefixStore(f"{task.store_prefix}reinit-{_reinit_count}/", worker.store),
-        rank=worker.rank,
-        world_size=worker.world_size,
-        timeout=timedelta(seconds=task.collective_timeout_s),
+    worker.init_default_group(
+        f"{task.store_prefix}reinit-{_reinit_count}/", task.collective_timeout_s, backend or worker.process_group_backend
     )
 
 
@@ -194,6 +190,23 @@ class _Worker:
         self.rank_environment = {
             name: os.environ[name] for name in os.environ[protocol.ENV_RANK_VARIABLES].split(",")
         }
+
+    def init_default_group(self, store_prefix: str, timeout_s: float, backend: str) -> None:
+        """``dist.init_process_group`` under ``store_prefix``, returning only once every rank's group is connected.
+
+        A rank's ``init_process_group`` returns when ITS side of gloo's full mesh is connected; a peer may still
+        be finishing its handshakes. A body that fails at once on every rank would then destroy its group
+        under that peer ("Gloo connectFullMesh failed ... Connection closed by peer" on it, seen with forked
+        ranks, whose set-up is fast). Each rank therefore marks itself connected in the store and waits for
+        every other rank's mark: no store round trip crosses the body, and no collective is added to it.
+        """
+        dist = self.dist
+        store = dist.PrefixStore(store_prefix, self.store)
+        dist.init_process_group(
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        store.set(f"connected/{self.rank}", "1")
+        store.wait([f"connected/{rank}" for rank in range(self.world_size)], timedelta(seconds=timeout_s))
 
     def serve(self) -> None:
         protocol.send_message(self.control, protocol.WorkerReady(rank=self.rank, pid=os.getpid()))
@@ -261,13 +274,7 @@ class _Worker:
         try:
             body = resolve_function(task.function)
             args, kwargs = pickle.loads(task.call_payload)
-            dist.init_process_group(
-                self.process_group_backend,
-                store=dist.PrefixStore(task.store_prefix, self.store),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=task.collective_timeout_s),
-            )
+            self.init_default_group(task.store_prefix, task.collective_timeout_s, self.process_group_backend)
             value = body(*args, **kwargs)
             try:
                 pickled_value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
