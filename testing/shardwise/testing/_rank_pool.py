@@ -1,9 +1,9 @@
 """A pool of rank processes reused by many multi-rank tests.
 
 Starting a rank costs seconds (importing torch), a test often milliseconds, so the ranks are
-started once per (world size, backend) and reused. With ``SHARDWISE_TEST_FORK_RANKS=1`` a gloo pool's
-ranks are forked from one process that imported torch once (``_rank_zygote``); otherwise, and always
-for NCCL and shared-GPU pools, each rank is its own interpreter. Each test gets a fresh default process group
+started once per (world size, backend) and reused. A gloo pool's ranks are forked from one process
+that imported torch once (``_rank_zygote``); with ``SHARDWISE_TEST_FORK_RANKS=0``, and always for NCCL
+and shared-GPU pools, each rank is its own interpreter. Each test gets a fresh default process group
 on a new prefix of a TCPStore hosted here; after a test that hangs, crashes or leaves a rank in
 an unknown state, the whole pool is killed and the next test starts a new one.
 """
@@ -49,13 +49,14 @@ FORK_RANKS_ENV_VAR = "SHARDWISE_TEST_FORK_RANKS"
 
 
 def _forks_ranks(backend: str) -> bool:
-    """Whether a pool of ``backend`` forks its ranks from one zygote: gloo pools, when $SHARDWISE_TEST_FORK_RANKS=1.
+    """Whether a pool of ``backend`` forks its ranks from one zygote: gloo pools, unless $SHARDWISE_TEST_FORK_RANKS=0.
 
-    Opt-in: in its first full Bazel run (2 loaded cores) one harness test saw a rank miss its report
-    after gloo's rendezvous was closed by a peer (not reproduced outside Bazel); the default starts
-    every rank as its own interpreter until that is understood.
+    Not CUDA pools: CUDA must not be initialised before a fork. The one failure forked ranks once
+    showed (a peer's gloo rendezvous closed under it) was a race of the worker's, not of forking: a
+    body failing at once destroyed its group while a slower rank was still connecting; every rank
+    now waits until all are connected (``_rank_worker._Worker.init_default_group``).
     """
-    return backend == "gloo" and hasattr(os, "fork") and os.environ.get(FORK_RANKS_ENV_VAR, "0").strip() == "1"
+    return backend == "gloo" and hasattr(os, "fork") and os.environ.get(FORK_RANKS_ENV_VAR, "1").strip() != "0"
 
 
 class _RankProcess(Protocol):
