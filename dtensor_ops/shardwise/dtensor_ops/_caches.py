@@ -39,7 +39,7 @@ __all__ = [
 class RankCaches:
     """This rank's own caches (see the module docstring); each field a dict."""
 
-    __slots__ = ("decisions", "propagation_counts", "programs", "one_dim_gathers")
+    __slots__ = ("decisions", "propagation_counts", "programs")
 
     def __init__(self) -> None:
         # (op, key parts...) -> OpDecision: the one decision cache (``_decision_cache``).
@@ -48,8 +48,6 @@ class RankCaches:
         self.propagation_counts: dict[str, int] = {}
         # (src spec, dst spec) -> compiled redistribution program of this rank (``_redistribute``).
         self.programs: dict[Any, Any] = {}
-        # strided gathers of one mesh dim (``_strided_redistribute``).
-        self.one_dim_gathers: dict[Any, Any] = {}
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

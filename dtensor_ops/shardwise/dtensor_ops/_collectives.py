@@ -50,6 +50,7 @@ __all__ = [
     "one_round_collectives",
     "reduce_received_blocks",
     "ONE_ROUND_SWITCH",
+    "mark_arrived",
     "wait",
     "wait_local_tensor",
     "c10d_reduce_op",
@@ -104,8 +105,18 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...]:
     return tuple(mesh_dim_group_name(mesh, mesh_dim) for mesh_dim in range(len(mesh.shape)))
 
 
-# Marks a collective's result that went through host memory and was waited there (see _as_real_collective).
+# Marks a collective's result that was waited already (see mark_arrived).
 _ARRIVED = "_shardwise_arrived"
+
+
+def mark_arrived(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor``, the result of collectives already waited for, so that ``wait(tensor)`` is a no-op.
+
+    For results that went through host memory (``_as_real_collective``) or through several collectives
+    in turn, each waited (a strided layout's whole gather), but that a caller waits as one.
+    """
+    setattr(tensor, _ARRIVED, True)
+    return tensor
 
 
 def _gloo_moves_cuda(tensor: torch.Tensor, group_name: str) -> bool:
@@ -135,9 +146,7 @@ def _as_real_collective(tensor: torch.Tensor, group_name: str, launch: Callable[
     bound for gloo runs on a host copy, waited, and comes back (see ``_gloo_moves_cuda``).
     """
     if _gloo_moves_cuda(tensor, group_name):
-        arrived = wait(_as_real_collective(tensor.cpu(), group_name, launch)).to(tensor.device)
-        setattr(arrived, _ARRIVED, True)  # waited already: the caller's wait() is a no-op
-        return arrived
+        return mark_arrived(wait(_as_real_collective(tensor.cpu(), group_name, launch)).to(tensor.device))
     if not tensor.is_complex():
         return launch(tensor.contiguous())
     received = wait(launch(torch.view_as_real(tensor.contiguous())))

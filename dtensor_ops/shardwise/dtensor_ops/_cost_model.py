@@ -84,6 +84,11 @@ _KIND_OF_STEP = {
     "joint_reduce_scatter": "reduce_scatter",
     "joint_all_to_all_reduce": "all_to_all",
     "joint_all_reduce": "all_reduce",
+    # _StridedShard layouts: one all-gather over one mesh dim; an all-gather over each of several
+    # mesh dims in turn (priced per dim, see StepPricer.step_time); a local selection.
+    "strided_all_gather": "all_gather",
+    "gather_whole": "all_gather",
+    "select_local": "local_copy",
     # Local steps copy (or zero-fill) their output on the rank's device.
     "local_chunk": "local_copy",
     "local_partial": "local_copy",
@@ -92,6 +97,8 @@ _KIND_OF_STEP = {
 _MAX_PRICERS = 256
 # Changes nothing but the label (a mesh dim of size 1): free.
 _FREE_KINDS = frozenset({"relabel"})
+# Steps that run their collective once per mesh dim they change, one after another.
+_PER_DIM_KINDS = frozenset({"gather_whole"})
 
 
 def priced_kind(kind: object) -> str | None:
@@ -240,8 +247,15 @@ class StepPricer:
         if priced == "local_copy":
             cost, group_size = self._cost("local_copy", dims)
             return float(cost.time(bytes_per_rank + local_copy_bytes, group_size))
-        cost, group_size = self._cost(priced, dims)
-        seconds = 0.0 if group_size <= 1 else float(cost.time(bytes_per_rank, group_size))
+        if str(getattr(kind, "value", kind)) in _PER_DIM_KINDS:
+            # One collective per mesh dim, in turn: a latency for each, the bytes over the first's bandwidth.
+            costs = [self._cost(priced, (dim,)) for dim in dims]
+            seconds = sum(float(cost.alpha(size)) for cost, size in costs if size > 1)
+            if seconds:
+                seconds += bytes_per_rank / float(costs[0][0].beta_bytes_per_s)
+        else:
+            cost, group_size = self._cost(priced, dims)
+            seconds = 0.0 if group_size <= 1 else float(cost.time(bytes_per_rank, group_size))
         if local_copy_bytes:
             copy, copy_group = self._cost("local_copy", dims)
             seconds += float(copy.time(local_copy_bytes, copy_group))

@@ -89,6 +89,26 @@ that among equally cheap plans the one without joint steps, then with fewer coll
 then fewer steps, wins.  Ties are broken by a fixed exploration order, so every rank
 computes the same plan.
 
+Strided layouts: a ``_StridedShard`` piece (FSDP over tensor parallelism; any shard order other
+than the default) is a set of index runs, not a contiguous range, so the one-dim steps above do
+not apply to it. Plans into or out of such a layout (:func:`_plan_strided`) use three step kinds
+of their own, priced like the collectives they run, and the cheapest valid candidate wins:
+
+* strided all-gather (``_S -> R`` on one mesh dim): when, on every group along that mesh dim, the
+  members' pieces in order are exactly the new piece (``(_S(0, sf=tp), S(0)) -> (R, S(0))``: FSDP
+  over TP back to TP), one all-gather of the pieces padded to the largest, then a concatenation;
+  cost ``(n-1) *`` the largest piece;
+* gather whole (any strided layout without Partial -> R everywhere): one all-gather per mesh dim
+  of size > 1 (innermost first) of every piece padded to the largest, each piece then put at its
+  indices; cost ``(ranks - 1) *`` the largest piece, one latency per mesh dim;
+* select local (R everywhere -> a layout without Partial): this rank's index runs, no communication.
+
+From a strided layout: the strided all-gather alone where it reaches the target; with one strided
+mesh dim and no strided target, that gather followed by the normal plan; or the whole gather
+followed by the selection (or by the normal plan to a Partial target). Into one: the normal plan
+to R everywhere, then the selection. A strided layout with a Partial mesh dim, and a target with
+both, are refused (``NotImplementedError``, before any communication).
+
 Where no joint step is searched, the search runs in C++ when the optional ``_plan_search_ext``
 module is built (``dtensor_ops/csrc/plan_search.cpp``, ``python dtensor_ops/csrc/build.py``): a
 port of the Python search (``_search_in_python``, the reference and the fallback) that returns the
@@ -121,6 +141,7 @@ from shardwise.placement import (
     _StridedShard,
     compute_local_shape_and_global_offset,
     holds_same_values,
+    local_index_runs,
 )
 
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
@@ -175,10 +196,19 @@ class StepKind(enum.Enum):
     JOINT_ALL_TO_ALL_REDUCE = "joint_all_to_all_reduce"
     # Partial (one op) on every joint dim -> Replicate: one all-reduce over the joint group
     JOINT_ALL_REDUCE = "joint_all_reduce"
+    # Into and out of _StridedShard layouts, whose pieces are not contiguous ranges (see "Strided layouts"):
+    STRIDED_ALL_GATHER = "strided_all_gather"  # _S -> R on one mesh dim whose group's pieces, in order, are the new piece
+    GATHER_WHOLE = "gather_whole"  # any _S layout (no Partial) -> R everywhere: one all-gather per mesh dim
+    SELECT_LOCAL = "select_local"  # R everywhere -> any layout without Partial: this rank's indices, locally
 
     @property
     def is_collective(self) -> bool:
         return self in _COLLECTIVE_KINDS
+
+    @property
+    def is_strided(self) -> bool:
+        """A step into or out of a ``_StridedShard`` layout (its pieces are located by index runs)."""
+        return self in _STRIDED_KINDS
 
 
 _COLLECTIVE_KINDS = frozenset(
@@ -191,8 +221,11 @@ _COLLECTIVE_KINDS = frozenset(
         StepKind.JOINT_REDUCE_SCATTER,
         StepKind.JOINT_ALL_TO_ALL_REDUCE,
         StepKind.JOINT_ALL_REDUCE,
+        StepKind.STRIDED_ALL_GATHER,
+        StepKind.GATHER_WHOLE,
     }
 )
+_STRIDED_KINDS = frozenset({StepKind.STRIDED_ALL_GATHER, StepKind.GATHER_WHOLE, StepKind.SELECT_LOCAL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -1278,7 +1311,10 @@ def plan_redistribute(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[Red
         return plan
     global_shape = check_redistribute_specs(src, dst)
     assert src.tensor_meta is not None
-    plan = _plan_problem(global_shape, src, dst, joint, pricer)
+    if _is_strided(src) or _is_strided(dst):
+        plan = _plan_strided(global_shape, src, dst, pricer) if src != dst else ()
+    else:
+        plan = _plan_problem(global_shape, src, dst, joint, pricer)
     store(SHARED_CACHES.plans_by_specs, key, plan, _MAX_CACHE_ENTRIES)
     return plan
 
@@ -1322,24 +1358,170 @@ def _plan_for_symbolic_shape(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
 
     global_shape = check_redistribute_specs(src, dst)
     example_shape = tuple(int(optimization_hint(size)) for size in global_shape)
+    if _is_strided(src) or _is_strided(dst):
+        # Whole gathers only: whether one mesh dim's pieces line up depends on the sizes, and the plan
+        # must hold for every size the graph takes.
+        return _plan_strided(example_shape, src, dst, pricer_for_mesh(src.mesh), exact_gathers=False) if src != dst else ()
     return _plan_problem(example_shape, src, dst, False, pricer_for_mesh(src.mesh))
 
 
-def _plan_that_prices(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
-    """The plan whose steps price redistributing ``src`` to ``dst`` (``()`` when they match).
+# -- strided layouts (see "Strided layouts" above) ----------------------------------------------
 
-    Layouts with ``_StridedShard`` (or a shard order, which is one) have no step-by-step plan: they
-    are moved through the whole tensor (``_strided_redistribute``), so they cost gathering ``src``
-    whole (its pieces are those of the same dims cut by plain ``Shard``, in another order); taking
-    ``dst``'s pieces from it is local.
+
+def _is_strided(spec: DTensorSpec[Any]) -> bool:
+    return any(type(p) is _StridedShard for p in spec.placements)
+
+
+def _coordinates(mesh_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    return itertools.product(*(range(n) for n in mesh_shape))
+
+
+def _run_indices(runs: Sequence[tuple[int, int]]) -> list[int]:
+    return [start + k for start, length in runs for k in range(length)]
+
+
+def _run_length(runs: Sequence[tuple[int, int]]) -> int:
+    return sum(length for _, length in runs)
+
+
+def strided_gather_dim(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], src: Placements, dst: Placements
+) -> int | None:
+    """The mesh dim whose strided all-gather takes ``src`` to ``dst`` exactly, or None.
+
+    ``src`` and ``dst`` differ on one mesh dim only, ``_StridedShard -> Replicate`` (no Partial
+    anywhere), and on EVERY group along that dim (not only this rank's: every rank must take the
+    same plan) the members' pieces of the cut tensor dim, in order, are the new piece.
     """
+    differing = [m for m, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(differing) != 1 or any(isinstance(p, Partial) for p in (*src, *dst)):
+        return None
+    (mesh_dim,) = differing
+    source = src[mesh_dim]
+    if type(source) is not _StridedShard or not isinstance(dst[mesh_dim], Replicate):
+        return None
+    tensor_dim = source.dim % len(global_shape)
+    others = [range(n) if m != mesh_dim else range(1) for m, n in enumerate(mesh_shape)]
+    for coordinate in itertools.product(*others):
+        joined: list[int] = []
+        for index in range(mesh_shape[mesh_dim]):
+            member = coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :]
+            joined += _run_indices(local_index_runs(global_shape, mesh_shape, member, src)[tensor_dim])
+        if joined != _run_indices(local_index_runs(global_shape, mesh_shape, coordinate, dst)[tensor_dim]):
+            return None
+    return mesh_dim
+
+
+def largest_piece_shape(global_shape: Sequence[int], mesh_shape: Sequence[int], state: Placements) -> tuple[int, ...]:
+    """Per tensor dim, the largest extent any rank's piece has in ``state`` (what pieces are padded to)."""
+    largest = [0] * len(global_shape)
+    for coordinate in _coordinates(mesh_shape):
+        for dim, runs in enumerate(local_index_runs(global_shape, mesh_shape, coordinate, state)):
+            largest[dim] = max(largest[dim], _run_length(runs))
+    return tuple(largest)
+
+
+def _strided_all_gather_step(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], src: Placements, mesh_dim: int, itemsize: int
+) -> RedistributeStep:
+    largest = largest_piece_shape(global_shape, mesh_shape, src)
+    received = (mesh_shape[mesh_dim] - 1) * math.prod(largest) * itemsize
+    return RedistributeStep(
+        mesh_dim, src[mesh_dim], Replicate(), StepKind.STRIDED_ALL_GATHER, received,
+        local_copy_bytes=mesh_shape[mesh_dim] * math.prod(largest) * itemsize,
+    )
+
+
+def _changes(before: Placements, after: Placements) -> tuple[tuple[int, Placement, Placement], ...]:
+    return tuple((m, a, b) for m, (a, b) in enumerate(zip(before, after)) if a != b)
+
+
+def _gather_whole_step(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], src: Placements, itemsize: int
+) -> RedistributeStep:
+    # Gathered over the mesh dims that cut (the others are Replicate: every piece along them is the same).
+    replicated = (Replicate(),) * len(src)
+    changes = _changes(src, replicated)
+    largest = math.prod(largest_piece_shape(global_shape, mesh_shape, src))
+    ranks = math.prod(mesh_shape[m] for m, _, _ in changes)
+    first = changes[0]
+    return RedistributeStep(
+        first[0], first[1], first[2], StepKind.GATHER_WHOLE, (ranks - 1) * largest * itemsize,
+        joint=changes if len(changes) > 1 else (),
+        local_copy_bytes=(ranks * largest + math.prod(global_shape)) * itemsize,
+    )
+
+
+def _select_local_step(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], dst: Placements, itemsize: int
+) -> RedistributeStep:
+    replicated = (Replicate(),) * len(dst)
+    changes = _changes(replicated, dst)
+    first = changes[0]
+    return RedistributeStep(
+        first[0], first[1], first[2], StepKind.SELECT_LOCAL, 0,
+        joint=changes if len(changes) > 1 else (),
+        local_copy_bytes=math.prod(largest_piece_shape(global_shape, mesh_shape, dst)) * itemsize,
+    )
+
+
+def _plan_strided(
+    global_shape: tuple[int, ...],
+    src: DTensorSpec[Any],
+    dst: DTensorSpec[Any],
+    pricer: StepPricer,
+    *,
+    exact_gathers: bool = True,
+) -> tuple[RedistributeStep, ...]:
+    """The cheapest valid plan between layouts of which one at least has a ``_StridedShard`` ("Strided layouts")."""
+    assert src.tensor_meta is not None
+    mesh_shape = tuple(src.mesh.shape)
+    itemsize = src.tensor_meta.dtype.itemsize
+    source, target = src.placements, dst.placements
+    replicated = src.with_placements([Replicate()] * len(source))
+    if _is_strided(src) and src.has_partial():
+        raise NotImplementedError(
+            f"redistribute {src} -> {dst}: a layout with both a _StridedShard and a Partial mesh dim; "
+            "expected the Partial mesh dims reduced first"
+        )
+    if _is_strided(dst) and dst.has_partial():
+        raise NotImplementedError(f"redistribute {src} -> {dst}: a target with _StridedShard and Partial")
+    candidates: list[tuple[RedistributeStep, ...]] = []
+    if _is_strided(src):
+        if exact_gathers:
+            direct = strided_gather_dim(global_shape, mesh_shape, source, target)
+            if direct is not None:
+                candidates.append((_strided_all_gather_step(global_shape, mesh_shape, source, direct, itemsize),))
+            strided_dims = [m for m, p in enumerate(source) if type(p) is _StridedShard]
+            if len(strided_dims) == 1 and not _is_strided(dst):
+                middle = src.with_placements([Replicate() if m == strided_dims[0] else p for m, p in enumerate(source)])
+                if middle.placements != target and strided_gather_dim(
+                    global_shape, mesh_shape, source, middle.placements
+                ) is not None:
+                    first = _strided_all_gather_step(global_shape, mesh_shape, source, strided_dims[0], itemsize)
+                    candidates.append((first, *plan_redistribute(middle, dst)))
+        whole = (_gather_whole_step(global_shape, mesh_shape, source, itemsize),)
+        if dst.placements == replicated.placements:
+            candidates.append(whole)
+        elif dst.has_partial():
+            candidates.append((*whole, *plan_redistribute(replicated, dst)))
+        else:
+            candidates.append((*whole, _select_local_step(global_shape, mesh_shape, target, itemsize)))
+    else:
+        to_replicated = plan_redistribute(src, replicated) if src.placements != replicated.placements else ()
+        candidates.append((*to_replicated, _select_local_step(global_shape, mesh_shape, target, itemsize)))
+
+    def price(plan: tuple[RedistributeStep, ...]) -> tuple[int, int]:
+        time = sum(pricer.step_picoseconds(s.kind, s.mesh_dims, s.bytes_per_rank, s.local_copy_bytes) for s in plan)
+        return time, sum(1 for s in plan if s.kind.is_collective)
+
+    return min(candidates, key=price)  # the first of equals: the listed order is the preference
+
+
+def _plan_that_prices(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tuple[RedistributeStep, ...]:
+    """The plan whose steps price redistributing ``src`` to ``dst`` (``()`` when they match): the plan that runs."""
     src, dst = src.as_layout_spec(), dst.as_layout_spec()
-    if src == dst:
-        return ()
-    if any(type(p) is _StridedShard for p in (*src.placements, *dst.placements)):
-        plain = src.with_placements([Shard(p.dim) if type(p) is _StridedShard else p for p in src.placements])
-        return plan_redistribute(plain, plain.with_placements([Replicate()] * len(plain.placements)))
-    return plan_redistribute(src, dst)
+    return () if src == dst else plan_redistribute(src, dst)
 
 
 def redistribute_cost_bytes(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> int:

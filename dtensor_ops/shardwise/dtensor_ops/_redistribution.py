@@ -53,6 +53,7 @@ from shardwise.placement import (
     chunk_size_and_offset,
     compute_local_shape_and_global_offset,
     contiguous_strides,
+    local_index_runs,
     norm_order_of,
     pad_dim,
     shard_sizes_along_mesh_dim,
@@ -69,7 +70,6 @@ except ImportError:  # a torch without DebugMode records nothing
 
 
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
-from ._strided_redistribute import involves_strided_shard, redistribute_with_strided_shards
 from ._collectives import (
     AsyncCollectiveTensor,
     launch_all_gather,
@@ -83,6 +83,7 @@ from ._collectives import (
     from_reduced,
     to_reducible,
     launch_reduce_scatter,
+    mark_arrived,
     mesh_group_names,
     wait,
     wait_local_tensor,
@@ -93,6 +94,7 @@ from ._redistribute_plan import (
     StepKind,
     check_redistribute_specs,
     joint_collective_dims,
+    largest_piece_shape,
     plan_bytes_per_rank,
     plan_redistribute,
     plan_states,
@@ -207,6 +209,29 @@ class _JointLayout:
     slot_ops: tuple[str, ...] = ()
 
 
+IndexRuns = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _StridedLayout:
+    """This rank's part in a step into or out of a ``_StridedShard`` layout, whose pieces are index runs.
+
+    Strided all-gather: every member sends its piece padded to ``padded_shape``; member ``i``'s real
+    extent along ``tensor_dim`` is ``member_sizes[i]`` and the pieces, in order, are the new piece.
+    Gather whole: one all-gather per entry of ``gather_groups`` ((group name, size), innermost mesh dim
+    first) of the piece padded to ``padded_shape``; the block then holds the pieces of
+    ``piece_runs`` (per rank of the gathered dims, row-major: its index runs per tensor dim).
+    Select local: ``piece_runs[0]`` are this rank's runs of the whole tensor.
+    """
+
+    padded_shape: tuple[int, ...]
+    tensor_dim: int = -1
+    member_sizes: tuple[int, ...] = ()
+    gather_groups: tuple[tuple[str, int], ...] = ()
+    piece_runs: tuple[tuple[IndexRuns, ...], ...] = ()
+    global_shape: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class _ExecStep:
     """One plan step with everything this rank needs to run it, precomputed.
@@ -239,6 +264,7 @@ class _ExecStep:
     joint: _JointLayout | None = None
     # A reduce-scatter or all-gather run as one all-to-all (_collectives.one_round_collectives).
     one_round: bool = False
+    strided: _StridedLayout | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +309,13 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
     steps: list[_ExecStep] = []
     joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]] = {}
     for step, before_state, after_state in zip(plan, states, states[1:]):
+        if step.kind.is_strided:
+            steps.append(
+                _compile_strided_step(
+                    step, before_state, after_state, global_shape, mesh, coordinate, group_names, local_shape
+                )
+            )
+            continue
         if step.kind is StepKind.JOINT_ALL_REDUCE:
             steps.append(_compile_joint_all_reduce(step, local_shape(before_state), mesh, joint_groups))
             continue
@@ -361,6 +394,119 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
         group_names=tuple(group_names),
         joint_groups=tuple(joint_groups.items()),
     )
+
+
+def _compile_strided_step(
+    step: RedistributeStep,
+    before_state: Placements,
+    after_state: Placements,
+    global_shape: tuple[int, ...],
+    mesh: Any,
+    coordinate: tuple[int, ...],
+    group_names: Sequence[str],
+    local_shape: Any,
+) -> _ExecStep:
+    """A step into or out of a ``_StridedShard`` layout (see ``_StridedLayout``)."""
+    mesh_shape = tuple(mesh.shape)
+    padded = largest_piece_shape(global_shape, mesh_shape, before_state)
+    shape_before, shape_after = local_shape(before_state), local_shape(after_state)
+    group_name, group_size, index_in_group = "", 1, 0
+    if step.kind is StepKind.STRIDED_ALL_GATHER:
+        mesh_dim = step.mesh_dim
+        group_name, group_size, index_in_group = group_names[mesh_dim], mesh_shape[mesh_dim], coordinate[mesh_dim]
+        tensor_dim = cast(_StridedShard, step.before).dim % len(global_shape)
+        sizes = tuple(
+            sum(
+                length
+                for _, length in local_index_runs(
+                    global_shape, mesh_shape, coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :], before_state
+                )[tensor_dim]
+            )
+            for index in range(group_size)
+        )
+        layout = _StridedLayout(padded_shape=padded, tensor_dim=tensor_dim, member_sizes=sizes)
+    elif step.kind is StepKind.GATHER_WHOLE:
+        gathered = step.mesh_dims
+        group_size = math.prod(mesh_shape[m] for m in gathered)
+        # Row-major over the gathered dims, the others at this rank's coordinate (Replicate there).
+        ranks = [
+            tuple(dict(zip(gathered, choice)).get(m, c) for m, c in enumerate(coordinate))
+            for choice in _product(*(range(mesh_shape[m]) for m in gathered))
+        ]
+        layout = _StridedLayout(
+            padded_shape=padded,
+            gather_groups=tuple((group_names[m], mesh_shape[m]) for m in reversed(gathered) if mesh_shape[m] > 1),
+            piece_runs=tuple(local_index_runs(global_shape, mesh_shape, rank, before_state) for rank in ranks),
+            global_shape=global_shape,
+        )
+    else:
+        layout = _StridedLayout(
+            padded_shape=shape_after, piece_runs=(local_index_runs(global_shape, mesh_shape, coordinate, after_state),)
+        )
+    return _ExecStep(
+        kind=step.kind,
+        group_name=group_name,
+        group_size=group_size,
+        index_in_group=index_in_group,
+        reduce_op="",
+        from_dim=layout.tensor_dim,
+        to_dim=-1,
+        from_piece=0,
+        to_piece=0,
+        joined=0,
+        kept=0,
+        from_offset=0,
+        to_offset=0,
+        sends_nothing=step.kind.is_collective and math.prod(padded) == 0,
+        shape_before=shape_before,
+        shape_after=shape_after,
+        strided=layout,
+    )
+
+
+def _pad_to(local: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    padded = local
+    for dim, size in enumerate(shape):
+        padded = pad_dim(padded, dim, size)
+    return padded.contiguous()
+
+
+def _issue_gather_whole(buffer: torch.Tensor, layout: _StridedLayout) -> torch.Tensor:
+    """Every gathered rank's padded piece, row-major over the gathered mesh dims (each all-gather waited)."""
+    block = buffer.reshape(1, -1)
+    # Innermost mesh dim first: after gathering dims d+1.. the block holds every coordinate of them in
+    # row-major order, so gathering dim d puts the blocks in row-major order of all the gathered dims.
+    for group_name, size in layout.gather_groups:
+        block = wait(launch_all_gather(block, size, group_name)).reshape(1, -1)
+    return block
+
+
+def _assemble_whole(received: torch.Tensor, layout: _StridedLayout) -> torch.Tensor:
+    """The whole tensor from every gathered rank's padded piece, each put at its index runs."""
+    pieces = received.reshape(len(layout.piece_runs), *layout.padded_shape)
+    whole = received.new_empty(layout.global_shape)
+    for piece, runs in zip(pieces, layout.piece_runs):
+        for dim, dim_runs in enumerate(runs):
+            piece = piece.narrow(dim, 0, sum(length for _, length in dim_runs))
+        if piece.numel() == 0:
+            continue
+        index = [
+            torch.tensor([start + k for start, length in dim_runs for k in range(length)], device=whole.device)
+            for dim_runs in runs
+        ]
+        whole[torch.meshgrid(*index, indexing="ij")] = piece
+    return whole
+
+
+def _select_runs(whole: torch.Tensor, runs: tuple[IndexRuns, ...]) -> torch.Tensor:
+    """The part of ``whole`` at these index runs (per tensor dim), in run order."""
+    selected = whole
+    for dim, dim_runs in enumerate(runs):
+        if len(dim_runs) == 1 and dim_runs[0] == (0, selected.size(dim)):
+            continue
+        parts = [selected.narrow(dim, start, length) for start, length in dim_runs]
+        selected = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim) if parts else selected.narrow(dim, 0, 0)
+    return selected.contiguous()
 
 
 def _intersection(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[
@@ -617,6 +763,8 @@ def _send_buffer(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     """``local`` padded and laid out for the step's collective (no communication)."""
     if step.joint is not None:
         return _joint_send_buffer(local, step, step.joint)
+    if step.strided is not None:
+        return _pad_to(local, step.strided.padded_shape)
     kind, group_size = step.kind, step.group_size
     if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
         return to_reducible(local, step.reduce_op)
@@ -644,6 +792,11 @@ def _issue(
     """Start the step's collective on its send buffer (unwaited).  A joint all-to-all sends
     ``input_splits`` and receives ``output_splits`` elements per member (its layout's, unless given)."""
     kind, group_size = step.kind, step.group_size
+    if kind is StepKind.GATHER_WHOLE:
+        assert step.strided is not None
+        return mark_arrived(_issue_gather_whole(buffer, step.strided))
+    if kind is StepKind.STRIDED_ALL_GATHER:
+        return launch_all_gather(buffer, group_size, step.group_name)
     if kind in (StepKind.JOINT_ALL_TO_ALL, StepKind.JOINT_ALL_TO_ALL_REDUCE):
         assert step.joint is not None
         return launch_all_to_all_exact(
@@ -670,6 +823,17 @@ def _finish(received: torch.Tensor, step: _ExecStep) -> torch.Tensor:
     kind, group_size = step.kind, step.group_size
     if step.joint is not None:
         return _finish_joint(received, step, step.joint)
+    if step.strided is not None:
+        layout = step.strided
+        if kind is StepKind.GATHER_WHOLE:
+            return _assemble_whole(received, layout)
+        # Strided all-gather: member i's block, trimmed to its real extent, in member order.
+        blocks = received.view(group_size, *layout.padded_shape)
+        trimmed = [
+            _select_runs(block, tuple(((0, size),) for size in _with_dim(step.shape_after, layout.tensor_dim, member)))
+            for block, member in zip(blocks, layout.member_sizes)
+        ]
+        return torch.cat(trimmed, dim=layout.tensor_dim).contiguous()
     if kind in (StepKind.ALL_REDUCE, StepKind.JOINT_ALL_REDUCE):
         return _divide(received, group_size) if step.reduce_op == "avg" else from_reduced(received, step.reduce_op)
     if kind is StepKind.REDUCE_SCATTER:
@@ -732,7 +896,14 @@ def _run_local(local: torch.Tensor, step: _ExecStep) -> torch.Tensor:
         return parent
     if kind is StepKind.RELABEL:
         return local
+    if kind is StepKind.SELECT_LOCAL:
+        assert step.strided is not None
+        return _select_runs(local, step.strided.piece_runs[0])
     raise AssertionError(f"{kind} is not a local step")
+
+
+def _with_dim(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if d == dim else extent for d, extent in enumerate(shape))
 
 
 def _traced(local: torch.Tensor) -> bool:
@@ -979,9 +1150,6 @@ def _redistribute(local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[A
         program = lookup(RANK_CACHES.programs, (src, dst))
         if program is SYMBOLIC:
             program = None  # symbolic shapes (torch.compile): _program_for builds it uncached
-        if program is None and involves_strided_shard(src, dst):
-            # FSDP-over-TP layouts: through the whole tensor (see _strided_redistribute), synchronously.
-            return redistribute_with_strided_shards(local, src, dst, redistribute_local_tensor)
         if program is None or program.mesh is not src.mesh:
             program = _program_for(src, dst)
         if not program.participating:
@@ -989,7 +1157,8 @@ def _redistribute(local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[A
         if local.shape != program.src_local_shape:
             _check_local_shapes(_THIS_RANK, [program], [local], src, dst)
         last = program.last_collective
-        if not async_op or last < 0 or _traced(local):
+        if not async_op or last < 0 or _traced(local) or program.steps[last].kind is StepKind.GATHER_WHOLE:
+            # (A whole gather waits for each of its all-gathers in turn: nothing left in flight to return.)
             return _run_steps(_THIS_RANK, [program], [local], len(program.steps))[0]
         (local,) = _run_steps(_THIS_RANK, [program], [local], last)
         pending = _issue(_send_buffer(local, program.steps[last]), program.steps[last])
@@ -1009,11 +1178,6 @@ def _redistribute(local: torch.Tensor, src: DTensorSpec[Any], dst: DTensorSpec[A
             return local.new_empty(one.dst_local_shape)
         return _run_steps(_THIS_RANK, [one], [local], len(one.steps))[0]
     ranks = _SimulatedRanks(view)
-    if involves_strided_shard(src, dst):
-        # Through the whole tensor, the same program for every rank (see _strided_redistribute).
-        with simulation.mode_disabled():
-            every_rank = ranks.join(ranks.pieces(local))
-        return redistribute_with_strided_shards(every_rank, src, dst, redistribute_local_tensor)
     programs = [_simulated_program(src, dst, rank) for rank in ranks.ranks]
     taking_part = [rank for rank, program in zip(ranks.ranks, programs) if program.participating]
     if len(taking_part) not in (0, len(ranks.ranks)):

@@ -59,7 +59,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline")),
     ("collectives", ("_collectives",)),
-    ("redistribution", ("_redistribution", "_src_data", "_strided_redistribute")),
+    ("redistribution", ("_redistribution", "_src_data")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
