@@ -67,3 +67,28 @@ def test_fallback_is_off_by_default_and_runs_replicated_when_on() -> None:
         replicate_fallback.disable()
     with pytest.raises(NotImplementedError, match="suffix_sum"):
         _suffix_sum(x)
+
+
+@multi_rank(world_size=2)
+def test_the_switch_is_one_of_the_options_with_an_environment_override() -> None:
+    import os
+
+    from shardwise.dtensor_ops._options import current_options, use_options
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(6, dtype=torch.float32)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    os.environ["SHARDWISE_REPLICATE_FALLBACK"] = "1"
+    try:
+        assert current_options().replicate_fallback and replicate_fallback.is_enabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplicateFallbackWarning)
+            torch.testing.assert_close(_suffix_sum(x).full_tensor(), _suffix_sum(full))
+        # A block of options wins over the environment on its thread.
+        with use_options(replicate_fallback=False):
+            assert not replicate_fallback.is_enabled()
+    finally:
+        del os.environ["SHARDWISE_REPLICATE_FALLBACK"]
+    replicate_fallback.disable()  # the decision made under the variable stays cached until turned off here
+    with pytest.raises(NotImplementedError, match="suffix_sum"):
+        _suffix_sum(x)

@@ -12,13 +12,17 @@ option                 environment override              default  what it change
                                                                   ``nccl``, ...) or a JSON file written by
                                                                   ``shardwise.tools.calibrate``; None: the mesh
                                                                   backend's default (``shardwise.mesh``)
+``replicate_fallback`` ``SHARDWISE_REPLICATE_FALLBACK=1`` off     an op without a sharding rule runs on replicated
+                                                                  inputs instead of raising
+                                                                  (``experimental.replicate_fallback``)
 =====================  ================================  =======  ==============================================
 
 :func:`current_options` answers what is in force: the options given to :func:`use_options`
 (innermost ``with`` block of this thread) if any, else :data:`DEFAULT_OPTIONS` with the environment
 overrides applied, read when asked (so a variable set before a redistribution is first planned
-takes effect).  Readers ask when they compile something they cache (a redistribution program),
-never per op.
+takes effect), then the process-wide changes of :func:`set_process_options` (an API's
+``enable()``).  Readers ask when they compile or decide something they cache (a redistribution
+program, a decision on a cache miss), never per op.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ from typing import Iterator, Mapping
 
 from shardwise.mesh._cost_profile import COST_PROFILE_ENV_VAR
 
-__all__ = ["DEFAULT_OPTIONS", "ENVIRONMENT_OVERRIDES", "Options", "current_options", "use_options"]
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "ENVIRONMENT_OVERRIDES",
+    "Options",
+    "current_options",
+    "set_process_options",
+    "use_options",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class Options:
 
     gloo_all_to_all: bool = False
     cost_profile: str | None = None
+    replicate_fallback: bool = False
 
 
 DEFAULT_OPTIONS = Options()
@@ -51,21 +63,25 @@ DEFAULT_OPTIONS = Options()
 ENVIRONMENT_OVERRIDES: Mapping[str, str] = {
     "gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL",
     "cost_profile": COST_PROFILE_ENV_VAR,
+    "replicate_fallback": "SHARDWISE_REPLICATE_FALLBACK",
 }
 
 _TEXT_OPTIONS = frozenset({"cost_profile"})
 
 _scoped = threading.local()
+# Process-wide changes (set_process_options), as sorted (name, value) pairs: part of the memo key below.
+_process_changes: tuple[tuple[str, object], ...] = ()
+_process_lock = threading.Lock()
 
 
 def _from_environment(environ: Mapping[str, str]) -> Options:
-    return _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()))
+    return _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()), _process_changes)
 
 
 @functools.lru_cache(maxsize=16)
-def _from_values(values: tuple[str | None, ...]) -> Options:
-    """The options the override variables' values (in ``ENVIRONMENT_OVERRIDES`` order) give; memoised,
-    since the planner asks on every lookup and the values rarely change."""
+def _from_values(values: tuple[str | None, ...], process_changes: tuple[tuple[str, object], ...] = ()) -> Options:
+    """The options the override variables' values (in ``ENVIRONMENT_OVERRIDES`` order) give, then the
+    process-wide changes; memoised, since the planner asks on every lookup and the values rarely change."""
     changes: dict[str, object] = {}
     for (name, variable), value in zip(ENVIRONMENT_OVERRIDES.items(), values):
         if value is None or value.strip() == "":
@@ -76,7 +92,24 @@ def _from_values(values: tuple[str | None, ...]) -> Options:
         if value.strip() not in ("0", "1"):
             raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off) for option {name!r}")
         changes[name] = value.strip() == "1"
+    changes.update(process_changes)
     return dataclasses.replace(DEFAULT_OPTIONS, **changes)  # type: ignore[arg-type]
+
+
+def set_process_options(**changes: object) -> Options:
+    """Change options for the whole process, every thread, until changed back (over the environment's).
+
+    ``use_options`` blocks still win inside them. Returns the options now in force outside such blocks.
+    """
+    global _process_changes
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Options)})
+    if unknown:
+        raise TypeError(f"set_process_options: unknown options {unknown}; known: {[f.name for f in dataclasses.fields(Options)]}")
+    with _process_lock:
+        merged = dict(_process_changes)
+        merged.update(changes)
+        _process_changes = tuple(sorted(merged.items()))
+    return _from_environment(os.environ)
 
 
 def current_options() -> Options:

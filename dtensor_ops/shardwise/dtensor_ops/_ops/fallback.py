@@ -8,8 +8,9 @@ cost of moving every sharded input whole to every rank; so each (op, input place
 with the bytes per rank it moves.  Off by default: the default is the error naming the op and its
 placements.
 
-The switch lives here, below propagation (which asks it), rather than in ``experimental`` (above):
-propagation may not import the API layer.
+The switch is the ``replicate_fallback`` option of the one options object (``_options``: a
+``use_options`` block of this thread, ``set_process_options`` for the process,
+``SHARDWISE_REPLICATE_FALLBACK=1``); the rule asks it on a decision-cache miss only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from shardwise.placement import DTensorSpec, Replicate
 
 from .._caches import RANK_CACHES
+from .._options import current_options
 from .._redistribute_plan import redistribute_cost_bytes
 from .._rules import ShardingRule, rule_for
 from .replicated import REPLICATED_RULE
@@ -30,11 +32,9 @@ from .replicated import REPLICATED_RULE
 __all__ = [
     "FALLBACK_RULE",
     "ReplicateFallbackWarning",
-    "enter_replicate_fallback",
-    "exit_replicate_fallback",
+    "forget_fallback_decisions",
     "replicate_fallback_enabled",
     "replicate_fallback_rule",
-    "set_replicate_fallback_globally",
 ]
 
 
@@ -44,47 +44,21 @@ class ReplicateFallbackWarning(UserWarning):
 
 FALLBACK_RULE = ShardingRule(family="replicate fallback", one_dim_strategies=REPLICATED_RULE.one_dim_strategies)
 
-_lock = threading.Lock()
-_globally_on = False
-_depth = 0
+_warned_lock = threading.Lock()
 _warned: set[tuple[torch._ops.OpOverload, tuple[Any, ...]]] = set()
 
 
 def replicate_fallback_enabled() -> bool:
-    return _globally_on or _depth > 0
+    """Whether the fallback is on for this thread: the ``replicate_fallback`` option (``_options``)."""
+    return current_options().replicate_fallback
 
 
-def _forget_fallback_decisions() -> None:
+def forget_fallback_decisions() -> None:
     """Drop cached decisions the fallback made, so that turning it off brings the error back."""
     decisions = RANK_CACHES.decisions
     stale = [key for key, decision in list(decisions.items()) if decision.op is not None and rule_for(decision.op) is None]
     for key in stale:
         decisions.pop(key, None)
-
-
-def set_replicate_fallback_globally(enabled: bool) -> None:
-    global _globally_on
-    with _lock:
-        was_on = replicate_fallback_enabled()
-        _globally_on = bool(enabled)
-        now_on = replicate_fallback_enabled()
-    if was_on and not now_on:
-        _forget_fallback_decisions()
-
-
-def enter_replicate_fallback() -> None:
-    global _depth
-    with _lock:
-        _depth += 1
-
-
-def exit_replicate_fallback() -> None:
-    global _depth
-    with _lock:
-        _depth -= 1
-        now_on = replicate_fallback_enabled()
-    if not now_on:
-        _forget_fallback_decisions()
 
 
 def replicate_fallback_rule(op: torch._ops.OpOverload, specs: Sequence[DTensorSpec[Any]]) -> ShardingRule | None:
@@ -97,7 +71,7 @@ def replicate_fallback_rule(op: torch._ops.OpOverload, specs: Sequence[DTensorSp
     placements = tuple(spec.placements for spec in specs)
     key = (op, placements)
     if key not in _warned:
-        with _lock:
+        with _warned_lock:
             first = key not in _warned
             _warned.add(key)
         if first:

@@ -16,39 +16,49 @@ raise: a decision is made from shapes alone.
 
 from __future__ import annotations
 
+import contextlib
 from types import TracebackType
+from typing import Any
 
-from .._ops.fallback import (
-    ReplicateFallbackWarning,
-    enter_replicate_fallback,
-    exit_replicate_fallback,
-    replicate_fallback_enabled,
-    set_replicate_fallback_globally,
-)
+from .._ops.fallback import ReplicateFallbackWarning, forget_fallback_decisions, replicate_fallback_enabled
+from .._options import set_process_options, use_options
 
 __all__ = ["ReplicateFallbackWarning", "replicate_fallback"]
 
 
 class replicate_fallback:  # noqa: N801 - a context manager named like the function it stands for
-    """Context manager turning the replicate fallback on for its block; ``enable()``/``disable()`` switch it
-    for the whole process, ``is_enabled()`` says whether it is on (by either)."""
+    """Context manager turning the replicate fallback on for its block on this thread; ``enable()``/``disable()``
+    switch it for the whole process, ``is_enabled()`` says whether it is on here (by either).
+
+    It is the ``replicate_fallback`` option of ``shardwise.dtensor_ops``'s options (``_options``), so
+    ``SHARDWISE_REPLICATE_FALLBACK=1`` turns it on too. Turning it off drops the decisions it made.
+    """
+
+    def __init__(self) -> None:
+        self._scopes: list[contextlib.AbstractContextManager[Any]] = []
 
     def __enter__(self) -> replicate_fallback:
-        enter_replicate_fallback()
+        scope = use_options(replicate_fallback=True)
+        scope.__enter__()
+        self._scopes.append(scope)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        exit_replicate_fallback()
+        self._scopes.pop().__exit__(kind, error, traceback)
+        if not replicate_fallback_enabled():
+            forget_fallback_decisions()
 
     @staticmethod
     def enable() -> None:
-        set_replicate_fallback_globally(True)
+        set_process_options(replicate_fallback=True)
 
     @staticmethod
     def disable() -> None:
-        set_replicate_fallback_globally(False)
+        set_process_options(replicate_fallback=False)
+        if not replicate_fallback_enabled():
+            forget_fallback_decisions()
 
     @staticmethod
     def is_enabled() -> bool:
