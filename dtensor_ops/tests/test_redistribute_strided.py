@@ -104,6 +104,30 @@ def test_uneven_pieces_still_line_up_for_the_one_dim_gather_when_every_group_agr
     assert _kinds(FSDP_OVER_TP, (R, S0), shape=(10, 2)) == [StepKind.STRIDED_ALL_GATHER]
 
 
+class _MeshWithJointGroups(FakeMesh):
+    def _supports_joint_groups(self) -> bool:  # what a DeviceMesh built by init_device_mesh answers
+        return True
+
+
+@pytest.mark.parametrize("joint_groups", [False, True])
+def test_no_detour_through_another_shard_order_is_cheaper_than_the_plan(joint_groups: bool) -> None:
+    # On a 2x2x2 mesh every shard order of a 2-D tensor (most are _StridedShard layouts): the plan's time
+    # from A to C is at most A to B plus B to C, for every B.
+    from shardwise.testing._shard_orders import generate_shard_orders, shard_order_to_placement
+
+    mesh = (_MeshWithJointGroups if joint_groups else FakeMesh)((2, 2, 2), (0, 1, 1))
+    shape = (16, 8)
+    meta = TensorMeta(torch.Size(shape), (8, 1), torch.float32)
+    orders = list(generate_shard_orders(mesh, len(shape)))
+    specs = [DTensorSpec(mesh, tuple(shard_order_to_placement(o, mesh)), meta, shard_order=o) for o in orders]
+    assert sum(any(type(p) is _StridedShard for p in spec.as_layout_spec().placements) for spec in specs) > len(specs) // 2
+    for a, c in itertools.product(specs, specs):
+        direct = redistribute_cost_picoseconds(a, c)
+        for b in specs:
+            detour = redistribute_cost_picoseconds(a, b) + redistribute_cost_picoseconds(b, c)
+            assert direct <= detour, (a.shard_order, b.shard_order, c.shard_order, direct, detour)
+
+
 # -- on 4 ranks --------------------------------------------------------------------------------
 
 LAYOUTS: list[tuple[Placement, ...]] = [

@@ -103,10 +103,11 @@ of their own, priced like the collectives they run, and the cheapest valid candi
   indices; cost ``(ranks - 1) *`` the largest piece, one latency per mesh dim;
 * select local (R everywhere -> a layout without Partial): this rank's index runs, no communication.
 
-From a strided layout: the strided all-gather alone where it reaches the target; with one strided
-mesh dim and no strided target, that gather followed by the normal plan; or the whole gather
-followed by the selection (or by the normal plan to a Partial target). Into one: the normal plan
-to R everywhere, then the selection. A strided layout with a Partial mesh dim, and a target with
+From a strided layout: a strided all-gather of one mesh dim followed by the best plan from the
+layout it leaves (none where it reaches the target); or the whole gather followed by the selection
+(or by the normal plan to a Partial target). Into one: the normal plan to R everywhere, then the
+selection. So a plan through any intermediate layout costs at least the plan chosen (the
+triangle inequality PyTorch's planner tests hold), up to the normal planner's own. A strided layout with a Partial mesh dim, and a target with
 both, are refused (``NotImplementedError``, before any communication).
 
 Where no joint step is searched, the search runs in C++ when the optional ``_plan_search_ext``
@@ -1489,17 +1490,17 @@ def _plan_strided(
     candidates: list[tuple[RedistributeStep, ...]] = []
     if _is_strided(src):
         if exact_gathers:
-            direct = strided_gather_dim(global_shape, mesh_shape, source, target)
-            if direct is not None:
-                candidates.append((_strided_all_gather_step(global_shape, mesh_shape, source, direct, itemsize),))
-            strided_dims = [m for m, p in enumerate(source) if type(p) is _StridedShard]
-            if len(strided_dims) == 1 and not _is_strided(dst):
-                middle = src.with_placements([Replicate() if m == strided_dims[0] else p for m, p in enumerate(source)])
-                if middle.placements != target and strided_gather_dim(
-                    global_shape, mesh_shape, source, middle.placements
-                ) is not None:
-                    first = _strided_all_gather_step(global_shape, mesh_shape, source, strided_dims[0], itemsize)
-                    candidates.append((first, *plan_redistribute(middle, dst)))
+            # Gather one strided mesh dim where that is exact, then the best plan from there (recursively:
+            # the layout left has one strided dim fewer; the target itself when that gather reaches it).
+            for mesh_dim, placement in enumerate(source):
+                if type(placement) is not _StridedShard:
+                    continue
+                middle = src.with_placements([Replicate() if m == mesh_dim else p for m, p in enumerate(source)])
+                if strided_gather_dim(global_shape, mesh_shape, source, middle.placements) is None:
+                    continue
+                first = _strided_all_gather_step(global_shape, mesh_shape, source, mesh_dim, itemsize)
+                rest = plan_redistribute(middle, dst) if middle.placements != target else ()
+                candidates.append((first, *rest))
         whole = (_gather_whole_step(global_shape, mesh_shape, source, itemsize),)
         if dst.placements == replicated.placements:
             candidates.append(whole)
