@@ -211,3 +211,84 @@ def _name_of(model: nn.Module, target: torch.Tensor) -> str:
 
 def test_tensor_lr_and_grads_placed_unlike_params() -> None:
     run_on_threads(_tensor_lr_and_redistributed_grads, world_size=4)
+
+
+# torch's fused kernels (one aten._fused_*_ call per step for every parameter): each parameter's shard
+# updates from the same shards of its gradient and state.
+FUSED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adam-amsgrad-maximize-wd": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "maximize": True, "weight_decay": 0.05}),
+    "adam-tensor-lr": (torch.optim.Adam, {"lr": torch.tensor(0.01)}),
+    "adam-one-element-lr": (torch.optim.Adam, {"lr": torch.tensor([0.01]), "amsgrad": True}),
+    "adamw-wd": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw-tensor-lr": (torch.optim.AdamW, {"lr": torch.tensor(0.02), "weight_decay": 0.1}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+}
+
+
+def _fused_steps_match_plain(mesh_shape: tuple[int, ...], plan: Plan) -> dict[str, int]:
+    mesh = init_device_mesh("cpu", mesh_shape)
+    counts: dict[str, int] = {}
+    for name, (optimizer_class, options) in FUSED.items():
+        state = _initial_state(seed=sum(map(ord, name)))
+        plain, distributed = _plain_model(state), _distributed_model(state, mesh, plan)
+        plain_optimizer = optimizer_class(plain.parameters(), fused=True, **options)
+        optimizer = optimizer_class(distributed.parameters(), fused=True, **options)
+        generator = torch.Generator().manual_seed(13)
+        for step in range(2):
+            # The kernel writes into the gradients too (schema: Tensor(b!)[] grads), so they must already be
+            # laid out like their parameters (an in-place op cannot move what it writes; see the test below).
+            for param, plain_param in zip(distributed.parameters(), plain.parameters()):
+                grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+                assert isinstance(param, DTensor)
+                param.grad = distribute_tensor(grad, mesh, param.placements)
+                plain_param.grad = grad
+            plain_optimizer.step()
+            with CommDebugMode() as mode:
+                optimizer.step()
+            counts[f"{name} step {step}"] = int(mode.get_total_counts())
+            _compare(plain, distributed, f"fused {name} step {step}")
+    return counts
+
+
+@pytest.mark.parametrize("mesh_shape, plan", [((4,), PLANS_1D["mixed"]), ((4,), PLANS_1D["shard1"]), ((2, 2), PLAN_2X2)])
+def test_fused_optimizers_match_plain_torch_without_communicating(mesh_shape: tuple[int, ...], plan: Plan) -> None:
+    for counts in run_on_threads(_fused_steps_match_plain, mesh_shape, plan, world_size=4):
+        assert counts and all(count == 0 for count in counts.values()), counts
+
+
+def _fused_step_with_partial_gradients() -> str:
+    mesh = init_device_mesh("cpu", (2, 2))
+    state = _initial_state(seed=7)
+    model = _distributed_model(state, mesh, PLAN_2X2)
+    _loss(model, distribute_tensor(_inputs(0), mesh, [R, R])).backward()
+    assert any(grad.placements != param.placements for param in model.parameters() if (grad := param.grad) is not None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    with CommDebugMode() as mode, pytest.raises(RuntimeError, match="in-place operations that require placement") as refused:
+        optimizer.step()
+    assert mode.get_total_counts() == 0
+    return str(refused.value)
+
+
+def test_a_fused_step_needs_gradients_laid_out_like_their_parameters() -> None:
+    # Backward leaves some gradients Partial here; the fused kernel writes them, so they cannot be moved for it:
+    # a clear error before any collective (foreach=True / fused=False moves them instead).
+    assert all("redistribute that DTensor" in message for message in run_on_threads(_fused_step_with_partial_gradients, world_size=4))
+
+
+def _fused_step_on_a_partial_parameter() -> str:
+    from shardwise.dtensor_ops import Partial
+
+    mesh = init_device_mesh("cpu", (4,))
+    param = nn.Parameter(DTensor.from_local(torch.ones(3, dtype=torch.float64), mesh, [Partial()]))
+    param.grad = DTensor.from_local(torch.ones(3, dtype=torch.float64), mesh, [Partial()])
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+    with CommDebugMode() as mode, pytest.raises(RuntimeError, match="parameter 0 is Partial") as refused:
+        optimizer.step()
+    assert mode.get_total_counts() == 0
+    return str(refused.value)
+
+
+def test_a_fused_step_on_a_partial_parameter_is_refused_before_any_collective() -> None:
+    assert all("_fused_adam_" in message for message in run_on_threads(_fused_step_on_a_partial_parameter, world_size=4))

@@ -42,6 +42,7 @@ __all__ = [
     "ELEMENT_OPS",
     "ElementOp",
     "FOREACH_RULE",
+    "FUSED_OPTIMIZER_RULE",
     "INPLACE_FOREACH_RULE",
     "POWSUM_RULE",
     "named_arguments",
@@ -453,3 +454,54 @@ POWSUM_RULE = ShardingRule(
     family="foreach powsum", combined_decision=_powsum_combined_decision, output_meta=_powsum_output_metas
 )
 register_rule((aten._foreach_powsum.Scalar,), POWSUM_RULE)
+
+
+# ----------------------------------------------------------------------------------- fused optimizers
+
+# torch's fused optimizer kernels (``Adam(fused=True)``, AdamW, SGD, Adagrad): one call updates every
+# parameter from its gradient and state, element by element, with the step counts and hyperparameters
+# shared. So each parameter's shard updates from the same shards of its gradient and state: every list
+# aligned with ``self`` is placed as ``self[i]`` is (the state was made like the parameter; a gradient in
+# another layout is moved there first), and the per-parameter step counts, a tensor ``lr``, ``grad_scale``
+# and ``found_inf`` are replicated (plain scalar tensors count as replicated). A Partial parameter has no
+# values to update: refused.
+_FUSED_STEP_COUNTS = "state_steps"
+
+
+def _fused_optimizer_combined_decision(call: OpCall) -> CombinedDecision:
+    named = named_arguments(call.op, call.args, call.kwargs)
+    params = named.get("self")
+    assert isinstance(params, (list, tuple))
+    inputs: list[tuple[Placement, ...]] = []
+    for (name, index), spec in zip(_rule_input_slots(call), call.input_specs):
+        if index is None or name == _FUSED_STEP_COUNTS:
+            inputs.append((Replicate(),) * len(spec.placements))
+            continue
+        param = params[index]
+        if not isinstance(param, DTensorSpec):
+            raise ShardingPropagationError(f"{call.op}: {name}[{index}] is a DTensor but self[{index}] is not")
+        if param.has_partial():
+            raise ShardingPropagationError(
+                f"{call.op}: parameter {index} is Partial ({param.placements}); an optimizer step needs its values: "
+                "redistribute it (or its gradient's source) to Shard/Replicate first"
+            )
+        inputs.append(param.placements)
+    return CombinedDecision(tuple(inputs), ())
+
+
+FUSED_OPTIMIZER_RULE = ShardingRule(
+    family="fused optimizer",
+    combined_decision=_fused_optimizer_combined_decision,
+    tensor_outputs=False,
+    scalar_values_matter=False,
+)
+register_rule(
+    [
+        getattr(getattr(aten, name), overload)
+        for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+        if hasattr(aten, name)
+        for overload in ("default", "tensor_lr")
+        if hasattr(getattr(aten, name), overload)
+    ],
+    FUSED_OPTIMIZER_RULE,
+)
