@@ -144,29 +144,41 @@ def test_optimizers_match_plain_torch_on_2x2_mesh() -> None:
     run_on_threads(_train_all_optimizers, (2, 2), {"2x2": PLAN_2X2}, world_size=4)
 
 
-def _step_with_grads_laid_out_like_params(mesh_shape: tuple[int, ...], plan: Plan) -> dict[str, int]:
+OptimizerConfigs = Mapping[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]]
+
+
+def _foreach_configs() -> OptimizerConfigs:
+    return {
+        f"{name} foreach={foreach}": (optimizer_class, {**options, "foreach": foreach})
+        for name, (optimizer_class, options) in OPTIMIZERS.items()
+        for foreach in (True, False)
+    }
+
+
+def _step_with_grads_laid_out_like_params(
+    mesh_shape: tuple[int, ...], plan: Plan, configs: OptimizerConfigs | None = None
+) -> dict[str, int]:
     """Counts of collectives per optimizer config for a step whose grads sit exactly like their params."""
     mesh = init_device_mesh("cpu", mesh_shape)
     counts: dict[str, int] = {}
-    for optimizer_name, (optimizer_class, options) in OPTIMIZERS.items():
-        for foreach in (True, False):
-            state = _initial_state(seed=3)
-            model = _distributed_model(state, mesh, plan)
-            plain = _plain_model(state)
-            optimizer = optimizer_class(model.parameters(), foreach=foreach, **options)
-            plain_optimizer = optimizer_class(plain.parameters(), foreach=foreach, **options)
-            generator = torch.Generator().manual_seed(11)
-            for step in range(2):
-                for param, plain_param in zip(model.parameters(), plain.parameters()):
-                    grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
-                    assert isinstance(param, DTensor)
-                    param.grad = distribute_tensor(grad, mesh, param.placements)
-                    plain_param.grad = grad
-                with CommDebugMode() as mode:
-                    optimizer.step()
-                plain_optimizer.step()
-                counts[f"{optimizer_name} foreach={foreach} step {step}"] = int(mode.get_total_counts())
-            _compare(plain, model, f"{optimizer_name} foreach={foreach} with grads placed like params")
+    for label, (optimizer_class, options) in (configs or _foreach_configs()).items():
+        state = _initial_state(seed=3)
+        model = _distributed_model(state, mesh, plan)
+        plain = _plain_model(state)
+        optimizer = optimizer_class(model.parameters(), **options)
+        plain_optimizer = optimizer_class(plain.parameters(), **options)
+        generator = torch.Generator().manual_seed(11)
+        for step in range(2):
+            for param, plain_param in zip(model.parameters(), plain.parameters()):
+                grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+                assert isinstance(param, DTensor)
+                param.grad = distribute_tensor(grad, mesh, param.placements)
+                plain_param.grad = grad
+            with CommDebugMode() as mode:
+                optimizer.step()
+            plain_optimizer.step()
+            counts[f"{label} step {step}"] = int(mode.get_total_counts())
+            _compare(plain, model, f"{label} step {step} with grads placed like params")
     return counts
 
 
@@ -227,34 +239,12 @@ FUSED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 }
 
 
-def _fused_steps_match_plain(mesh_shape: tuple[int, ...], plan: Plan) -> dict[str, int]:
-    mesh = init_device_mesh("cpu", mesh_shape)
-    counts: dict[str, int] = {}
-    for name, (optimizer_class, options) in FUSED.items():
-        state = _initial_state(seed=sum(map(ord, name)))
-        plain, distributed = _plain_model(state), _distributed_model(state, mesh, plan)
-        plain_optimizer = optimizer_class(plain.parameters(), fused=True, **options)
-        optimizer = optimizer_class(distributed.parameters(), fused=True, **options)
-        generator = torch.Generator().manual_seed(13)
-        for step in range(2):
-            # The kernel writes into the gradients too (schema: Tensor(b!)[] grads), so they must already be
-            # laid out like their parameters (an in-place op cannot move what it writes; see the test below).
-            for param, plain_param in zip(distributed.parameters(), plain.parameters()):
-                grad = torch.randn(param.shape, generator=generator, dtype=torch.float64)
-                assert isinstance(param, DTensor)
-                param.grad = distribute_tensor(grad, mesh, param.placements)
-                plain_param.grad = grad
-            plain_optimizer.step()
-            with CommDebugMode() as mode:
-                optimizer.step()
-            counts[f"{name} step {step}"] = int(mode.get_total_counts())
-            _compare(plain, distributed, f"fused {name} step {step}")
-    return counts
-
-
 @pytest.mark.parametrize("mesh_shape, plan", [((4,), PLANS_1D["mixed"]), ((4,), PLANS_1D["shard1"]), ((2, 2), PLAN_2X2)])
 def test_fused_optimizers_match_plain_torch_without_communicating(mesh_shape: tuple[int, ...], plan: Plan) -> None:
-    for counts in run_on_threads(_fused_steps_match_plain, mesh_shape, plan, world_size=4):
+    # The kernel writes into the gradients too (schema: Tensor(b!)[] grads), so they must already be laid out
+    # like their parameters (an in-place op cannot move what it writes; see the next test).
+    fused = {f"fused {name}": (optimizer_class, {**options, "fused": True}) for name, (optimizer_class, options) in FUSED.items()}
+    for counts in run_on_threads(_step_with_grads_laid_out_like_params, mesh_shape, plan, fused, world_size=4):
         assert counts and all(count == 0 for count in counts.values()), counts
 
 

@@ -99,8 +99,9 @@ of their own, priced like the collectives they run, and the cheapest valid candi
   over TP back to TP), one all-gather of the pieces padded to the largest, then a concatenation;
   cost ``(n-1) *`` the largest piece;
 * gather whole (any strided layout without Partial -> R everywhere): one all-gather per mesh dim
-  of size > 1 (innermost first) of every piece padded to the largest, each piece then put at its
-  indices; cost ``(ranks - 1) *`` the largest piece, one latency per mesh dim;
+  that cuts (innermost first; a Replicate dim's pieces are all alike) of every piece padded to the
+  largest, each piece then put at its indices; cost ``(ranks of those dims - 1) *`` the largest
+  piece, one latency per gathered mesh dim;
 * select local (R everywhere -> a layout without Partial): this rank's index runs, no communication.
 
 From a strided layout: a strided all-gather of one mesh dim followed by the best plan from the
@@ -169,6 +170,10 @@ __all__ = [
     "redistribute_cost_picoseconds",
     "redistribute_lower_bound_bytes",
     "check_redistribute_specs",
+    "largest_piece_shape",
+    "run_indices",
+    "run_length",
+    "strided_gather_dim",
 ]
 
 Placements = tuple[Placement, ...]
@@ -1373,15 +1378,12 @@ def _is_strided(spec: DTensorSpec[Any]) -> bool:
     return any(type(p) is _StridedShard for p in spec.placements)
 
 
-def _coordinates(mesh_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    return itertools.product(*(range(n) for n in mesh_shape))
-
-
-def _run_indices(runs: Sequence[tuple[int, int]]) -> list[int]:
+def run_indices(runs: Sequence[tuple[int, int]]) -> list[int]:
+    """The indices that ``(start, length)`` runs (``local_index_runs``' entries) hold, in order."""
     return [start + k for start, length in runs for k in range(length)]
 
 
-def _run_length(runs: Sequence[tuple[int, int]]) -> int:
+def run_length(runs: Sequence[tuple[int, int]]) -> int:
     return sum(length for _, length in runs)
 
 
@@ -1407,8 +1409,8 @@ def strided_gather_dim(
         joined: list[int] = []
         for index in range(mesh_shape[mesh_dim]):
             member = coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :]
-            joined += _run_indices(local_index_runs(global_shape, mesh_shape, member, src)[tensor_dim])
-        if joined != _run_indices(local_index_runs(global_shape, mesh_shape, coordinate, dst)[tensor_dim]):
+            joined += run_indices(local_index_runs(global_shape, mesh_shape, member, src)[tensor_dim])
+        if joined != run_indices(local_index_runs(global_shape, mesh_shape, coordinate, dst)[tensor_dim]):
             return None
     return mesh_dim
 
@@ -1416,9 +1418,9 @@ def strided_gather_dim(
 def largest_piece_shape(global_shape: Sequence[int], mesh_shape: Sequence[int], state: Placements) -> tuple[int, ...]:
     """Per tensor dim, the largest extent any rank's piece has in ``state`` (what pieces are padded to)."""
     largest = [0] * len(global_shape)
-    for coordinate in _coordinates(mesh_shape):
+    for coordinate in _all_coordinates(mesh_shape):
         for dim, runs in enumerate(local_index_runs(global_shape, mesh_shape, coordinate, state)):
-            largest[dim] = max(largest[dim], _run_length(runs))
+            largest[dim] = max(largest[dim], run_length(runs))
     return tuple(largest)
 
 

@@ -95,6 +95,8 @@ from ._redistribute_plan import (
     check_redistribute_specs,
     joint_collective_dims,
     largest_piece_shape,
+    run_indices,
+    run_length,
     plan_bytes_per_rank,
     plan_redistribute,
     plan_states,
@@ -236,7 +238,7 @@ class _StridedLayout:
 class _ExecStep:
     """One plan step with everything this rank needs to run it, precomputed.
 
-    Each field means one thing for every kind (0 or -1 where a kind has no such dim):
+    Each field means one thing for every kind (the defaults, 0 or -1, where a kind has no such dim):
     ``from_dim`` is the tensor dim a step un-shards (all-gather, all-to-all, S->P) and ``to_dim``
     the one it shards (chunk, reduce-scatter, all-to-all).  Along ``from_dim``: ``from_piece`` is
     the padded piece every member sends, ``joined`` the real size once un-sharded and
@@ -250,17 +252,17 @@ class _ExecStep:
     group_size: int
     index_in_group: int
     reduce_op: str
-    from_dim: int
-    to_dim: int
-    from_piece: int
-    to_piece: int
-    joined: int
-    kept: int
-    from_offset: int
-    to_offset: int
     sends_nothing: bool
     shape_before: tuple[int, ...]
     shape_after: tuple[int, ...]
+    from_dim: int = -1
+    to_dim: int = -1
+    from_piece: int = 0
+    to_piece: int = 0
+    joined: int = 0
+    kept: int = 0
+    from_offset: int = 0
+    to_offset: int = 0
     joint: _JointLayout | None = None
     # A reduce-scatter or all-gather run as one all-to-all (_collectives.one_round_collectives).
     one_round: bool = False
@@ -408,21 +410,17 @@ def _compile_strided_step(
 ) -> _ExecStep:
     """A step into or out of a ``_StridedShard`` layout (see ``_StridedLayout``)."""
     mesh_shape = tuple(mesh.shape)
-    padded = largest_piece_shape(global_shape, mesh_shape, before_state)
+    # What every rank sends in a collective step: its piece padded to the largest any rank has.
+    padded = largest_piece_shape(global_shape, mesh_shape, before_state) if step.kind.is_collective else ()
     shape_before, shape_after = local_shape(before_state), local_shape(after_state)
     group_name, group_size, index_in_group = "", 1, 0
     if step.kind is StepKind.STRIDED_ALL_GATHER:
         mesh_dim = step.mesh_dim
         group_name, group_size, index_in_group = group_names[mesh_dim], mesh_shape[mesh_dim], coordinate[mesh_dim]
         tensor_dim = cast(_StridedShard, step.before).dim % len(global_shape)
+        members = (coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :] for index in range(group_size))
         sizes = tuple(
-            sum(
-                length
-                for _, length in local_index_runs(
-                    global_shape, mesh_shape, coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :], before_state
-                )[tensor_dim]
-            )
-            for index in range(group_size)
+            run_length(local_index_runs(global_shape, mesh_shape, member, before_state)[tensor_dim]) for member in members
         )
         layout = _StridedLayout(padded_shape=padded, tensor_dim=tensor_dim, member_sizes=sizes)
     elif step.kind is StepKind.GATHER_WHOLE:
@@ -450,13 +448,6 @@ def _compile_strided_step(
         index_in_group=index_in_group,
         reduce_op="",
         from_dim=layout.tensor_dim,
-        to_dim=-1,
-        from_piece=0,
-        to_piece=0,
-        joined=0,
-        kept=0,
-        from_offset=0,
-        to_offset=0,
         sends_nothing=step.kind.is_collective and math.prod(padded) == 0,
         shape_before=shape_before,
         shape_after=shape_after,
@@ -487,13 +478,10 @@ def _assemble_whole(received: torch.Tensor, layout: _StridedLayout) -> torch.Ten
     whole = received.new_empty(layout.global_shape)
     for piece, runs in zip(pieces, layout.piece_runs):
         for dim, dim_runs in enumerate(runs):
-            piece = piece.narrow(dim, 0, sum(length for _, length in dim_runs))
+            piece = piece.narrow(dim, 0, run_length(dim_runs))
         if piece.numel() == 0:
             continue
-        index = [
-            torch.tensor([start + k for start, length in dim_runs for k in range(length)], device=whole.device)
-            for dim_runs in runs
-        ]
+        index = [torch.tensor(run_indices(dim_runs), device=whole.device) for dim_runs in runs]
         whole[torch.meshgrid(*index, indexing="ij")] = piece
     return whole
 
@@ -546,14 +534,6 @@ def _compile_joint_all_reduce(
         group_size=math.prod(mesh.shape[d] for d in step.mesh_dims),
         index_in_group=0,
         reduce_op=step.before.reduce_op,
-        from_dim=-1,
-        to_dim=-1,
-        from_piece=0,
-        to_piece=0,
-        joined=0,
-        kept=0,
-        from_offset=0,
-        to_offset=0,
         sends_nothing=math.prod(local_shape) == 0,
         shape_before=local_shape,
         shape_after=local_shape,
@@ -644,14 +624,6 @@ def _compile_joint_step(
         group_size=len(group),
         index_in_group=index_in_group,
         reduce_op=reduce_op,
-        from_dim=-1,
-        to_dim=-1,
-        from_piece=0,
-        to_piece=0,
-        joined=0,
-        kept=0,
-        from_offset=0,
-        to_offset=0,
         sends_nothing=not moves_anything,
         shape_before=mine_before[0],
         shape_after=mine_after[0],
