@@ -6,16 +6,30 @@
 declares, for package folder `mesh/` (import `shardwise.mesh`, wheel `shardwise-mesh`):
   //mesh:mesh         py_library over mesh/shardwise/mesh/**
   //mesh:wheel        shardwise_mesh-<VERSION>-py3-none-any.whl (or the platform's tag, with native_modules)
-  //mesh:test_<file>  one pytest target per mesh/tests/test_*.py
+  //mesh:tests_<k>    the package's test files packed into a few pytest processes (see below)
+  //mesh:test_<file>  one pytest target per mesh/tests/test_*.py, tagged `manual`: run by name
+                      (`bazel test //mesh:test_layout`), not by `//...`
 Every package is type-checked by the root //:mypy_test (one mypy run, root mypy.ini).
+
+Why packed: a pytest process that imports torch, pytest and the packages and starts a rank pool costs
+about 6 s of one core before its first test, which over ~115 files was a quarter of `bazel test //...`
+on 2 cores. Files of a package that run alike (same world size) are packed into targets of about
+GROUP_SECONDS of test time each, longest first onto the lightest (test_seconds.bzl has the measured
+seconds; `tools/build_defs/test_seconds.py` refreshes it). One process then serves several files and
+its rank pool serves them all. GPU files keep one target each.
 """
 
 load("@rules_python//python:defs.bzl", "py_library", "py_test")
 load("@shardwise_versions//:versions.bzl", "VERSIONS")
 load("@shardwise_wheel_tag//:tag.bzl", "NATIVE_WHEEL_TAG")
+load(":test_seconds.bzl", "TEST_SECONDS")
 load(":wheel.bzl", "sw_wheel")
 
 _PYTEST_RUNNER = "//tools/build_defs:pytest_runner.py"
+
+# Test seconds a packed target aims at, and what an unmeasured file is taken to need.
+GROUP_SECONDS = 100
+DEFAULT_TEST_SECONDS = 10
 _MYPY_RUNNER = "//tools/build_defs:mypy_runner.py"
 
 # Labels of a remote-execution GPU pool's platform properties; executors read what they know.
@@ -26,13 +40,15 @@ def _gpu_exec_properties(gpu_count):
         "gpu-count": str(gpu_count),
     }
 
-def sw_pytest(name, src, deps = [], data = [], env = {}, tags = [], size = "small", **kwargs):
-    """One pytest file as one test target, run with the pinned interpreter; JUnit XML for CI."""
+def sw_pytest(name, src = None, srcs = [], deps = [], data = [], env = {}, tags = [], size = "small", **kwargs):
+    """One pytest process over one file (`src`) or several (`srcs`), as one test target run with the pinned
+    interpreter; JUnit XML for CI."""
+    files = ([src] if src else []) + list(srcs)
     py_test(
         name = name,
-        srcs = [src, _PYTEST_RUNNER],
+        srcs = files + [_PYTEST_RUNNER],
         main = _PYTEST_RUNNER,
-        args = ["$(rootpath {})".format(src)],
+        args = ["$(rootpath {})".format(f) for f in files],
         deps = deps,
         data = data,
         env = env,
@@ -43,7 +59,7 @@ def sw_pytest(name, src, deps = [], data = [], env = {}, tags = [], size = "smal
         **kwargs
     )
 
-def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = {}, tags = [], size = "medium", **kwargs):
+def sw_multi_rank_test(name, src = None, srcs = [], world_size = 4, gpu = False, deps = [], env = {}, tags = [], size = "medium", **kwargs):
     """A pytest file whose tests run on `world_size` ranks through shardwise.testing's pool.
 
     gpu=True: NCCL with one GPU per rank (with fewer GPUs, shardwise.testing runs the ranks on the
@@ -64,6 +80,7 @@ def sw_multi_rank_test(name, src, world_size = 4, gpu = False, deps = [], env = 
     sw_pytest(
         name = name,
         src = src,
+        srcs = srcs,
         deps = deps,
         env = test_env,
         tags = test_tags,
@@ -158,6 +175,8 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
         )
         test_libs = test_libs + [":test_helpers"]
 
+    # World size (0: not multi-rank) -> the CPU test files that run with it, packed together below.
+    alike = {}
     for src in native.glob(["tests/test_*.py"]):
         target = _test_target_name(src)
         if src.endswith("_gpu.py"):
@@ -169,16 +188,46 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
                 deps = test_libs,
                 data = test_data,
             )
-        elif src in multi_rank_tests:
-            sw_multi_rank_test(
-                name = target,
-                src = src,
-                world_size = multi_rank_tests[src],
-                deps = test_libs,
-                data = test_data,
-            )
-        else:
-            sw_pytest(name = target, src = src, deps = test_libs, data = test_data)
+            continue
+        world_size = multi_rank_tests.get(src, 0)
+        alike.setdefault(world_size, []).append(src)
+        _cpu_test(target, [src], world_size, test_libs, test_data, tags = ["manual"])
+
+    groups = []
+    for world_size in sorted(alike):
+        for files in pack_test_files(native.package_name(), alike[world_size]):
+            groups.append((world_size, files))
+    for index, (world_size, files) in enumerate(groups):
+        _cpu_test("tests_{}".format(index + 1), files, world_size, test_libs, test_data, size = "medium")
+
+def _cpu_test(name, files, world_size, deps, data, tags = [], size = None):
+    if world_size:
+        sw_multi_rank_test(name = name, srcs = files, world_size = world_size, deps = deps, data = data, tags = tags, size = size or "medium")
+    else:
+        sw_pytest(name = name, srcs = files, deps = deps, data = data, tags = tags, size = size or "small")
+
+def pack_test_files(package, files):
+    """`files` (paths inside `package`) in lists of about GROUP_SECONDS of measured test time each.
+
+    Longest first, each onto the lightest list so far; the number of lists is the total over
+    GROUP_SECONDS, rounded up. Each list is sorted, so the packing only changes when the files or
+    their measured seconds do.
+    """
+    weighted = sorted([(-TEST_SECONDS.get(package + "/" + f, DEFAULT_TEST_SECONDS), f) for f in files])
+    total = 0
+    for negative_weight, _ in weighted:
+        total -= negative_weight
+    count = min(len(files), max(1, (total + GROUP_SECONDS - 1) // GROUP_SECONDS))
+    loads = [0] * count
+    lists = [[] for _ in range(count)]
+    for negative_weight, f in weighted:
+        lightest = 0
+        for index in range(count):
+            if loads[index] < loads[lightest]:
+                lightest = index
+        lists[lightest].append(f)
+        loads[lightest] -= negative_weight
+    return [sorted(members) for members in lists]
 
 def _wheel_label(dep):
     # "//placement" -> "//placement:wheel"
