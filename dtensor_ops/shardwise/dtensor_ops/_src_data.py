@@ -264,19 +264,21 @@ def check_and_sync_from_local(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...],
     global_shape: tuple[int, ...] | None,
+    *,
+    where: str = "DTensor.from_local(run_check=True)",
+    sync_replicated: bool = True,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Validate every rank's local metadata against the placements; infer the global shape if not given.
 
-    Returns the local tensor (replicated mesh dims broadcast from their first
-    rank) and the global shape.  Every rank sees the same gathered metadata and
-    so raises the same ValueError.
+    Returns the local tensor (with ``sync_replicated``, replicated mesh dims broadcast from their first
+    rank) and the global shape.  Every rank sees the same gathered metadata and so raises the same
+    ValueError (``where`` names the caller in it).
     """
     coordinate = mesh.get_coordinate()
     if coordinate is None or local.is_meta:
         if global_shape is None:
             global_shape = even_global_shape(tuple(local.shape), mesh.shape, placements)
         return local, global_shape
-    where = "DTensor.from_local(run_check=True)"
     coordinates = _coordinates(mesh.shape)
     ranks = simulation.simulated_ranks() if simulation.pinned_rank() is None else None
     if ranks is not None:
@@ -320,9 +322,10 @@ def check_and_sync_from_local(
                 f"{global_shape} with placements {placements} gives it shape {tuple(expected)} (torch.chunk "
                 f"layout); local shapes by coordinate: {_describe(shapes)}"
             )
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate) and mesh.shape[mesh_dim] > 1:
-            local = broadcast_along_mesh_dim(local, mesh, mesh_dim, 0)
+    if sync_replicated:
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Replicate) and mesh.shape[mesh_dim] > 1:
+                local = broadcast_along_mesh_dim(local, mesh, mesh_dim, 0)
     return local, global_shape
 
 

@@ -11,6 +11,7 @@ from ._layout import (
     compute_local_shape_and_global_offset,
     contiguous_strides,
     even_global_shape,
+    has_uneven_shards,
     local_index_runs,
     normalize_dim,
     pad_dim,
@@ -60,5 +61,6 @@ __all__ = [
     "contiguous_strides",
     "strides_in_local_dim_order",
     "even_global_shape",
+    "has_uneven_shards",
     "local_index_runs",
 ]

@@ -23,6 +23,7 @@ from ._placements import Placement, Shard, _StridedShard
 from ._simulated import any_per_rank_int, for_each_simulated_rank
 
 __all__ = [
+    "has_uneven_shards",
     "chunk_size_and_offset",
     "chunk_sizes",
     "compute_local_shape_and_global_offset",
@@ -299,6 +300,15 @@ def even_global_shape(
         if isinstance(placement, (Shard, _StridedShard)):
             shape[_shard_tensor_dim(placement, mesh_dim, local_shape)] *= mesh_shape[mesh_dim]
     return tuple(shape)
+
+
+def has_uneven_shards(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    """Whether the shards of ``global_shape`` differ in shape between ranks (some sharded dim's size is not a
+    multiple of the number of pieces it is cut into).  Read from the global layout only, so every rank answers
+    the same: the first piece is the largest (torch.chunk), and all pieces are alike exactly when the even
+    global shape of the first piece is the global shape."""
+    first_piece = compute_local_shape(global_shape, mesh_shape, (0,) * len(mesh_shape), placements)
+    return tuple(even_global_shape(first_piece, mesh_shape, placements)) != tuple(global_shape)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

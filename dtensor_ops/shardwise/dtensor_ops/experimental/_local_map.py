@@ -9,10 +9,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import Placement
+from shardwise.placement import Placement, Shard, _StridedShard, has_uneven_shards, strides_in_local_dim_order
 
 from .._collectives import wait_local_tensor
 from .._dtensor import DTensor
+from .._src_data import check_and_sync_from_local
 
 __all__ = ["local_map"]
 
@@ -37,9 +38,15 @@ def local_map(
     otherwise is an error unless ``redistribute_inputs=True`` (then it is redistributed first).
     ``in_grad_placements`` are the gradient layouts handed to ``to_local``. ``out_placements``
     gives the placements of each flattened output (``None`` for a non-tensor); outputs are wrapped
-    with ``DTensor.from_local`` on ``device_mesh`` (default: the DTensor arguments' mesh), assuming
-    even shards. When no argument is a DTensor, ``func``'s result is returned as it is. Without
-    ``func``, returns a decorator.
+    with ``DTensor.from_local`` on ``device_mesh`` (default: the DTensor arguments' mesh). When no argument is
+    a DTensor, ``func``'s result is returned as it is. Without ``func``, returns a decorator.
+
+    Uneven shards: when an input DTensor is unevenly sharded, the sharded outputs' pieces may differ in size
+    between ranks too, so their global shapes are agreed from every rank's local shape (one small all-gather
+    of shapes per sharded output; a piece that does not fit the placements' ``torch.chunk`` layout is a
+    ValueError on every rank, before any collective on the data).  PyTorch assumes even shards there, so
+    each rank gets a different global shape and the next collective hangs or aborts.  With even inputs
+    outputs are taken to be even, as in PyTorch (no communication).
     """
     if func is None:
         return functools.partial(
@@ -86,6 +93,7 @@ def _call_on_local_shards(
             )
     mesh = device_mesh
     saw_dtensor = False
+    uneven_inputs = False
     local_args: list[Any] = []
     for index, arg in enumerate(flat_args):
         if not isinstance(arg, DTensor):
@@ -108,6 +116,7 @@ def _call_on_local_shards(
                         "redistribute_inputs=True to local_map."
                     )
                 arg = arg.redistribute(placements=wanted)
+        uneven_inputs = uneven_inputs or has_uneven_shards(arg.shape, arg.device_mesh.shape, arg.placements)
         if in_grad_placements is not None:
             grad = _as_placements(in_grad_placements[index], f"in_grad_placements of DTensor input {index}")
             local = arg.to_local(grad_placements=grad)
@@ -116,7 +125,7 @@ def _call_on_local_shards(
         local = wait_local_tensor(local)
         local_args.append(local)
     result = func(*pytree.tree_unflatten(local_args, args_spec), **kwargs)
-    if not saw_dtensor:
+    if not saw_dtensor or mesh is None:
         return result
     flat_out, out_spec = pytree.tree_flatten(result)
     placements_per_output: tuple[Any, ...] = out_placements if isinstance(out_placements, tuple) else (out_placements,)
@@ -132,7 +141,15 @@ def _call_on_local_shards(
                 raise AssertionError(
                     f"local_map: output {index} of the function is a DTensor; it must return plain torch.Tensors"
                 )
-            wrapped.append(DTensor.from_local(value, mesh, _as_placements(placements, f"tensor output {index}")))
+            output_placements = _as_placements(placements, f"tensor output {index}")
+            if uneven_inputs and any(isinstance(p, (Shard, _StridedShard)) for p in output_placements):
+                _, shape = check_and_sync_from_local(
+                    value, mesh, output_placements, None, where=f"local_map output {index}", sync_replicated=False
+                )
+                stride = strides_in_local_dim_order(value, shape)
+                wrapped.append(DTensor.from_local(value, mesh, output_placements, shape=shape, stride=stride))
+            else:
+                wrapped.append(DTensor.from_local(value, mesh, output_placements))
         else:
             if placements is not None:
                 raise AssertionError(
