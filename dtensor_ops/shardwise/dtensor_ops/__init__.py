@@ -31,10 +31,8 @@ from ._extensions import load_extensions
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
-from ._random import set_rng_state_sync
 from ._redistribution import gather_along_mesh_dim
 from ._torch_compat.op_dispatch import op_dispatcher
-from .random import broadcast_first_rank_rng_state
 
 
 _SAVED_DTENSOR_CLASSES: list[Any] = [
@@ -71,9 +69,6 @@ def _wire() -> None:
     for supported in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
         if DTensor not in supported:
             supported.append(DTensor)  # type: ignore[arg-type]
-    # OffsetBasedRNGTracker(run_state_sync=True) broadcasts the first rank's generator state; _random
-    # sits below the collectives, so the broadcast is handed down to it from here.
-    set_rng_state_sync(broadcast_first_rank_rng_state)
     # PyTorch code reaches the strategy registries as DTensor._op_dispatcher.sharding_propagator.
     DTensor._op_dispatcher = op_dispatcher  # type: ignore[attr-defined]
     # Placements are pure layout; their PyTorch-style _to_replicate_tensor needs this layer's collective.

@@ -86,7 +86,7 @@ class SharedCaches:
         self.step_pricers: dict[Any, Any] = {}
         # (src, dst, simulated rank) -> that rank's program under LocalTensorMode (``_redistribute``).
         self.simulated_programs: dict[Any, Any] = {}
-        # device -> the tensor random draws are carried on (``_random``).
+        # device -> the tensor random draws are carried on (``_random_draws``).
         self.draw_carriers: dict[Any, Any] = {}
 
     def clear(self) -> None:

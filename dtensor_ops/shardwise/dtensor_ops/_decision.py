@@ -49,7 +49,7 @@ WRAP_NONE = 5  # returns nothing (e.g. _foreach_add_)
 
 @dataclass(frozen=True, slots=True)
 class RandomPlan:
-    """How this rank draws the values of one random op (see ``_random``).
+    """How this rank draws the values of one random op (see ``_random_draws``).
 
     ``shard_index`` is None when the values are the same on every rank of the mesh
     (no Shard mesh dim of size > 1): the op then runs on the generator as it is.

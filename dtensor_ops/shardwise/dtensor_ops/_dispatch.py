@@ -31,7 +31,7 @@ from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss, propa
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
 from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
-from ._random import run_random_op
+from ._random_draws import run_random_op
 from . import _explicit_redistribution as explicit_redistribution
 from ._redistribute_plan import redistribute_cost_bytes
 from ._redistribution import redistribute_local_tensor

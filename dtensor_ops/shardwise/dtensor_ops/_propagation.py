@@ -31,7 +31,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMe
 
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, ShardingRule
-from ._random import plan_random_draw
+from ._random_draws import plan_random_draw
 from ._redistribute_plan import redistribute_cost_picoseconds
 from ._rules import DecideFn, ShardingPropagationError
 from ._schema import schema_facts

@@ -1,7 +1,7 @@
 """Random ops: dropout, bernoulli, in-place and functional distribution fills, ``*_like`` random factories.
 
 Where the values land is decided here; which values each rank draws (per shard,
-equal on replicas, generators kept in step) is ``shardwise.dtensor_ops._random``'s
+equal on replicas, generators kept in step) is ``shardwise.dtensor_ops._random_draws``'s
 job, which dispatch runs for every op in its random-op set.
 
 * Fills (``uniform_``, ``normal_``, ``bernoulli_(p)``, ``exponential_``, ...) never

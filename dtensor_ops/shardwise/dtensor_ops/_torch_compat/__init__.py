@@ -20,6 +20,7 @@ PyTorch's path (under torch.distributed.tensor)  here                     over
 ``_ops._matrix_ops``                           ``matrix_ops``           single-dim einsum strategies
 ``_ops._einsum_strategy``                      ``einsum_strategy``      ``EinsumDims``, full-mesh ``gen_einsum_strategies``
 ``device_mesh`` (of ``_tensor``)                ``device_mesh``          ``shardwise.mesh``
+``_random``                                    ``random``               ``OffsetBasedRNGTracker``, ``_PhiloxState``, ``_rng_tracker`` -> ``_random_draws``
 =============================================  =======================  ==========================================
 
 The engine never imports this package: PyTorch-style registrations reach it as ordinary
