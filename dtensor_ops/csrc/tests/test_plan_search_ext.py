@@ -22,6 +22,7 @@ import torch
 
 from shardwise.dtensor_ops import _redistribute_plan as planner
 from shardwise.dtensor_ops._cost_model import StepPricer
+from shardwise.dtensor_ops._options import use_options
 from shardwise.dtensor_ops._redistribute_plan import (
     PLAN_SEARCH_ENV_VAR,
     PLAN_SEARCH_EXT_ENV_VAR,
@@ -242,15 +243,19 @@ def test_a_failing_price_fails_the_plan_as_in_python() -> None:
 
 
 def test_the_python_search_can_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    # By the environment override of the plan_search option, read when the planner asks...
     monkeypatch.setenv(PLAN_SEARCH_ENV_VAR, "python")
-    _plan_search_extension.cache_clear()
-    try:
+    assert _plan_search_extension() is None
+    monkeypatch.setenv(PLAN_SEARCH_ENV_VAR, "fortran")
+    with pytest.raises(ValueError, match="SHARDWISE_PLAN_SEARCH='fortran': expected 'cpp' or 'python'"):
+        _plan_search_extension()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"option plan_search='fortran': expected one of \['cpp', 'python'\]"):
+        with use_options(plan_search="fortran"):
+            pass
+    assert _plan_search_extension() is EXTENSION
+    # ... or by the option itself, on this thread only.
+    with use_options(plan_search="python"):
         assert _plan_search_extension() is None
-        monkeypatch.setenv(PLAN_SEARCH_ENV_VAR, "fortran")
-        _plan_search_extension.cache_clear()
-        with pytest.raises(ValueError, match="SHARDWISE_PLAN_SEARCH='fortran': expected 'cpp' or 'python'"):
-            _plan_search_extension()
-    finally:
-        monkeypatch.undo()
-        _plan_search_extension.cache_clear()
+        assert find_cheapest_plan((8, 8), (2, 2), (Shard(0), Shard(1)), (Replicate(), Replicate()), 4)
     assert _plan_search_extension() is EXTENSION

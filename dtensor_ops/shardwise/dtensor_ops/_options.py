@@ -15,6 +15,11 @@ option                 environment override              default  what it change
 ``replicate_fallback`` ``SHARDWISE_REPLICATE_FALLBACK=1`` off     an op without a sharding rule runs on replicated
                                                                   inputs instead of raising
                                                                   (``experimental.replicate_fallback``)
+``plan_search``        ``SHARDWISE_PLAN_SEARCH=python``  cpp      where the planner searches: ``cpp`` (the compiled
+                                                                  ``_plan_search_ext`` where it loads, else Python)
+                                                                  or ``python``; the plans are the same
+``plan_search_ext``    ``SHARDWISE_PLAN_SEARCH_EXT=PATH`` None    load the compiled search from this file (a Bazel
+                                                                  output) instead of the package's own
 =====================  ================================  =======  ==============================================
 
 :func:`current_options` answers what is in force: the options given to :func:`use_options`
@@ -47,6 +52,10 @@ __all__ = [
 ]
 
 
+# Text options with a fixed set of values (the first is the default).
+_CHOICES: Mapping[str, tuple[str, ...]] = {"plan_search": ("cpp", "python")}
+
+
 @dataclass(frozen=True)
 class Options:
     """Process-level switches of dtensor_ops (see the module docstring for each)."""
@@ -54,6 +63,13 @@ class Options:
     gloo_all_to_all: bool = False
     cost_profile: str | None = None
     replicate_fallback: bool = False
+    plan_search: str = "cpp"
+    plan_search_ext: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"option {name}={getattr(self, name)!r}: expected one of {list(choices)}")
 
 
 DEFAULT_OPTIONS = Options()
@@ -64,9 +80,11 @@ ENVIRONMENT_OVERRIDES: Mapping[str, str] = {
     "gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL",
     "cost_profile": COST_PROFILE_ENV_VAR,
     "replicate_fallback": "SHARDWISE_REPLICATE_FALLBACK",
+    "plan_search": "SHARDWISE_PLAN_SEARCH",
+    "plan_search_ext": "SHARDWISE_PLAN_SEARCH_EXT",
 }
 
-_TEXT_OPTIONS = frozenset({"cost_profile"})
+_TEXT_OPTIONS = frozenset({"cost_profile", "plan_search", "plan_search_ext"})
 
 _scoped = threading.local()
 # Process-wide changes (set_process_options), as sorted (name, value) pairs: part of the memo key below.
@@ -87,7 +105,12 @@ def _from_values(values: tuple[str | None, ...], process_changes: tuple[tuple[st
         if value is None or value.strip() == "":
             continue
         if name in _TEXT_OPTIONS:
-            changes[name] = value.strip()
+            text = value.strip() if name == "plan_search_ext" else value.strip().lower()
+            choices = _CHOICES.get(name)
+            if choices is not None and text not in choices:
+                expected = " or ".join(repr(choice) for choice in choices)
+                raise ValueError(f"{variable}={value!r}: expected {expected} (unset means {choices[0]!r})")
+            changes[name] = text
             continue
         if value.strip() not in ("0", "1"):
             raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off) for option {name!r}")

@@ -128,7 +128,6 @@ import importlib.machinery
 import importlib.util
 import itertools
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -148,6 +147,7 @@ from shardwise.placement import (
 
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
 from ._cost_model import StepPricer, priced_kind, pricer_for_mesh
+from ._options import ENVIRONMENT_OVERRIDES, current_options
 
 __all__ = [
     "StepKind",
@@ -951,10 +951,9 @@ def _search_in_python(
 
 # -- the search in C++ (optional) ----------------------------------------------------------------
 
-# "cpp" (the default): the compiled one-dim search where it is built; "python": never. Read once.
-PLAN_SEARCH_ENV_VAR = "SHARDWISE_PLAN_SEARCH"
-# The path of a built module to load instead of the one inside the package (a Bazel output).
-PLAN_SEARCH_EXT_ENV_VAR = "SHARDWISE_PLAN_SEARCH_EXT"
+# The environment overrides of the plan_search / plan_search_ext options (``_options``).
+PLAN_SEARCH_ENV_VAR = ENVIRONMENT_OVERRIDES["plan_search"]
+PLAN_SEARCH_EXT_ENV_VAR = ENVIRONMENT_OVERRIDES["plan_search_ext"]
 # The interface of dtensor_ops/csrc/plan_search.cpp this module speaks (its kInterfaceVersion).
 _PLAN_SEARCH_INTERFACE_VERSION = 3
 # plan_search.cpp's Kind codes, in order.
@@ -975,22 +974,24 @@ _CPP_PRICED_KINDS = tuple(priced_kind(kind) for kind in _CPP_STEP_KINDS)
 _CPP_MAX_SIZE = 2**62
 
 
-@functools.cache
 def _plan_search_extension() -> ModuleType | None:
     """The compiled ``_plan_search_ext`` (``dtensor_ops/csrc/plan_search.cpp``), or None: search in Python.
 
     None where it is not built (a source checkout without ``python dtensor_ops/csrc/build.py``,
-    another platform), built from another interface version, or switched off with
-    ``SHARDWISE_PLAN_SEARCH=python``. ``SHARDWISE_PLAN_SEARCH_EXT=<path>`` loads a built module from
-    that path (a Bazel output, which does not sit inside the package).
+    another platform), built from another interface version, or switched off by the ``plan_search``
+    option (``SHARDWISE_PLAN_SEARCH=python``). The ``plan_search_ext`` option
+    (``SHARDWISE_PLAN_SEARCH_EXT=<path>``) loads a built module from that path (a Bazel output, which
+    does not sit inside the package).
     """
-    choice = os.environ.get(PLAN_SEARCH_ENV_VAR, "cpp").strip().lower() or "cpp"
-    if choice not in ("cpp", "python"):
-        raise ValueError(f"{PLAN_SEARCH_ENV_VAR}={choice!r}: expected 'cpp' or 'python' (unset means 'cpp')")
-    if choice == "python":
+    options = current_options()
+    if options.plan_search == "python":
         return None
+    return _load_plan_search_extension(options.plan_search_ext)
+
+
+@functools.cache
+def _load_plan_search_extension(path: str | None) -> ModuleType | None:
     name = __name__.rpartition(".")[0] + "._plan_search_ext"
-    path = os.environ.get(PLAN_SEARCH_EXT_ENV_VAR)
     try:
         if path and name not in sys.modules:
             loader = importlib.machinery.ExtensionFileLoader(name, path)
