@@ -26,20 +26,12 @@ worker that has none of the client's paths, and nothing resolves through PATH ex
 --incompatible_strict_action_env.
 """
 
+load(":host_python.bzl", "find_host_python")
+
 _MIN_PYTHON = (3, 11)
 
 # The hermetic environment's one archive, at the repository's root.
 _ARCHIVE = "python_env.tar"
-
-def _find_host_python(rctx):
-    override = rctx.os.environ.get("SHARDWISE_PYTHON")
-    if override:
-        return override
-    for name in ["python3.11", "python3"]:
-        found = rctx.which(name)
-        if found:
-            return str(found)
-    fail("No python3 found on PATH to create the environment from; set SHARDWISE_PYTHON=/path/to/python3.11")
 
 def _run(rctx, args, what, timeout = 600):
     result = rctx.execute(args, timeout = timeout, quiet = True)
@@ -92,7 +84,7 @@ exports_files(["interpreter_path.txt"])
     rctx.file("interpreter_path.txt", interpreter + "\n")
 
 def _python_env_impl(rctx):
-    host_python = _find_host_python(rctx)
+    host_python = find_host_python(rctx)
     version = _run(rctx, [host_python, "-c", "import sys; print('%d %d' % sys.version_info[:2])"], "Probing " + host_python)
     major, minor = [int(part) for part in version.stdout.strip().split(" ")]
     if (major, minor) < _MIN_PYTHON:
