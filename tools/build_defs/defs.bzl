@@ -28,7 +28,7 @@ load(":wheel.bzl", "sw_wheel")
 _PYTEST_RUNNER = "//tools/build_defs:pytest_runner.py"
 
 # Test seconds a packed target aims at, and what an unmeasured file is taken to need.
-GROUP_SECONDS = 100
+GROUP_SECONDS = 150
 DEFAULT_TEST_SECONDS = 10
 _MYPY_RUNNER = "//tools/build_defs:mypy_runner.py"
 
