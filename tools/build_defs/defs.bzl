@@ -26,11 +26,11 @@ load(":test_seconds.bzl", "TEST_SECONDS")
 load(":wheel.bzl", "sw_wheel")
 
 _PYTEST_RUNNER = "//tools/build_defs:pytest_runner.py"
+_MYPY_RUNNER = "//tools/build_defs:mypy_runner.py"
 
 # Test seconds a packed target aims at, and what an unmeasured file is taken to need.
 GROUP_SECONDS = 150
 DEFAULT_TEST_SECONDS = 10
-_MYPY_RUNNER = "//tools/build_defs:mypy_runner.py"
 
 # Labels of a remote-execution GPU pool's platform properties; executors read what they know.
 def _gpu_exec_properties(gpu_count):
@@ -60,7 +60,7 @@ def sw_pytest(name, src = None, srcs = [], deps = [], data = [], env = {}, tags 
     )
 
 def sw_multi_rank_test(name, src = None, srcs = [], world_size = 4, gpu = False, deps = [], env = {}, tags = [], size = "medium", **kwargs):
-    """A pytest file whose tests run on `world_size` ranks through shardwise.testing's pool.
+    """Pytest files (one process) whose tests run on `world_size` ranks through shardwise.testing's pool.
 
     gpu=True: NCCL with one GPU per rank (with fewer GPUs, shardwise.testing runs the ranks on the
     GPUs they share, over gloo). Tagged `gpu` (filtered out by default, run by
@@ -111,7 +111,8 @@ def _test_target_name(src):
     return src.split("/")[-1][:-len(".py")]
 
 def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data = [], summary = None, native_modules = {}):
-    """Declares the library, wheel and one test target per tests/test_*.py of a package (mypy: //:mypy_test).
+    """Declares the library, wheel and tests of a package: its test files packed into `tests_<k>` targets,
+    each file also a `manual` target of its own (see the module docstring; mypy: //:mypy_test).
 
     Args:
       name: the package folder and import name (`shardwise.<name>`).
