@@ -102,9 +102,15 @@ def test_plain_tensor_parallel_on_two_ranks(tmp_path: pathlib.Path) -> None:
     assert collectives["per_phase"]["optimizer"] == {"all_reduce": 1}  # the gradient norm for clipping
 
 
-def test_fsdp_times_tensor_parallel_on_a_2x2_mesh(tmp_path: pathlib.Path) -> None:
-    result = _run_trainer([*TINY_MODEL, "--dp", "2", "--tp", "2"], tmp_path)
-    summary = _check_outputs(result, tmp_path, steps=3)
+def test_fsdp_times_tensor_parallel_on_a_2x2_mesh_then_resumed_on_another_layout(tmp_path: pathlib.Path) -> None:
+    """FSDP x TP 2x2 trains steps 1-3 (its collectives checked) and writes a checkpoint; TP over 4 ranks resumes
+    it for steps 4-6, and the resumed losses and final parameters match an uninterrupted single-process run of
+    6 steps. (One launch serves both: each launch starts 4 fresh interpreters.)"""
+    model = [flag for flag in TINY_MODEL if flag not in ("--steps", "3", "--batch-size", "2")] + ["--batch-size", "4"]
+    checkpoint = tmp_path / "checkpoint"
+    result = _run_trainer([*model, "--steps", "3", "--dp", "2", "--tp", "2", "--checkpoint-dir", str(checkpoint)],
+                          tmp_path / "first")
+    summary = _check_outputs(result, tmp_path / "first", steps=3)
     assert summary["world_size"] == 4
     assert summary["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
     assert "mesh dp=2 x tp=2" in result.stdout
@@ -122,6 +128,15 @@ def test_fsdp_times_tensor_parallel_on_a_2x2_mesh(tmp_path: pathlib.Path) -> Non
         "all_gather_into_tensor": 3 + 1, "all_reduce": 2, "all_to_all_single": 1, "reduce_scatter_tensor": 3 + 2,
     }
     assert per_phase["optimizer"] == {"all_reduce": 3}
+
+    assert (checkpoint / ".metadata").is_file()
+    resumed = _run_trainer([*model, "--steps", "6", "--tp", "4", "--resume", "--checkpoint-dir", str(checkpoint)],
+                           tmp_path / "resumed")
+    assert f"resumed from {checkpoint} at step 3" in resumed.stdout
+    assert "step 4/6" in resumed.stdout and "step 3/6" not in resumed.stdout.split("single-process reference")[0]
+    resumed_summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed.returncode == 0 and resumed_summary["parity"]["verdict"] == "PASS", resumed.stdout[-3000:]
+    assert len(resumed_summary["losses"]) == 3 and resumed_summary["mesh"]["shape"] == [4]
 
 
 def test_fsdp_times_tensor_parallel_compiled_whole(tmp_path: pathlib.Path) -> None:
@@ -144,24 +159,6 @@ def test_automatic_plan_on_a_data_and_tensor_parallel_mesh(tmp_path: pathlib.Pat
     assert int(estimated.group(1)) == collectives["total"], result.stdout[-4000:]
     # And the bytes one rank receives in them, to FSDP's padding.
     assert abs(_estimated_bytes(result.stdout) - collectives["bytes_received"]) <= 0.1 * collectives["bytes_received"]
-
-
-def test_resume_from_a_checkpoint_written_with_another_layout(tmp_path: pathlib.Path) -> None:
-    """FSDP x TP 2x2 trains steps 1-3 and writes a checkpoint; TP over 4 ranks resumes it for steps 4-6.
-    The resumed losses and final parameters match an uninterrupted single-process run of 6 steps."""
-    model = [flag for flag in TINY_MODEL if flag not in ("--steps", "3")] + ["--batch-size", "4"]
-    checkpoint = tmp_path / "checkpoint"
-    first = _run_trainer([*model, "--steps", "3", "--dp", "2", "--tp", "2", "--checkpoint-dir", str(checkpoint)],
-                         tmp_path / "first")
-    _check_outputs(first, tmp_path / "first", steps=3)
-    assert (checkpoint / ".metadata").is_file()
-    resumed = _run_trainer([*model, "--steps", "6", "--tp", "4", "--resume", "--checkpoint-dir", str(checkpoint)],
-                           tmp_path / "resumed")
-    assert f"resumed from {checkpoint} at step 3" in resumed.stdout
-    assert "step 4/6" in resumed.stdout and "step 3/6" not in resumed.stdout.split("single-process reference")[0]
-    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-    assert resumed.returncode == 0 and summary["parity"]["verdict"] == "PASS", resumed.stdout[-3000:]
-    assert len(summary["losses"]) == 3 and summary["mesh"]["shape"] == [4]
 
 
 def _estimated_bytes(stdout: str) -> float:
