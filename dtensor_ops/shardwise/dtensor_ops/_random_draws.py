@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
-from shardwise.mesh import DeviceMesh
 from shardwise.mesh import _simulation as simulation
 from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
 
