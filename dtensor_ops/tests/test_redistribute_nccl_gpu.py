@@ -26,6 +26,7 @@ from redistribute_helpers import (
     CollectiveLog,
     check_locals,
     describe,
+    expected_1d_collectives,
     full_tensor,
     placement_tuples,
     source_locals,
@@ -41,17 +42,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # CommDebugMode counts under the op keys PyTorch uses (torch.ops.c10d_functional.*).
 _functional = torch.ops.c10d_functional
-
-
-def _expected_1d(src: Placement, dst: Placement) -> list[str]:
-    """The collectives a mesh of 4 needs, by hand (as on gloo: the planner does not depend on the backend)."""
-    if src == dst or isinstance(src, Replicate):
-        return []
-    if isinstance(src, Shard):
-        return {Replicate: ["all_gather"], Shard: ["all_to_all"]}.get(type(dst), [])
-    if isinstance(dst, Replicate):
-        return ["all_reduce"]
-    return ["reduce_scatter"]
 
 
 def _spec(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
@@ -82,8 +72,10 @@ def run_cases_on(
             problems.append(f"{name}: the result is on {result.device}, the source on {local.device}")
         if log.names.count("wait") != len(log.collectives):
             problems.append(f"{name}: {log.names.count('wait')} waits for {len(log.collectives)} collectives")
-        if hand_expectations and min(shape) >= 4 and log.collectives != _expected_1d(src[0], dst[0]):
-            problems.append(f"{name}: ran {log.collectives}, expected {_expected_1d(src[0], dst[0])}")
+        if hand_expectations and min(shape) >= 4:
+            expected_collectives = expected_1d_collectives(src[0], dst[0], shape)
+            if log.collectives != expected_collectives:
+                problems.append(f"{name}: ran {log.collectives}, expected {expected_collectives}")
         if any(isinstance(p, Partial) for p in dst):
             partial_results.append((index, result.cpu()))
             continue
@@ -110,8 +102,8 @@ def every_1d_transition(device: str) -> list[str]:
         for shape in [(8, 6), (7, 5), (3, 5)]
         for src, dst in itertools.product(PLACEMENTS_1D, repeat=2)
     ]
-    # The hand expectations are NCCL's plans. Ranks sharing one GPU run gloo, whose default profile
-    # prices an uneven Partial -> Partial(other) as one all-reduce (no padding); pin NCCL's prices.
+    # The hand expectations (shared with the gloo twin) are NCCL's plans: ranks sharing one GPU run
+    # gloo, whose measured default profile must not decide them, so NCCL's prices are pinned.
     with priced_by("nccl"):
         return run_cases_on(device, mesh, cases, hand_expectations=True)
 
