@@ -31,8 +31,8 @@ def test_an_uneven_input_gives_outputs_of_the_right_global_shape() -> None:
         doubled = same_rows(x)
     assert doubled.shape == (7, 3)
     torch.testing.assert_close(doubled.full_tensor(), full * 2 + 1)
-    # Agreeing the shape: every rank's metadata, then its local shape (two small all-gathers).
-    assert comm.get_total_counts() == 2
+    # Agreeing the shape: one small all-gather of every rank's metadata and local shape.
+    assert comm.get_total_counts() == 1
     # The output is an ordinary DTensor: ops with collectives after it run on every rank alike.
     torch.testing.assert_close((doubled + x).redistribute(placements=[Replicate()]).to_local(), full * 3 + 1)
 
@@ -55,6 +55,24 @@ def test_an_uneven_input_gives_outputs_of_the_right_global_shape() -> None:
         sums = local_map(column_sums, out_placements=[Replicate()])(x)
     assert mapped.get_total_counts() == direct.get_total_counts()
     torch.testing.assert_close(sums.full_tensor(), full.sum(0))
+
+
+@multi_rank(world_size=4)
+def test_an_uneven_input_of_many_dims_agrees_its_shape_in_a_second_gather() -> None:
+    from shardwise.dtensor_ops import Shard, distribute_tensor
+    from shardwise.dtensor_ops.debug import CommDebugMode
+    from shardwise.dtensor_ops.experimental import local_map
+    from shardwise.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    # 9 dims: more than the first gather carries, so the local shapes follow in a second one.
+    full = torch.arange(7.0 * 2 * 3).reshape(7, 1, 1, 1, 1, 1, 1, 2, 3)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        out = local_map(torch.neg, out_placements=[Shard(0)])(x)
+    assert comm.get_total_counts() == 2
+    assert out.shape == full.shape
+    torch.testing.assert_close(out.full_tensor(), -full)
 
 
 @multi_rank(world_size=4)

@@ -259,6 +259,11 @@ def _coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return coordinates
 
 
+# Dims of the local shape gathered with the metadata in from_local's check (one all-gather for tensors
+# of up to this many dims; every rank sees the same ndims first, so all of them agree on a second).
+_SHAPE_SLOTS = 8
+
+
 def check_and_sync_from_local(
     local: torch.Tensor,
     mesh: DeviceMesh,
@@ -293,7 +298,12 @@ def check_and_sync_from_local(
             for coord, piece in by_coordinate.items()
         }
     else:
-        gathered = all_gather_rows_over_mesh(mesh, [local.ndim, _DTYPE_CODE[local.dtype], int(local.requires_grad)])
+        # One all-gather carries the metadata and the local shape (padded to _SHAPE_SLOTS dims: the rows
+        # must be equally long before ranks know each other's ndim); more dims take a second, below.
+        shape_slots = list(local.shape[:_SHAPE_SLOTS]) + [0] * max(0, _SHAPE_SLOTS - local.ndim)
+        gathered = all_gather_rows_over_mesh(
+            mesh, [local.ndim, _DTYPE_CODE[local.dtype], int(local.requires_grad), *shape_slots]
+        )
         header = {coord: (int(gathered[coord][0]), int(gathered[coord][1]), int(gathered[coord][2])) for coord in coordinates}
     ndims = {coord: int(header[coord][0]) for coord in coordinates}
     dtypes = {coord: _DTYPES[int(header[coord][1])] for coord in coordinates}
@@ -309,6 +319,8 @@ def check_and_sync_from_local(
         shapes: dict[tuple[int, ...], tuple[int, ...]] = {coord: () for coord in coordinates}
     elif ranks is not None:
         shapes = {coord: tuple(piece.shape) for coord, piece in by_coordinate.items()}
+    elif local.ndim <= _SHAPE_SLOTS:
+        shapes = {coord: tuple(int(v) for v in gathered[coord][3 : 3 + local.ndim].tolist()) for coord in coordinates}
     else:
         table = all_gather_rows_over_mesh(mesh, list(local.shape))
         shapes = {coord: tuple(int(v) for v in table[coord].tolist()) for coord in coordinates}
