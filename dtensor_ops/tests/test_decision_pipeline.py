@@ -44,7 +44,6 @@ def test_the_deciders_are_stated_in_order_with_when_they_are_asked() -> None:
         ("user handlers", "every call", False),
         ("built-in handlers", "on a miss", False),
         ("decomposition", "on a miss", False),
-        ("strided shards", "on a miss", True),
         ("the op's rule", "on a miss", True),
         ("replicate fallback", "on a miss", True),
     ]

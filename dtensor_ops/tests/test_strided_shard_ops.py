@@ -1,5 +1,6 @@
-"""DTensors laid out with _StridedShard (FSDP over TP): element-wise ops run in place, everything else
-is refused with a clear error, and redistribution to and from the layout is exact (rank threads)."""
+"""DTensors laid out with _StridedShard (FSDP over TP): element-wise ops run in place, ops that need other
+rows move the strided input first (priced like any redistribution), and redistribution to and from the
+layout is exact (rank threads)."""
 
 from __future__ import annotations
 
@@ -84,23 +85,53 @@ def test_elementwise_ops_keep_the_strided_layout_without_communication() -> None
     run_on_threads(_elementwise_ops_stay_local, world_size=4)
 
 
-def _layout_dependent_ops_are_refused() -> None:
+def _shards_paired_by_a_rule_keep_the_strided_rows() -> None:
+    mesh = _mesh()
+    weight_full = torch.randn(7, 5, generator=torch.Generator().manual_seed(4))
+    x_full = torch.randn(3, 7, generator=torch.Generator().manual_seed(5))
+    weight = _laid_out(weight_full, mesh, FSDP_OVER_TP)
+    x = _laid_out(x_full, mesh, (Replicate(), Replicate()))
+    with CommDebugMode() as comm:
+        # The strided rows of the weight are the contraction dim: x is cut into the same columns locally,
+        # and the products add up across ranks (a Partial on both mesh dims).
+        product = x @ weight
+        # A transpose moves the strided rows to dim 1, the same indices.
+        transposed = weight.t()
+    assert comm.get_total_counts() == 0, dict(comm.get_comm_counts())
+    assert all(p.is_partial() for p in product.placements), product.placements
+    assert transposed.placements == (_StridedShard(1, split_factor=2), Shard(1))
+    torch.testing.assert_close(product.full_tensor(), x_full @ weight_full)
+    torch.testing.assert_close(transposed.full_tensor(), weight_full.t())
+
+
+def test_a_contraction_and_a_transpose_keep_the_strided_rows_without_communication() -> None:
+    run_on_threads(_shards_paired_by_a_rule_keep_the_strided_rows, world_size=4)
+
+
+def _layout_dependent_ops_move_the_strided_input() -> None:
     mesh = _mesh()
     full = torch.arange(24, dtype=torch.float32).reshape(8, 3)
     strided = _laid_out(full, mesh, FSDP_OVER_TP)
     plain = _laid_out(full, mesh, (Shard(0), Shard(0)))
-    with CommDebugMode() as comm:
-        with pytest.raises(NotImplementedError, match="mixes _StridedShard.*Shard\\(dim=0\\)"):
-            strided + plain
-        with pytest.raises(NotImplementedError, match="element by element along a strided-sharded dim"):
-            strided.reshape(24)
-        with pytest.raises(NotImplementedError, match="element by element along a strided-sharded dim"):
-            torch.cumsum(strided, 0)
-    assert comm.get_total_counts() == 0
+    gather, all_to_all = funcol.all_gather_into_tensor, funcol.all_to_all_single
+    for name, run, expected, collectives, placements in [
+        # A strided and a plain shard of dim 0 hold different rows: the plain one moves into the strided
+        # layout (one all-to-all over dp, the planner's strided step) and the sum stays strided.
+        ("strided + plain", lambda: strided + plain, full + full, {all_to_all: 1}, FSDP_OVER_TP),
+        # Merging the strided dim: back to TP's layout first (one all-gather over dp), then a plain view.
+        ("reshape", lambda: strided.reshape(24), full.reshape(24), {gather: 1}, (Replicate(), Shard(0))),
+        # A scan along the strided dim needs it whole: the cost model moves the shards to dim 1.
+        ("cumsum", lambda: torch.cumsum(strided, 0), torch.cumsum(full, 0), {gather: 1, all_to_all: 1}, (Shard(1), Shard(1))),
+    ]:
+        with CommDebugMode() as comm:
+            result = run()
+        assert {op: n for op, n in comm.get_comm_counts().items() if n} == collectives, (name, comm.get_comm_counts())
+        assert result.placements == placements, (name, result.placements)
+        torch.testing.assert_close(result.full_tensor(), expected)
 
 
-def test_ops_that_depend_on_which_rows_a_rank_holds_are_refused_before_communicating() -> None:
-    run_on_threads(_layout_dependent_ops_are_refused, world_size=4)
+def test_ops_that_depend_on_which_rows_a_rank_holds_move_the_strided_input_first() -> None:
+    run_on_threads(_layout_dependent_ops_move_the_strided_input, world_size=4)
 
 
 def _distribute_tensor_lays_out_strided_shards(rows: int) -> None:

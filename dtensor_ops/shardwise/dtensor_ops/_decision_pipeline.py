@@ -9,9 +9,8 @@ Every call is offered to the deciders below in this order; the first that does n
  2    built-in handlers   on a decision-cache miss      the result (never cached; declining is)
  3    decomposition       on a miss, ops with no rule   the result of torch's decomposition of the
                           that torch can decompose      op run on the DTensors (never cached)
- 4    strided shards      on a miss, from specs         a decision (cached)
- 5    the op's rule       on a miss, from specs         a decision (cached)
- 6    replicate fallback  on a miss, from specs         a decision (cached); off unless switched on
+ 4    the op's rule       on a miss, from specs         a decision (cached)
+ 5    replicate fallback  on a miss, from specs         a decision (cached); off unless switched on
 ====  ==================  ===========================  ==========================================
 
 and an op no decider takes raises ``NotImplementedError`` naming the op and its input placements.
@@ -27,12 +26,12 @@ and an op no decider takes raises ``NotImplementedError`` naming the op and its 
   rule), plain tensors it makes itself taken as replicated (``implicit_replication``).  It declines for ops with a rule and, on one thread, for an op whose decomposition is
   already running (a decomposition that calls its own op goes on to the spec deciders).
 * *Spec deciders* see the call with DTensors replaced by their specs and return a plain-data
-  :class:`OpDecision` that dispatch caches and executes.  ``strided shards`` decides calls on
-  ``_StridedShard`` inputs whose rule cannot read them by asking the deciders after it on the
-  equivalent ``Shard`` layout and translating back (``_strided_specs``); ``the op's rule`` is the
+  :class:`OpDecision` that dispatch caches and executes.  ``the op's rule`` is the
   rule engine (``_propagation``) over ``rule_for(op)`` (built-in rule families, ``register_sharding``,
   and PyTorch-style strategy registrations, all stored as one :class:`ShardingRule`);
-  ``replicate fallback`` is the same engine over an all-replicate rule.
+  ``replicate fallback`` is the same engine over an all-replicate rule.  ``_StridedShard`` inputs
+  (FSDP over TP) are the engine's too: it relabels a rule's shards to the inputs' strided layouts
+  where that is exact and prices those variants with the rest (``_propagation._strided_variants``).
 
 Entry points: :func:`decide_on_miss` (dispatch, after its one lookup missed: every decider from 2
 on, the decision stored once) and :func:`propagate_op_sharding` (a direct call with specs: the
@@ -58,7 +57,6 @@ from ._op_handlers import HANDLERS_BY_OP_ID, UNKEYED_HANDLERS_BY_OP_ID, OpHandle
 from ._ops import rule_for
 from ._ops.fallback import replicate_fallback_rule
 from ._propagation import collect_specs, decide_with_rule, describe_inputs
-from ._strided_specs import decide_with_strided_shards, has_strided_shard, rule_reads_strided_shards
 
 __all__ = [
     "DECIDERS",
@@ -174,14 +172,6 @@ def _decomposition(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
         _DECOMPOSING.ops = running
 
 
-def _strided_shards(call: SpecCall) -> Any:
-    op, args, kwargs = call.op, call.args, call.kwargs
-    if not (has_strided_shard(args) or has_strided_shard(kwargs)) or rule_reads_strided_shards(op, args, kwargs):
-        return NotImplemented
-    # The translated call has plain Shard inputs: the deciders after this one decide it.
-    return decide_with_strided_shards(op, args, kwargs, _decide_after_strided)
-
-
 def _rule(call: SpecCall) -> Any:
     rule = rule_for(call.op)
     if rule is None:
@@ -200,14 +190,12 @@ DECIDERS: tuple[Decider, ...] = (
     Decider("user handlers", "every call", from_specs=False, decide=_user_handlers),
     Decider("built-in handlers", "on a miss", from_specs=False, decide=_builtin_handlers),
     Decider("decomposition", "on a miss", from_specs=False, decide=_decomposition),
-    Decider("strided shards", "on a miss", from_specs=True, decide=_strided_shards),
     Decider("the op's rule", "on a miss", from_specs=True, decide=_rule),
     Decider("replicate fallback", "on a miss", from_specs=True, decide=_replicate_fallback),
 )
 _BEFORE_CACHE = tuple(d.decide for d in DECIDERS if d.asked == "every call")
 _HANDLERS_ON_MISS = tuple(d.decide for d in DECIDERS if d.asked == "on a miss" and not d.from_specs)
 _SPEC_DECIDERS = tuple(d.decide for d in DECIDERS if d.from_specs)
-_AFTER_STRIDED = _SPEC_DECIDERS[_SPEC_DECIDERS.index(_strided_shards) + 1 :]
 
 
 def _no_decider(call: SpecCall) -> OpDecision:
@@ -224,10 +212,6 @@ def _walk(deciders: tuple[Callable[[SpecCall], Any], ...], call: SpecCall) -> Op
         if decision is not NotImplemented:
             return decision
     return _no_decider(call)
-
-
-def _decide_after_strided(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> OpDecision:
-    return _walk(_AFTER_STRIDED, SpecCall(op, args, kwargs))
 
 
 def decide_from_specs(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> OpDecision:

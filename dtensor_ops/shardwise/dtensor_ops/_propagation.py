@@ -6,11 +6,12 @@ Given the op's :class:`ShardingRule` and the call with every DTensor replaced by
 1. the call is sorted out (:func:`_prepare_call`): which DTensors the rule sees, which ones the op
    writes (they must stay where they are), the outputs' global metadata (the rule's ``output_meta``,
    else the op run once on meta tensors);
-2. a rule in *strategy* mode lists its valid strategies for ONE mesh dim; the n-D candidates are
-   their product over the mesh dims, filtered by the rule's exactness check, and the chosen one
-   needs the fewest bytes moved per rank to redistribute the inputs, then the fewest placements
-   changed, then comes first in enumeration order (deterministic on every rank); a rule in
-   *combined* mode chooses the n-D placements itself and is checked;
+2. a rule in *strategy* mode lists its valid strategies for ONE mesh dim, to which the engine adds
+   their variants on an input's ``_StridedShard`` layout where those are exact (:func:`_strided_variants`);
+   the n-D candidates are their product over the mesh dims, filtered by the rule's exactness check,
+   and the chosen one redistributes the inputs in the least time under the mesh's cost profile, then
+   changes the fewest placements, then comes first in enumeration order (deterministic on every
+   rank); a rule in *combined* mode chooses the n-D placements itself and is checked;
 3. the decision is completed with the local argument overrides, local kernel and random plan the
    rule asks for (per simulated rank under torch's LocalTensorMode).
 
@@ -27,10 +28,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta, holds_same_values
+from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta, _StridedShard, holds_same_values
 
 from ._decision import ArgPosition, OpDecision, OutputSpecs
-from ._ops import OneDimStrategy, OpCall, ShardingRule
+from ._ops import OneDimStrategy, OpCall, RandomDraw, ShardingRule
 from ._random_draws import plan_random_draw
 from ._redistribute_plan import redistribute_cost_picoseconds
 from ._rules import DecideFn, ShardingPropagationError
@@ -253,6 +254,7 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             strategies = rule.one_dim_strategies(dataclasses.replace(call, partial_reduce_ops=partials_here))
             _check_strategy_shapes(op, rule, strategies, len(call.input_specs), len(call.output_metas))
             asked[partials_here] = strategies
+        strategies = [*strategies, *_strided_variants(rule, call, mesh_dim, strategies)]
         fitting = [
             s
             for s in strategies
@@ -272,6 +274,56 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             )
         per_mesh_dim.append(fitting)
     return per_mesh_dim
+
+
+def _strided_variants(
+    rule: ShardingRule, call: OpCall, mesh_dim: int, strategies: Sequence[OneDimStrategy]
+) -> list[OneDimStrategy]:
+    """The rule's strategies for ``mesh_dim`` with its shards relabelled to the inputs' ``_StridedShard`` layouts.
+
+    A ``_StridedShard(d, sf)`` mesh dim holds on each rank a fixed set of indices of a dim of extent
+    ``E`` (``local_index_runs``), where ``Shard(d)`` holds one block of them.  A strategy that pairs
+    the shards of its tensors block for block (element by element along them, a batch dim, a
+    contraction summed into a Partial) is exact for any fixed index set, so it is exact for the
+    strided set as well when every shard it names cuts a dim of extent ``E``: those become
+    ``_StridedShard(dim, sf)``, which hold the same indices.  A strategy naming a shard of another
+    extent has no such variant.  The variants compete with the rule's own strategies on the cost model
+    (keeping a strided input costs nothing; moving it is priced by the planner's strided steps).
+    Random ops (offsets follow block positions) and rules with layout-aware local kernels get none.
+    """
+    if rule.random is not RandomDraw.NONE or rule.local_kernel is not None:
+        return []
+    layouts = {
+        (spec.shape[placement.dim], placement.split_factor)
+        for spec in call.input_specs
+        if isinstance(placement := spec.placements[mesh_dim], _StridedShard)
+    }
+    variants: list[OneDimStrategy] = []
+    for extent, split_factor in sorted(layouts):
+        for strategy in strategies:
+            variant = _relabelled(call, strategy, extent, split_factor)
+            if variant is not None and variant not in strategies and variant not in variants:
+                variants.append(variant)
+    return variants
+
+
+def _relabelled(call: OpCall, strategy: OneDimStrategy, extent: int, split_factor: int) -> OneDimStrategy | None:
+    def strided(placement: Placement | None, shape: Sequence[int] | None) -> Placement | None | bool:
+        if not isinstance(placement, Shard) or isinstance(placement, _StridedShard):
+            return placement
+        assert shape is not None
+        if not -len(shape) <= placement.dim < len(shape):
+            return placement  # not a dim of this tensor: _shards_existing_dims drops the strategy
+        dim = placement.dim % len(shape)
+        return _StridedShard(dim, split_factor=split_factor) if shape[dim] == extent else False
+
+    inputs = [strided(p, spec.shape) for p, spec in zip(strategy.inputs, call.input_specs)]
+    outputs = [
+        strided(p, None if meta is None else meta.shape) for p, meta in zip(strategy.outputs, call.output_metas)
+    ]
+    if any(p is False for p in (*inputs, *outputs)) or not any(isinstance(p, _StridedShard) for p in inputs):
+        return None
+    return OneDimStrategy(tuple(outputs), tuple(inputs))  # type: ignore[arg-type]
 
 
 def _shards_existing_dims(

@@ -50,7 +50,6 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_explicit_redistribution",
             "_placement_args",
             "_wrapper",
-            "_strided_specs",
             "_extensions",
             "_options",
         ),

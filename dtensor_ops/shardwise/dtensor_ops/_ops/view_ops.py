@@ -28,10 +28,10 @@ rank (compared run by run with ``local_index_runs``, uneven sizes included),
 where one mesh dim alone cuts the group, the input has no Partial mesh dim and
 no communication is needed; splitting such a dim back (``split_factor`` = the
 product of the outer new dims) gives the ``Shard`` again, and a strided dim that
-maps one to one stays strided.  The propagator hands strided inputs to this rule
-only where ``_view_keeps_strided_input`` says it can keep them; other views of
-strided inputs are refused as before (see ``_strided_specs``).  Otherwise the
-cheapest strategy that redistributes the input wins.  The local op gets the
+maps one to one stays strided (the engine also relabels this rule's plain
+shards to a strided input's layout, see ``_propagation._strided_variants``).
+Otherwise the cheapest strategy that redistributes the input wins (a strided
+input moved by the planner's strided steps, into a plain layout).  The local op gets the
 local output shape in place of the global ``size`` argument.
 
 ``squeeze`` removes only the dims of *global* size 1.  A local shard can have
@@ -64,7 +64,6 @@ from shardwise.placement import (
 )
 
 from ._shapes import contiguous_meta, input_meta, is_contiguous, resolve_view_size
-from .._strided_specs import declare_rule_reads_strided_shards
 from .._rules import (
     ArgPosition,
     OneDimStrategy,
@@ -315,8 +314,6 @@ def _view_is_valid(
     call: OpCall, inputs: PlacementsPerTensor, outputs: tuple[tuple[Placement, ...] | None, ...]
 ) -> bool:
     current = call.input_specs[0].placements
-    if any(isinstance(p, _StridedShard) for p in current) and inputs[0] != current:
-        return False  # a strided input is taken as it is (_view_keeps_strided_input promised that works)
     strided_in_or_out = any(isinstance(p, _StridedShard) for p in (*inputs[0], *(outputs[0] or ())))
     if strided_in_or_out and any(isinstance(p, Partial) for p in current):
         return False  # strided and Partial mesh dims together cannot be redistributed later
@@ -676,53 +673,8 @@ UNSQUEEZE_RULE = ShardingRule(
     family="unsqueeze", one_dim_strategies=_unsqueeze_strategies, output_meta=_unsqueeze_output_meta
 )
 
-def _view_keeps_strided_input(
-    op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]
-) -> bool:
-    """Whether the view rule can keep this call's strided input where it is (else it is refused as before).
-
-    Each ``_StridedShard(d, sf)`` mesh dim must cut a dim that maps one to one, or splits into dims whose
-    outer ones make up ``sf`` with the layout exact, and no other mesh dim may cut that group; the other
-    mesh dims must be kept as they are by a one-to-one dim, Replicate or Partial.
-    """
-    spec = args[0] if args else None
-    size = args[1] if len(args) > 1 else kwargs.get("size")
-    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None or not isinstance(size, (list, tuple)):
-        return False
-    in_shape = tuple(spec.shape)
-    out_shape = resolve_view_size(size, math.prod(in_shape))
-    groups = None if out_shape is None else view_dim_groups(in_shape, out_shape)
-    if out_shape is None or groups is None:
-        return False
-    group_of = {dim: group for group in groups for dim in group[0]}
-    mesh_shape = tuple(spec.mesh.shape)
-    for mesh_dim, placement in enumerate(spec.placements):
-        if not isinstance(placement, (Shard, _StridedShard)):
-            continue
-        in_dims, out_dims = group_of[placement.dim]
-        if len(in_dims) == 1 and len(out_dims) == 1:
-            continue
-        if not isinstance(placement, _StridedShard) or in_dims != (placement.dim,) or not out_dims:
-            return False
-        cutting_group = [p for p in spec.placements if isinstance(p, (Shard, _StridedShard)) and p.dim in in_dims]
-        if len(cutting_group) > 1:
-            return False
-        split_back = [
-            Shard(out_dims[position])
-            for position in range(1, len(out_dims))
-            if math.prod(out_shape[dim] for dim in out_dims[:position]) == placement.split_factor
-        ]
-        if not split_back or not _strided_group_is_exact(
-            in_shape, out_shape, (in_dims, out_dims), mesh_shape[mesh_dim], placement, split_back[0]
-        ):
-            return False
-    return True
-
-
 _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten._unsafe_view.out, aten.reshape.default)
 register_rule(_VIEW_OPS, VIEW_RULE)
-# The view rule maps _StridedShard inputs itself (a strided merged dim split back to a Shard).
-declare_rule_reads_strided_shards(_VIEW_OPS, _view_keeps_strided_input)
 register_rule((aten.expand.default,), EXPAND_RULE)
 # t_/transpose_/squeeze_/unsqueeze_ change the shape of self in place; not supported here.
 register_rule(aten_overloads(("t", "transpose"), overloads=("default", "int"), with_inplace=False), TRANSPOSE_RULE)
