@@ -108,6 +108,27 @@ def test_a_contraction_and_a_transpose_keep_the_strided_rows_without_communicati
     run_on_threads(_shards_paired_by_a_rule_keep_the_strided_rows, world_size=4)
 
 
+def _reductions_over_strided_pieces_of_unequal_sizes() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    # 8 rows cut into 3 chunks (3, 3, 2), each split over 2 ranks: rank 0 holds 2+2+1 = 5 rows, rank 1
+    # holds 3, where Shard(0) would give 4 and 4. A mean of the two local means would be wrong.
+    layout = (_StridedShard(0, split_factor=3),)
+    full = torch.arange(16.0).reshape(8, 2) ** 2
+    strided = _laid_out(full, mesh, layout)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None and strided.to_local().shape[0] == (5 if coordinate[0] == 0 else 3)
+    # The reduction rules' exactness checks reason about Shard pieces, so these strided pieces (sizes
+    # other than Shard's) are moved first, even for a sum, which would not need it: correct, not free.
+    torch.testing.assert_close(strided.sum(0).full_tensor(), full.sum(0))
+    torch.testing.assert_close(strided.mean(0).full_tensor(), full.mean(0))
+    torch.testing.assert_close(strided.mean().full_tensor(), full.mean())
+    torch.testing.assert_close(strided.amax(0).full_tensor(), full.amax(0))
+
+
+def test_reductions_over_strided_pieces_of_unequal_sizes_are_exact() -> None:
+    run_on_threads(_reductions_over_strided_pieces_of_unequal_sizes, world_size=2)
+
+
 def _layout_dependent_ops_move_the_strided_input() -> None:
     mesh = _mesh()
     full = torch.arange(24, dtype=torch.float32).reshape(8, 3)

@@ -24,11 +24,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Shard, TensorMeta, _StridedShard, holds_same_values
+from shardwise.placement import (
+    DTensorSpec,
+    Partial,
+    Placement,
+    Shard,
+    TensorMeta,
+    _StridedShard,
+    compute_local_shape,
+    holds_same_values,
+)
 
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, RandomDraw, ShardingRule
@@ -356,7 +365,7 @@ def _cheapest_combination(
     for order, combo in enumerate(itertools.product(*per_mesh_dim)):
         inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
         outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
-        if rule.is_valid is not None and not rule.is_valid(call, inputs_nd, outputs_nd):
+        if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
             continue
         moved = 0
         changed = 0
@@ -378,6 +387,51 @@ def _cheapest_combination(
             f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({describe_inputs(call.all_specs)})"
         )
     return best
+
+
+def _is_valid(
+    rule: ShardingRule,
+    call: OpCall,
+    inputs: tuple[tuple[Placement, ...], ...],
+    outputs: tuple[tuple[Placement, ...] | None, ...],
+) -> bool:
+    """``rule.is_valid`` for a combination, strided variants included.
+
+    A rule's exactness checks reason about the sizes of ``Shard`` pieces (a mean over even pieces, no
+    empty piece under a max).  Unless the rule reads strided layouts itself, a combination holding
+    ``_StridedShard`` placements is checked as its ``Shard`` equivalent, and only where every tensor's
+    strided pieces have, at every mesh coordinate, the sizes the equivalent's pieces have (the same
+    numbers of elements, in other places); otherwise it is not a candidate (the input is moved instead).
+    """
+    if rule.validity_reads_strided_shards or not any(
+        isinstance(p, _StridedShard) for placements in (*inputs, *outputs) if placements for p in placements
+    ):
+        return rule.is_valid(call, inputs, outputs)  # type: ignore[misc]
+    shapes = [spec.shape for spec in call.input_specs] + [
+        None if meta is None else meta.shape for meta in call.output_metas
+    ]
+    equivalents: list[tuple[Placement, ...] | None] = []
+    for shape, placements in zip(shapes, (*inputs, *outputs)):
+        if placements is None or shape is None:
+            equivalents.append(placements)
+            continue
+        plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+        if plain != placements and not _same_piece_sizes(tuple(shape), tuple(call.mesh.shape), placements, plain):
+            return False
+        equivalents.append(plain)
+    equivalent_inputs = cast(tuple[tuple[Placement, ...], ...], tuple(equivalents[: len(inputs)]))
+    return rule.is_valid(call, equivalent_inputs, tuple(equivalents[len(inputs) :]))  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=1024)
+def _same_piece_sizes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], plain: tuple[Placement, ...]
+) -> bool:
+    return all(
+        compute_local_shape(shape, mesh_shape, coordinate, placements)
+        == compute_local_shape(shape, mesh_shape, coordinate, plain)
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape))
+    )
 
 
 def _check_combined_decision(

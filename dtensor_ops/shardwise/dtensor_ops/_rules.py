@@ -229,6 +229,10 @@ class ShardingRule:
 
     ``random``: whether (and how) the op draws random values (see :class:`RandomDraw`);
     dispatch then runs it in this rank's shard stream.
+
+    ``validity_reads_strided_shards``: ``is_valid`` judges ``_StridedShard`` placements itself (the
+    view rule); otherwise the engine hands it a combination's ``Shard`` equivalent (see
+    ``_propagation._is_valid``).
     """
 
     family: str
@@ -241,6 +245,7 @@ class ShardingRule:
     combined_decision: CombinedDecisionFn | None = None
     local_kernel: LocalKernelFn | None = None
     random: RandomDraw = RandomDraw.NONE
+    validity_reads_strided_shards: bool = False
 
     def __post_init__(self) -> None:
         if (self.one_dim_strategies is None) == (self.combined_decision is None):

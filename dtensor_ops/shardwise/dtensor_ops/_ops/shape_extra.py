@@ -293,6 +293,7 @@ def copy_variant_rule(view_op: torch._ops.OpOverload) -> ShardingRule:
         one_dim_strategies=_AsViewOp(view_op, "one_dim_strategies"),
         is_valid=None if rule.is_valid is None else _AsViewOp(view_op, "is_valid"),
         local_arg_overrides=None if rule.local_arg_overrides is None else _AsViewOp(view_op, "local_arg_overrides"),
+        validity_reads_strided_shards=rule.validity_reads_strided_shards,
     )
 
 

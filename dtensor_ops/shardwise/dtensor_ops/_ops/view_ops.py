@@ -385,6 +385,7 @@ VIEW_RULE = ShardingRule(
     is_valid=_view_is_valid,
     local_arg_overrides=_local_size_override,
     output_meta=_view_output_meta,
+    validity_reads_strided_shards=True,
 )
 
 
