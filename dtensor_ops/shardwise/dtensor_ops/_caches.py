@@ -70,6 +70,7 @@ class SharedCaches:
         "step_pricers",
         "simulated_programs",
         "draw_carriers",
+        "strided_piece_sizes",
     )
 
     def __init__(self) -> None:
@@ -88,6 +89,9 @@ class SharedCaches:
         self.simulated_programs: dict[Any, Any] = {}
         # device -> the tensor random draws are carried on (``_random_draws``).
         self.draw_carriers: dict[Any, Any] = {}
+        # (global shape, mesh shape, placements with _StridedShard) -> whether every coordinate's piece has
+        # the sizes of the Shard equivalent's (``_propagation``).
+        self.strided_piece_sizes: dict[Any, bool] = {}
 
     def clear(self) -> None:
         for name in self.__slots__:

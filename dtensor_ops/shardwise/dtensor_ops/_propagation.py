@@ -39,6 +39,7 @@ from shardwise.placement import (
     holds_same_values,
 )
 
+from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, RandomDraw, ShardingRule
 from ._random_draws import plan_random_draw
@@ -423,15 +424,23 @@ def _is_valid(
     return rule.is_valid(call, equivalent_inputs, tuple(equivalents[len(inputs) :]))  # type: ignore[misc]
 
 
-@functools.lru_cache(maxsize=1024)
 def _same_piece_sizes(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], plain: tuple[Placement, ...]
 ) -> bool:
-    return all(
+    # One local shape per mesh coordinate, twice: cached (SHARED_CACHES, the same on every rank).
+    cache = SHARED_CACHES.strided_piece_sizes
+    key = (shape, mesh_shape, placements)
+    known = lookup(cache, key)
+    if isinstance(known, bool):
+        return known
+    same = all(
         compute_local_shape(shape, mesh_shape, coordinate, placements)
         == compute_local_shape(shape, mesh_shape, coordinate, plain)
         for coordinate in itertools.product(*(range(size) for size in mesh_shape))
     )
+    if known is not SYMBOLIC:
+        store(cache, key, same, limit=1024)
+    return same
 
 
 def _check_combined_decision(
