@@ -264,7 +264,9 @@ def _strategies_per_mesh_dim(op: torch._ops.OpOverload, rule: ShardingRule, call
             strategies = rule.one_dim_strategies(dataclasses.replace(call, partial_reduce_ops=partials_here))
             _check_strategy_shapes(op, rule, strategies, len(call.input_specs), len(call.output_metas))
             asked[partials_here] = strategies
-        strategies = [*strategies, *_strided_variants(rule, call, mesh_dim, strategies)]
+        variants = _strided_variants(rule, call, mesh_dim, strategies)
+        if variants:
+            strategies = [*strategies, *variants]
         fitting = [
             s
             for s in strategies
@@ -319,7 +321,7 @@ def _strided_variants(
 
 def _relabelled(call: OpCall, strategy: OneDimStrategy, extent: int, split_factor: int) -> OneDimStrategy | None:
     def strided(placement: Placement | None, shape: Sequence[int] | None) -> Placement | None | bool:
-        if not isinstance(placement, Shard) or isinstance(placement, _StridedShard):
+        if not isinstance(placement, Shard):  # _StridedShard is not a Shard: a rule's own strided entry stays
             return placement
         assert shape is not None
         if not -len(shape) <= placement.dim < len(shape):

@@ -42,8 +42,8 @@ def local_map(
     a DTensor, ``func``'s result is returned as it is. Without ``func``, returns a decorator.
 
     Uneven shards: when an input DTensor is unevenly sharded, the sharded outputs' pieces may differ in size
-    between ranks too, so their global shapes are agreed from every rank's local shape (two small all-gathers
-    per sharded output, of each rank's dims/dtype and of its shape; a piece that does not fit the placements' ``torch.chunk`` layout is a
+    between ranks too, so their global shapes are agreed from every rank's local shape (one small all-gather
+    per sharded output, of each rank's dims, dtype and shape; a piece that does not fit the placements' ``torch.chunk`` layout is a
     ValueError on every rank, before any collective on the data).  PyTorch assumes even shards there, so
     each rank gets a different global shape and the next collective hangs or aborts.  With even inputs
     outputs are taken to be even, as in PyTorch (no communication).
