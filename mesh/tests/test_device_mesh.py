@@ -522,7 +522,8 @@ def test_device_bound_worlds_create_groups_world_ordered_and_joint_groups_at_con
             mesh = DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("a", "b"))
         # 2 sub-groups per dim, every rank calling for all 4 (the joint group is the world's ranks).
         assert calls.calls == 4 and calls.created == 2
-        assert set(mesh._joint_groups) == {(0, 1)}
+        # One joint group, keyed by how it walks the root's rank list: both dims together, 4 ranks at stride 1.
+        assert set(mesh._joint_groups) == {((4, 1),)}
         a, b = mesh.get_coordinate()  # type: ignore[misc]
         assert _gather_ranks_over(mesh.get_group_name("b"), 2) == [[3, 2], [1, 0]][a]
         assert dist.get_rank(mesh.get_group("a")) == a and dist.get_rank(mesh.get_group("b")) == b

@@ -5,7 +5,13 @@ dim; ``init_device_mesh`` builds one over the whole world. Only imports torch an
 torch.distributed.
 """
 
-from shardwise.mesh._device_mesh import DeviceMesh, get_current_mesh, init_device_mesh
+from shardwise.mesh._device_mesh import (
+    DeviceMesh,
+    _register_distributed_opaque_types,
+    _register_opaque_type_registration,
+    get_current_mesh,
+    init_device_mesh,
+)
 from shardwise.mesh._errors import MeshDimError, MeshError
 
 __all__ = ["DeviceMesh", "MeshDimError", "MeshError", "get_current_mesh", "init_device_mesh"]

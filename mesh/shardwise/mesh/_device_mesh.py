@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,10 @@ from shardwise.mesh import _process_groups as process_groups
 from shardwise.mesh import _simulation as simulation
 from shardwise.mesh import _validation as validation
 from shardwise.mesh._errors import MeshDimError, MeshError
-from shardwise.mesh._layout import MeshLayout
+from shardwise.mesh._layout import MeshLayout, Run
 from shardwise.mesh._world import ensure_default_process_group, world_generation, world_size_for_validation
 
-__all__ = ["DeviceMesh", "get_current_mesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "get_current_mesh", "init_device_mesh", "_register_distributed_opaque_types"]
 
 
 class _MeshStack(threading.local):
@@ -69,7 +69,7 @@ class DeviceMesh:
     _rank: int
     _coordinate: tuple[int, ...] | None
     _flatten_mapping: dict[str, DeviceMesh]
-    _joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]]
+    _joint_groups: dict[tuple[Run, ...], tuple[str, tuple[int, ...]]]
     _has_joint_groups: bool
     _slices: dict[tuple[str, ...], DeviceMesh]
     _key: tuple[Any, ...]
@@ -135,7 +135,9 @@ class DeviceMesh:
         self._joint_groups = {}
         self._has_joint_groups = False
         self._slices = {}
-        layout_key = (device_type, layout.root_shape, layout.ranks_identity, layout.dims, names)
+        # The layout's signature, not its grid: views of one root cut into different grids (a mesh
+        # and its ``_unflatten``) that walk the same ranks are the same mesh.
+        layout_key = (device_type, layout.signature, names)
         # Python's str hash differs between processes; a digest of the key does not, so the hash is
         # the same on every rank (and in every process: the world's number stays out of it).
         self._stable_digest = hashlib.blake2b(repr(layout_key).encode(), digest_size=16).digest()
@@ -312,18 +314,25 @@ class DeviceMesh:
     # ---------------------------------------------------------------------------- joint groups
 
     def _create_joint_groups(self) -> None:
-        """Every joint group of this root mesh now (world-ordered creation only; see ``_joint_group``)."""
+        """Every joint group of this mesh's grid now (world-ordered creation only; see ``_joint_group``)."""
         splitting = [dim for dim, size in enumerate(self._layout.root_shape) if size > 1]
         for count in range(2, len(splitting) + 1):
             for root_dims in itertools.combinations(splitting, count):
-                self._joint_group_over_root_dims(root_dims)
+                self._get_root_mesh()._joint_group_over_root_dims(root_dims, self._layout)
 
-    def _joint_group_over_root_dims(self, root_dims: tuple[int, ...]) -> tuple[str, tuple[int, ...]] | None:
-        """This rank's group over several root dims together, created on first request (on the root)."""
-        known = self._joint_groups.get(root_dims)
+    def _joint_group_over_root_dims(
+        self, root_dims: tuple[int, ...], layout: MeshLayout | None = None
+    ) -> tuple[str, tuple[int, ...]] | None:
+        """This rank's group over several grid dims of ``layout`` together, created on first request (on the root).
+
+        ``layout`` (default: the root's) is a view of this root, perhaps on a finer grid (``_unflatten``);
+        the cache is keyed by the ranks the joint dim walks, so every grid shares one group per rank set.
+        """
+        joint_layout = (layout or self._layout).view((root_dims,))
+        key = joint_layout.runs[0]
+        known = self._joint_groups.get(key)
         if known is not None or not self._has_joint_groups:
             return known
-        joint_layout = self._layout.view((root_dims,))
         group = process_groups.group_for_dim(
             joint_layout, 0, self._rank, f"mesh_joint_{'_'.join(map(str, root_dims))}", in_rank_order=True
         )
@@ -332,8 +341,8 @@ class DeviceMesh:
         row_major = joint_layout.group_through(0, self._rank)
         assert row_major is not None
         member_of_group_rank = tuple(sorted(range(len(row_major)), key=lambda index: row_major[index]))
-        self._joint_groups[root_dims] = (group.group_name, member_of_group_rank)
-        return self._joint_groups[root_dims]
+        self._joint_groups[key] = (group.group_name, member_of_group_rank)
+        return self._joint_groups[key]
 
     def _supports_joint_groups(self) -> bool:
         """Whether every set of this mesh's dims can have a joint process group (see ``_joint_group``).
@@ -371,7 +380,7 @@ class DeviceMesh:
             for dim, dims in enumerate(self._layout.dims):
                 if root_dims[0] in dims and len(dims) == 1:
                     return self._dim_group_names[dim], tuple(range(self._layout.root_shape[root_dims[0]]))
-        return root._joint_group_over_root_dims(root_dims)
+        return root._joint_group_over_root_dims(root_dims, self._layout)
 
     # ------------------------------------------------------------------------ slicing, flatten
 
@@ -389,7 +398,13 @@ class DeviceMesh:
             if cached is not None:
                 return cached
         root = self._get_root_mesh()
-        flattened = {name: mesh._layout.dims[0] for name, mesh in root._flatten_mapping.items()} if root is self else {}
+        flattened: dict[str, tuple[int, ...]] = {}
+        if root is self:
+            for name, mesh in root._flatten_mapping.items():
+                if mesh._layout.root_shape == self._layout.root_shape:
+                    flattened[name] = mesh._layout.dims[0]
+                elif key == (name,):  # flattened from an ``_unflatten``ed mesh: on another grid, sliced alone
+                    return mesh
         names, root_dims = validation.resolve_slice(
             mesh_dim_names, self._mesh_dim_names, self._layout.dims, flattened, root._mesh_dim_names
         )
@@ -410,25 +425,29 @@ class DeviceMesh:
             if dims == root_dims:
                 return self._require_groups("slicing")[dim]
         for flattened in self._get_root_mesh()._flatten_mapping.values():
-            if flattened._layout.dims[0] == root_dims:
+            if flattened._layout.root_shape == self._layout.root_shape and flattened._layout.dims[0] == root_dims:
                 return flattened._require_groups("slicing")[0]
         raise AssertionError(f"no process group spans root dims {root_dims}")
 
     def _flattened_over(self, mesh_dims: Sequence[int]) -> DeviceMesh | None:
         """The flattened mesh (``_flatten``) spanning exactly this mesh's ``mesh_dims``, in that order, if one exists."""
         root_dims = tuple(d for mesh_dim in mesh_dims for d in self._layout.dims[mesh_dim])
+        runs = self._layout.view((root_dims,)).runs[0]
         for flattened in self._get_root_mesh()._flatten_mapping.values():
-            if flattened._layout.dims[0] == root_dims:
+            if flattened._layout.runs[0] == runs:
                 return flattened
         return None
 
-    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
         """A 1-D mesh over all of this mesh's dims, named ``mesh_dim_name`` (default: names joined by "_").
 
         The flattened dim is registered on the root mesh, so ``root[mesh_dim_name]`` and
         ``root.get_group(mesh_dim_name)`` find it. Creates this rank's group over the flattened dim
         (unless one exists already), so every rank of the mesh must call it, in the same order.
+        ``backend_override`` (a backend name, backend options, or both as a tuple; ``"fake"``: no
+        communication over it) picks the backend of that group, as in ``_unflatten``.
         """
+        choice = process_groups.backend_choice(backend_override, f"_flatten({mesh_dim_name!r}) backend_override")
         if self._mesh_dim_names is None:
             raise MeshError("cannot flatten a DeviceMesh that has no mesh_dim_names; create it with mesh_dim_names=(...)")
         if mesh_dim_name is None or mesh_dim_name == "":
@@ -445,17 +464,99 @@ class DeviceMesh:
             )
         flat_dims = (tuple(d for dims in self._layout.dims for d in dims),)
         existing = root._flatten_mapping.get(mesh_dim_name)
+        layout = self._layout.view(flat_dims)
         if existing is not None:
-            if existing._layout.dims == flat_dims:
+            if existing._layout.runs == layout.runs:
                 return existing
             raise MeshError(
                 f"a flattened dim named {mesh_dim_name!r} already exists over different mesh dims; pick another name"
             )
-        layout = self._layout.view(flat_dims)
-        group = process_groups.group_for_dim(layout, 0, self._rank, f"mesh_{mesh_dim_name}")
+        group = process_groups.group_for_dim(layout, 0, self._rank, f"mesh_{mesh_dim_name}", choice=choice)
         flattened = DeviceMesh._view(root, layout, (mesh_dim_name,), _member_groups([group]))
         root._flatten_mapping[mesh_dim_name] = flattened
         return flattened
+
+    def _unflatten(
+        self,
+        dim: int | str,
+        mesh_sizes: tuple[int, ...],
+        mesh_dim_names: tuple[str, ...],
+        backend_override: dict[Any, Any] | None = None,
+    ) -> DeviceMesh:
+        """This mesh with dim ``dim`` (index or name) split row-major into dims of ``mesh_sizes`` named ``mesh_dim_names``.
+
+        As PyTorch 2.13: the result is a view of this mesh's root (``_get_root_mesh()`` is the root),
+        so ``_flatten`` on its slices registers on the root. ``backend_override`` maps new dims (by
+        name, or by index among the new dims) to a backend name, backend options, or both as a
+        tuple; ``"fake"`` marks a dim the program never communicates over: its group is c10d's
+        fake process group of the dim's size, created locally (see ``_process_groups``). Creates
+        this rank's group for each new dim (groups over ranks that already have one are reused,
+        e.g. the same dim unflattened twice), so every rank of the mesh calls it in the same order.
+        Every argument is checked before any group is created, with the same message on every rank.
+        """
+        where = f"_unflatten({dim!r}, {mesh_sizes!r}, {mesh_dim_names!r})"
+        index, sizes, new_names = validation.check_unflatten(
+            where, dim, mesh_sizes, mesh_dim_names, self.shape, self._mesh_dim_names
+        )
+        names = (*(self._mesh_dim_names or ())[:index], *new_names, *(self._mesh_dim_names or ())[index + 1 :])
+        validation.check_unique_names(where, names, f"the other dims of {self!r}")
+        choices = _backend_choices(where, backend_override, new_names)
+        try:
+            layout = self._layout.unflatten(index, sizes)
+        except ValueError as error:
+            raise MeshError(
+                f"{where}: dim {index} of {self!r} walks its ranks as {self._layout.runs[index]} (size, stride) runs, "
+                f"which sizes {sizes} cannot split into a grid ({error})"
+            ) from error
+        kept = self._require_groups(where) if self._coordinate is not None else ()
+        created = [
+            process_groups.group_for_dim(layout, index + offset, self._rank, _group_description(names, index + offset), choice=choice)
+            for offset, choice in enumerate(choices)
+        ]
+        new_groups = _member_groups(created)
+        groups = (*kept[:index], *new_groups, *kept[index + 1 :]) if kept else ()
+        root = self._get_root_mesh()
+        result = DeviceMesh._view(root, layout, names, groups)
+        if root._has_joint_groups and not process_groups.member_only_creation():
+            result._create_joint_groups()
+        return result
+
+    @staticmethod
+    def _concatenate(device_mesh_list: list[DeviceMesh]) -> DeviceMesh:
+        """One mesh over the dims of several views of one root mesh, in the order given (PyTorch 2.13).
+
+        The meshes' dims must be disjoint (no rank walked twice) and come in the order they have in
+        the root, outer dims first (e.g. ``[dp_mesh, tp_mesh]``). Uses the meshes' groups; creates none.
+        """
+        where = "DeviceMesh._concatenate"
+        if not isinstance(device_mesh_list, (list, tuple)) or not device_mesh_list:
+            raise MeshError(f"{where} needs a non-empty list of DeviceMesh, got {device_mesh_list!r}")
+        not_meshes = [mesh for mesh in device_mesh_list if not isinstance(mesh, DeviceMesh)]
+        if not_meshes:
+            raise MeshError(f"{where}: {not_meshes!r} are not DeviceMesh objects")
+        first = device_mesh_list[0]
+        for mesh in device_mesh_list[1:]:
+            if mesh._layout.ranks_identity != first._layout.ranks_identity or mesh._device_type != first._device_type:
+                raise MeshError(
+                    f"{where}: {mesh!r} and {first!r} are not views of one root mesh (different ranks or device "
+                    "type); expected slices, flattenings or unflattenings of the same mesh"
+                )
+        unnamed = [mesh for mesh in device_mesh_list if mesh._mesh_dim_names is None]
+        if unnamed:
+            raise MeshError(f"{where}: {unnamed!r} have no mesh_dim_names; every mesh concatenated needs them")
+        names = tuple(name for mesh in device_mesh_list for name in (mesh._mesh_dim_names or ()))
+        validation.check_unique_names(where, names, "the other meshes")
+        try:
+            layout = MeshLayout.concatenate(tuple(mesh._layout for mesh in device_mesh_list))
+        except ValueError as error:
+            raise MeshError(
+                f"{where}: cannot concatenate {list(device_mesh_list)!r}: {error}; expected disjoint dims given "
+                f"in the order they have in the root mesh"
+            ) from error
+        groups: tuple[dist.ProcessGroup, ...] = ()
+        if first._coordinate is not None:
+            groups = tuple(group for mesh in device_mesh_list for group in mesh._require_groups(where))
+        return DeviceMesh._view(first._get_root_mesh(), layout, names, groups)
 
     # ------------------------------------------------------------------------------ from_group
 
@@ -628,6 +729,48 @@ def _member_groups(groups: Sequence[dist.ProcessGroup | None]) -> tuple[dist.Pro
     if present and len(present) != len(groups):
         raise AssertionError(f"a rank is in the groups of some mesh dims but not others: {groups}")
     return tuple(present)
+
+
+def _backend_choices(
+    where: str, backend_override: dict[Any, Any] | None, names: tuple[str, ...]
+) -> list[process_groups.BackendChoice]:
+    """One backend choice per new dim from ``backend_override``, keyed by name or by index among ``names``."""
+    if backend_override is None:
+        return [process_groups.DEFAULT_BACKEND] * len(names)
+    if not isinstance(backend_override, dict):
+        raise MeshError(f"{where}: backend_override must be a dict from dim name or index to a backend, got {backend_override!r}")
+    unused = dict(backend_override)
+    choices = []
+    for index, name in enumerate(names):
+        if name in unused and index in unused:
+            raise MeshError(f"{where}: backend_override names dim {name!r} twice, by name and by index {index}; give one")
+        value = unused.pop(name, unused.pop(index, None))
+        choices.append(process_groups.backend_choice(value, f"{where} backend_override[{name!r}]"))
+    if unused:
+        raise MeshError(
+            f"{where}: backend_override has keys {list(unused)} that are not new dims; expected names in {names} "
+            f"or indices in [0, {len(names)})"
+        )
+    return choices
+
+
+_opaque_type_registrations: list[Callable[[], None]] = []
+
+
+def _register_opaque_type_registration(registration: Callable[[], None]) -> None:
+    """Add what ``_register_distributed_opaque_types`` runs (shardwise.compile_support adds its registration)."""
+    if registration not in _opaque_type_registrations:
+        _opaque_type_registrations.append(registration)
+
+
+def _register_distributed_opaque_types() -> None:
+    """Register ``DeviceMesh`` (and what it holds) as opaque types for torch.compile, as PyTorch 2.13's function of that name.
+
+    The registration lives above this layer (``shardwise.compile_support``, which also runs it when
+    ``shardwise.dtensor_ops`` is imported); here it is run through the hooks that layer added. Idempotent.
+    """
+    for registration in list(_opaque_type_registrations):
+        registration()
 
 
 def _group_description(names: tuple[str, ...] | None, dim: int) -> str:

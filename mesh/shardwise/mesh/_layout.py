@@ -12,12 +12,16 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from shardwise.mesh._validation import RankGrid
 
-__all__ = ["MeshLayout"]
+__all__ = ["MeshLayout", "Run"]
+
+Run = tuple[int, int]
+"""``(size, stride)``: a dim's index ``i`` in ``range(size)`` moves ``i * stride`` places in the root's rank list."""
 
 # Meshes up to this many ranks print every rank; larger ones print a bounded summary.
 _RANKS_PRINTED_IN_FULL = 64
@@ -101,6 +105,34 @@ class MeshLayout:
         return tuple(strides)
 
     @functools.cached_property
+    def runs(self) -> tuple[tuple[Run, ...], ...]:
+        """Per dim, how it steps through the root's row-major rank list: ``(size, stride)`` runs, outermost first.
+
+        Root dims of size 1 take no run, and consecutive root dims that step evenly merge into
+        one run, so the runs depend only on which ranks a dim walks and in what order, not on how
+        the root's grid is cut: layouts of one root rank list over different grids (a mesh and
+        its ``unflatten``) compare by them.
+        """
+        return tuple(
+            _coalesce((self.root_shape[d], self.root_strides[d]) for d in root_dims) for root_dims in self.dims
+        )
+
+    @functools.cached_property
+    def signature(self) -> tuple[object, ...]:
+        """What decides the view's sub-meshes and groups, whatever grid its root is cut into (keys, equality)."""
+        return (self.ranks_identity, self.shape, self.runs)
+
+    def __eq__(self, other: object) -> bool:
+        # By what the view walks, not by how its root grid is cut: torch's pipelining compares
+        # ``mesh._layout`` of meshes that may come from different ``_unflatten`` calls.
+        if not isinstance(other, MeshLayout):
+            return NotImplemented
+        return self is other or self.signature == other.signature
+
+    def __hash__(self) -> int:
+        return hash(self.signature)
+
+    @functools.cached_property
     def strides(self) -> tuple[int | tuple[int, ...], ...]:
         """Per dim, its stride in the root's row-major rank list; a tuple when not one stride.
 
@@ -109,19 +141,88 @@ class MeshLayout:
         stride (a flattened dp x cp has one); otherwise one stride per evenly stepping run.
         """
         result: list[int | tuple[int, ...]] = []
-        for root_dims in self.dims:
-            runs: list[tuple[int, int]] = []  # (size, stride) of each run, outermost first
-            for root_dim in root_dims:
-                size, stride = self.root_shape[root_dim], self.root_strides[root_dim]
-                if size == 1:
-                    continue
-                if runs and runs[-1][1] == size * stride:
-                    runs[-1] = (runs[-1][0] * size, stride)
-                else:
-                    runs.append((size, stride))
+        for runs in self.runs:
             strides = tuple(stride for _, stride in runs)
             result.append(strides[0] if len(strides) == 1 else strides)
         return tuple(result)
+
+    def unflatten(self, dim: int, sizes: tuple[int, ...]) -> MeshLayout:
+        """This view with ``dim`` split row-major into dims of ``sizes`` (product: the dim's size).
+
+        The result's root grid is this root's rank list cut finer where needed (the same ranks in the
+        same order). Raises ``ValueError`` when the sizes cut across the root dims the dim spans in
+        a way no grid can hold (a flattened 2 x 3 dim split into 3 x 2).
+        """
+        if math.prod(sizes) != self.shape[dim]:
+            raise ValueError(f"sizes {sizes} multiply to {math.prod(sizes)}, not to the dim's size {self.shape[dim]}")
+        split = _split_runs(self.runs[dim], sizes)
+        return self._from_runs((*self.runs[:dim], *split, *self.runs[dim + 1 :]))
+
+    @staticmethod
+    def concatenate(layouts: tuple[MeshLayout, ...]) -> MeshLayout:
+        """One view over the dims of several views of the same root rank list, in the order given.
+
+        Raises ``ValueError`` when two dims walk the same ranks (overlap), when the dims are not in
+        the order they have in the root, or when their runs fit no common grid.
+        """
+        first = layouts[0]
+        if any(layout.root_ranks != first.root_ranks for layout in layouts[1:]):
+            raise ValueError("the layouts are views of different root rank lists")
+        return first._from_runs(tuple(runs for layout in layouts for runs in layout.runs))
+
+    def _from_runs(self, dims_runs: tuple[tuple[Run, ...], ...]) -> MeshLayout:
+        """A view over this root rank list whose dims step as ``dims_runs`` say, on the coarsest grid holding them all."""
+        count = len(self.root_ranks)
+        cuts = {1, count}
+        for runs in dims_runs:
+            for size, stride in runs:
+                cuts.update((stride, stride * size))
+        ordered = sorted(cuts)
+        for inner, outer in zip(ordered, ordered[1:]):
+            if outer % inner:
+                raise ValueError(f"the dims step through the ranks with strides {ordered} that fit no grid")
+        pieces = len(ordered) - 1  # piece i: stride ordered[i], size ordered[i + 1] // ordered[i]
+        owner: list[int | None] = [None] * pieces
+        positions_of_dim: list[list[int]] = []  # grid position = pieces - 1 - piece (outermost first)
+        for dim, runs in enumerate(dims_runs):
+            positions: list[int] = []
+            for size, stride in runs:
+                for piece in range(ordered.index(stride * size) - 1, ordered.index(stride) - 1, -1):
+                    if owner[piece] is not None:
+                        raise ValueError(f"dims {owner[piece]} and {dim} overlap (they walk the same ranks)")
+                    owner[piece] = dim
+                    positions.append(pieces - 1 - piece)
+            positions_of_dim.append(positions)
+        in_order = [position for positions in positions_of_dim for position in positions]
+        if in_order != sorted(in_order):
+            raise ValueError("the dims are not in the order they have in the root mesh (outer dims first)")
+        shape: list[int] = []
+        dims: list[tuple[int, ...]] = []
+        next_position = 0
+
+        def emit_up_to(position: int) -> None:
+            nonlocal next_position
+            while next_position < position:
+                piece = pieces - 1 - next_position
+                shape.append(ordered[piece + 1] // ordered[piece])
+                next_position += 1
+
+        for positions in positions_of_dim:
+            if not positions:  # a size-1 dim walks no ranks: a grid dim of size 1 of its own
+                shape.append(1)
+                dims.append((len(shape) - 1,))
+                continue
+            mine: list[int] = []
+            for position in positions:
+                emit_up_to(position)
+                emit_up_to(position + 1)
+                mine.append(len(shape) - 1)
+            dims.append(tuple(mine))
+        emit_up_to(pieces)
+        layout = MeshLayout(tuple(shape), self.root_ranks, tuple(dims))
+        layout.__dict__["_position_of_rank"] = self._position_of_rank
+        layout.__dict__["ranks_identity"] = self.ranks_identity
+        return layout
 
     @functools.cached_property
     def batch_root_dims(self) -> tuple[int, ...]:
@@ -248,3 +349,39 @@ class MeshLayout:
         digest = hashlib.blake2b(repr(flat).encode(), digest_size=4).hexdigest()
         head = ", ".join(str(rank) for rank in flat[:8])
         return f"{label}=[{head}, ...] ({len(flat)} ranks, digest {digest})"
+
+
+def _coalesce(runs: Iterable[Run]) -> tuple[Run, ...]:
+    merged: list[Run] = []
+    for size, stride in runs:
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    return tuple(merged)
+
+
+def _split_runs(runs: tuple[Run, ...], sizes: tuple[int, ...]) -> list[tuple[Run, ...]]:
+    """The runs of each of ``sizes`` when a dim stepping as ``runs`` is split row-major into them."""
+    remaining = list(runs)
+    result: list[tuple[Run, ...]] = []
+    for size in sizes:
+        needed = size
+        mine: list[Run] = []
+        while needed > 1:
+            run_size, stride = remaining[0]
+            if run_size <= needed:
+                if needed % run_size:
+                    raise ValueError(f"a part of size {run_size} of the dim cannot be cut into a dim of size {size}")
+                mine.append(remaining.pop(0))
+                needed //= run_size
+            else:
+                if run_size % needed:
+                    raise ValueError(f"a part of size {run_size} of the dim cannot be cut into a dim of size {size}")
+                mine.append((needed, stride * (run_size // needed)))
+                remaining[0] = (run_size // needed, stride)
+                needed = 1
+        result.append(_coalesce(mine))
+    return result

@@ -35,6 +35,19 @@ splits for members and makes a no-colour split for the others), as before. That 
 to test and keeps joint groups eager (``world_ordered_creation``).
 
 The registry holds groups weakly: c10d owns them (see ``_GroupRegistry``).
+
+Backend overrides (``_unflatten``/``_flatten``'s ``backend_override``)
+------------------------------------------------------------------------
+
+A dim may ask for another backend (``"gloo"``, ``"nccl"``...), backend options, or both: its group
+is then keyed by that backend (and the options' type and timeout) instead of the world's, is never
+the default group, and is created as above with that backend and options. ``"fake"`` means the
+program never communicates over that dim (torchtitan gives it to dims of degree 1): the group is
+c10d's ``FakeProcessGroup`` of the dim's size, created by each member alone (no rendezvous, nothing
+to connect, also on device-bound worlds), registered with c10d like any group so that
+``get_process_group_ranks``, ``_resolve_process_group`` and functional collectives find it by name.
+A collective over it does nothing (its result is not the collective's); over a dim of size 1 none
+is needed, and redistribution issues none there.
 """
 
 from __future__ import annotations
@@ -43,15 +56,20 @@ import atexit
 import hashlib
 import time
 import weakref
-from typing import Sequence, cast
+from typing import Any, Sequence, cast
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from shardwise.mesh._errors import MeshError
 from shardwise.mesh._layout import MeshLayout
 
 __all__ = [
+    "BackendChoice",
+    "DEFAULT_BACKEND",
+    "FAKE_BACKEND",
+    "backend_choice",
     "default_process_group",
     "group_for_dim",
     "member_only_creation",
@@ -62,6 +80,61 @@ __all__ = [
 
 _GroupKey = tuple[str, tuple[int, ...]]
 _MISSING = object()
+
+FAKE_BACKEND = "fake"
+
+
+class BackendChoice:
+    """A dim's backend override: a backend name, backend options, or both (None, None: the world's)."""
+
+    __slots__ = ("backend", "options")
+
+    def __init__(self, backend: str | None = None, options: Any = None) -> None:
+        self.backend = backend
+        self.options = options
+
+    @property
+    def is_default(self) -> bool:
+        return self.backend is None and self.options is None
+
+    @property
+    def is_fake(self) -> bool:
+        return self.backend is not None and self.backend.lower() == FAKE_BACKEND
+
+    def key(self, world_backend: str) -> str:
+        """What tells groups over the same ranks apart (the same on every rank)."""
+        if self.is_default:
+            return world_backend
+        text = (self.backend or world_backend).lower()
+        if self.options is not None:
+            text += f"+{type(self.options).__name__}(timeout={getattr(self.options, '_timeout', None)})"
+        return text
+
+    def __repr__(self) -> str:
+        return f"BackendChoice({self.backend!r}, {self.options!r})"
+
+
+DEFAULT_BACKEND = BackendChoice()
+
+
+def backend_choice(value: object, where: str) -> BackendChoice:
+    """A ``backend_override`` value (name, options, or (name, options)) as a ``BackendChoice``."""
+    if value is None:
+        return DEFAULT_BACKEND
+    if isinstance(value, str):
+        if not value:
+            raise MeshError(f"{where}: an empty backend name; expected e.g. 'gloo', 'nccl' or 'fake'")
+        return BackendChoice(value, None)
+    if isinstance(value, tuple):
+        if len(value) != 2 or not isinstance(value[0], str) or value[1] is None:
+            raise MeshError(f"{where}: expected (backend name, backend options), got {value!r}")
+        return BackendChoice(value[0], value[1])
+    if isinstance(value, C10dBackend.Options):
+        return BackendChoice(None, value)
+    raise MeshError(
+        f"{where}: {value!r} is not a backend override; expected a backend name ('gloo', 'nccl', 'fake'...), "
+        "backend options, or a (name, options) tuple"
+    )
 
 
 def default_process_group() -> dist.ProcessGroup:
@@ -132,32 +205,38 @@ class _GroupRegistry:
             )
         return group
 
-    def member_group(self, ranks: tuple[int, ...], my_rank: int, description: str) -> dist.ProcessGroup:
+    def member_group(
+        self, ranks: tuple[int, ...], my_rank: int, description: str, choice: BackendChoice = DEFAULT_BACKEND
+    ) -> dist.ProcessGroup:
         """The group over ``ranks`` (group rank order; they hold ``my_rank``), created by members only."""
         world = self._follow_world()
-        if self._is_whole_world(ranks):
+        if choice.is_default and self._is_whole_world(ranks):
             return world
-        key = (self._backend, ranks)
+        key = (choice.key(self._backend), ranks)
         reference = self._groups.get(key, _MISSING)
         if reference is not _MISSING:  # one lookup: hashing a 16,384-rank key is not free
             return self._live(key, cast(weakref.ref[dist.ProcessGroup], reference))
-        created = _create_by_members(world, ranks, my_rank, self._backend, description)
+        created = _create_by_members(world, ranks, my_rank, key[0], description, choice)
         self._groups[key] = weakref.ref(created)
         return created
 
     def group_among(
-        self, sub_groups: Sequence[tuple[int, ...]], my_rank: int, description: str
+        self,
+        sub_groups: Sequence[tuple[int, ...]],
+        my_rank: int,
+        description: str,
+        choice: BackendChoice = DEFAULT_BACKEND,
     ) -> dist.ProcessGroup | None:
         """World-ordered: every rank of the world passes every rank list, in the same order."""
         world = self._follow_world()
         mine: dist.ProcessGroup | None = None
         for ranks in sub_groups:
-            if self._is_whole_world(ranks):
+            if choice.is_default and self._is_whole_world(ranks):
                 mine = world if my_rank in ranks else mine
                 continue
-            key = (self._backend, ranks)
+            key = (choice.key(self._backend), ranks)
             if key not in self._groups:
-                created = _create_by_whole_world(world, ranks, my_rank, description)
+                created = _create_by_whole_world(world, ranks, my_rank, description, choice)
                 self._groups[key] = None if created is None else weakref.ref(created)
             if my_rank in ranks:
                 mine = self._live(key, self._groups[key])
@@ -187,7 +266,12 @@ class _GroupRegistry:
 
 
 def _create_by_members(
-    world: dist.ProcessGroup, ranks: tuple[int, ...], my_rank: int, backend_config: str, description: str
+    world: dist.ProcessGroup,
+    ranks: tuple[int, ...],
+    my_rank: int,
+    backend_config: str,
+    description: str,
+    choice: BackendChoice = DEFAULT_BACKEND,
 ) -> dist.ProcessGroup:
     if my_rank not in ranks:
         raise AssertionError(f"rank {my_rank} asked to create the group of ranks {list(ranks)}, which it is not in")
@@ -195,6 +279,11 @@ def _create_by_members(
     # The world's own backend and store, as new_group uses when no backend is given; read per call
     # because torch's threaded test backend swaps c10d's world state per thread.
     backend, store = c10d._world.pg_map[world]
+    if choice.backend is not None:
+        backend = choice.backend
+        if choice.is_fake:
+            _ensure_fake_backend_registered()
+    options = choice.options
     if name in c10d._world.pg_names.values():
         raise MeshError(
             f"a process group named {name!r} (ranks {list(ranks)}) already exists in this process but not in "
@@ -207,7 +296,8 @@ def _create_by_members(
         backend,
         store,
         c10d.GroupName(name),
-        timeout=c10d._get_default_timeout(dist.Backend(backend)),
+        backend_options=options,
+        timeout=_timeout(options, backend),
         group_desc=description,
     )
     if not isinstance(created, dist.ProcessGroup):
@@ -217,16 +307,39 @@ def _create_by_members(
     return created
 
 
+def _timeout(options: Any, backend: str) -> Any:
+    # As new_group: a timeout in the options wins (c10d would otherwise override it with the default).
+    timeout = getattr(options, "_timeout", None) if options is not None else None
+    return timeout if timeout is not None else c10d._get_default_timeout(dist.Backend(backend))
+
+
+def _ensure_fake_backend_registered() -> None:
+    """c10d knows the "fake" backend only once torch's module registering it is imported; import it then."""
+    if FAKE_BACKEND.upper() not in dist.Backend._plugins:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers c10d's "fake" backend)
+
+
 def _create_by_whole_world(
-    world: dist.ProcessGroup, ranks: tuple[int, ...], my_rank: int, description: str
+    world: dist.ProcessGroup,
+    ranks: tuple[int, ...],
+    my_rank: int,
+    description: str,
+    choice: BackendChoice = DEFAULT_BACKEND,
 ) -> dist.ProcessGroup | None:
     in_order = list(ranks) == sorted(ranks)
+    extra: dict[str, Any] = {}
+    if choice.backend is not None:
+        extra["backend"] = choice.backend
+    if choice.options is not None:
+        extra["pg_options"] = choice.options
+        if getattr(choice.options, "_timeout", None) is not None:
+            extra["timeout"] = choice.options._timeout
     if in_order:
-        created = dist.new_group(ranks=list(ranks), group_desc=description)
+        created = dist.new_group(ranks=list(ranks), group_desc=description, **extra)
     else:
         # c10d sorts ranks unless told not to; group rank must equal the mesh coordinate, or
         # collectives would gather/scatter shards in the wrong order.
-        created = dist.new_group(ranks=list(ranks), group_desc=description, sort_ranks=False)
+        created = dist.new_group(ranks=list(ranks), group_desc=description, sort_ranks=False, **extra)
     if my_rank not in ranks:
         return None
     if not isinstance(created, dist.ProcessGroup):
@@ -253,7 +366,13 @@ atexit.register(_let_collective_workers_finish)
 
 
 def group_for_dim(
-    layout: MeshLayout, dim: int, my_rank: int, description: str, *, in_rank_order: bool = False
+    layout: MeshLayout,
+    dim: int,
+    my_rank: int,
+    description: str,
+    *,
+    in_rank_order: bool = False,
+    choice: BackendChoice = DEFAULT_BACKEND,
 ) -> dist.ProcessGroup | None:
     """This rank's group along ``dim`` of ``layout`` (None when the rank is not in the mesh).
 
@@ -261,16 +380,18 @@ def group_for_dim(
     global ranks, which lets rank sets that already have a group, like the world, reuse it).
     Member-only mode: call it on the ranks that need the group, in the order described in the
     module docstring. World-ordered mode: every rank of the world must call it, in the same order.
+    ``choice`` overrides the backend (see the module docstring); a fake group is always made by
+    its members alone, in either mode, as it connects nothing.
     """
-    if member_only_creation():
+    if choice.is_fake or member_only_creation():
         ranks = layout.group_through(dim, my_rank)
         if ranks is None:
             return None
-        return _registry.member_group(tuple(sorted(ranks)) if in_rank_order else ranks, my_rank, description)
+        return _registry.member_group(tuple(sorted(ranks)) if in_rank_order else ranks, my_rank, description, choice)
     sub_groups = layout.groups_along(dim)
     if in_rank_order:
         sub_groups = tuple(tuple(sorted(ranks)) for ranks in sub_groups)
-    return _registry.group_among(sub_groups, my_rank, description)
+    return _registry.group_among(sub_groups, my_rank, description, choice)
 
 
 def registered_group(group_name: str) -> dist.ProcessGroup | None:

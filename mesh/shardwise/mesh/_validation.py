@@ -323,3 +323,65 @@ def resolve_slice(
             f"i.e. mesh{list(in_order)} (mesh dims in order: {names})"
         )
     return requested_names, selected
+
+
+def check_unflatten(
+    where: str,
+    dim: object,
+    mesh_sizes: object,
+    mesh_dim_names: object,
+    shape: tuple[int, ...],
+    names: tuple[str, ...] | None,
+) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+    """Validate ``_unflatten``'s arguments; return (the dim's index, the sizes, the new names)."""
+    if names is None:
+        raise MeshError(
+            f"{where}: the mesh has no mesh_dim_names, so its unflattened dims could not be named alongside the "
+            "others; create it with mesh_dim_names=(...)"
+        )
+    ndim = len(shape)
+    if isinstance(dim, str):
+        if dim not in names:
+            raise MeshDimError(f"{where}: dim {dim!r} is not a dim of the mesh; expected {_valid_dims_text(ndim, names)}")
+        index = names.index(dim)
+    elif isinstance(dim, int) and not isinstance(dim, bool):
+        if not -ndim <= dim < ndim:
+            raise MeshDimError(f"{where}: dim {dim} is out of range for a {ndim}-D mesh; expected {_valid_dims_text(ndim, names)}")
+        index = dim % ndim
+    else:
+        raise MeshDimError(f"{where}: dim must be an int or a str, got {_describe(dim)}; expected {_valid_dims_text(ndim, names)}")
+    if not isinstance(mesh_sizes, (tuple, list)) or not mesh_sizes:
+        raise MeshError(f"{where}: mesh_sizes must be a non-empty tuple of positive ints, got {_describe(mesh_sizes)}")
+    bad = [size for size in mesh_sizes if isinstance(size, bool) or not isinstance(size, int) or size < 1]
+    if bad:
+        raise MeshError(f"{where}: mesh_sizes {tuple(mesh_sizes)} holds {bad!r}; expected positive ints")
+    sizes = tuple(int(size) for size in mesh_sizes)
+    if isinstance(mesh_dim_names, str):
+        raise MeshError(
+            f"{where}: mesh_dim_names must be a tuple of str, one per size, e.g. ({mesh_dim_names!r},); got the str "
+            f"{mesh_dim_names!r}"
+        )
+    if not isinstance(mesh_dim_names, (tuple, list)) or any(not isinstance(name, str) for name in mesh_dim_names):
+        raise MeshError(f"{where}: mesh_dim_names must be a tuple of str, one per size, got {_describe(mesh_dim_names)}")
+    new_names = tuple(mesh_dim_names)
+    if len(new_names) != len(sizes):
+        raise MeshError(
+            f"{where}: {len(new_names)} mesh_dim_names {new_names} for {len(sizes)} mesh_sizes {sizes}; expected one "
+            "name per size"
+        )
+    if math.prod(sizes) != shape[index]:
+        raise MeshError(
+            f"{where}: mesh_sizes {sizes} multiply to {math.prod(sizes)}, but dim {names[index]!r} (index {index}) has "
+            f"size {shape[index]}; expected sizes whose product is {shape[index]}"
+        )
+    return index, sizes, new_names
+
+
+def check_unique_names(where: str, names: tuple[str, ...], others: str) -> None:
+    """Names of a mesh being built from parts must not repeat (a new name may clash with ``others``)."""
+    repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise MeshError(
+            f"{where}: the resulting mesh would have dims {names}, repeating {repeated}; each dim needs a unique "
+            f"name (check the new names against {others})"
+        )
