@@ -4,8 +4,9 @@
 and works with shardwise's tensor parallelism on a 2-D ``(dp, tp)`` mesh.
 """
 
+from ._errors import FSDPError
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 
 def __getattr__(name: str) -> object:
@@ -19,11 +20,13 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "FSDPError",
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "DTensorExtensions",
 ]

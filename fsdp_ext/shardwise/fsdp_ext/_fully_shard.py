@@ -20,10 +20,11 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
-from shardwise.placement import Placement, Shard
+from shardwise.placement import DTensorSpec, Placement, Replicate, Shard
 
-from ._param_group import FSDPParamGroup, ParamOwner
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._errors import FSDPError
+from ._param_group import FSDPParamGroup, ParamOwner, SpmdLayout
+from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -106,7 +107,7 @@ class _FSDPState:
             for owner in fsdp_param.owners:
                 current = owner.module._parameters.get(owner.name)
                 if current is not fsdp_param.sharded_param:
-                    raise RuntimeError(
+                    raise FSDPError(
                         f"fully_shard: parameter {fsdp_param.fqn!r} was replaced after fully_shard (by "
                         f"{type(current).__name__}{' on ' + repr(current.placements) if isinstance(current, DTensor) else ''}); "
                         "expected the sharded DTensor parameter fully_shard registered. Apply tensor parallelism "
@@ -317,7 +318,7 @@ class FSDPModule:
     def _fsdp_state(self) -> _FSDPState:
         state = _state_of(self)  # type: ignore[arg-type]
         if state is None:
-            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+            raise FSDPError(f"{type(self).__name__} has no fully_shard state")
         return state
 
     def _fsdp_units(self, recurse: bool) -> list[_FSDPState]:
@@ -367,14 +368,14 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+            raise FSDPError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_units(recurse):
             state.reshard_after_forward = reshard_after_forward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
         if not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive factor, got {factor!r}")
+            raise FSDPError(f"set_gradient_divide_factor expects a positive factor, got {factor!r}")
         for state in self._fsdp_units(True):
             if state.group is not None:
                 state.group.gradient_divide_factor = float(factor)
@@ -394,7 +395,7 @@ class FSDPModule:
         the reduce dtype, after averaging), where it may change them in place before they are handed
         to the parameters. ``stream`` is refused: there are no side streams here."""
         if stream is not None:
-            raise ValueError("set_all_reduce_hook: shardwise.fsdp_ext runs the hook inline; expected stream=None")
+            raise FSDPError("set_all_reduce_hook: shardwise.fsdp_ext runs the hook inline; expected stream=None")
         group = self._fsdp_state().group
         if group is not None:
             group.all_reduce_hook = hook
@@ -404,7 +405,7 @@ class FSDPModule:
         forget the iteration's pending state (gathers, kept shares, unreduced gradients). Root only."""
         state = self._fsdp_state()
         if state.is_root is False:
-            raise RuntimeError(
+            raise FSDPError(
                 f"reset_iter_state must be called on the root fully_shard module, not on this "
                 f"{type(self).__name__}"
             )
@@ -437,7 +438,7 @@ class FSDPModule:
 def _fsdp_module_state(module: object, caller: str) -> _FSDPState:
     state = _state_of(module) if isinstance(module, nn.Module) else None
     if state is None:
-        raise ValueError(f"{caller}: {type(module).__name__} is not a fully_shard module; expected FSDPModules")
+        raise FSDPError(f"{caller}: {type(module).__name__} is not a fully_shard module; expected FSDPModules")
     return state
 
 
@@ -461,6 +462,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch's ``fully_shard`` API).
 
@@ -470,20 +472,24 @@ def fully_shard(
     A list of modules makes them one unit (one all-gather, one reduce-scatter): gathered when the
     first of them starts its forward, freed when all of them finished theirs.  Returns ``module``
     (the list, for a list), whose class (each module's) now also derives from :class:`FSDPModule`.
+    With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh and every managed parameter a DTensor on it with
+    ``Replicate()`` on the named data-parallel dims: FSDP shards over the ``shard`` dim(s) (several are
+    flattened into one), replicates over the ``replicate`` dim(s) (HSDP) and keeps the other dims'
+    placements; the module computes with the parameters on the full mesh, as they were.
     Checks everything before any collective.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard got an empty list of modules; expected an nn.Module or a non-empty list")
+        raise FSDPError("fully_shard got an empty list of modules; expected an nn.Module or a non-empty list")
     for each in modules:
         if not isinstance(each, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(each).__name__}")
         if _state_of(each) is not None:
-            raise ValueError(
+            raise FSDPError(
                 f"fully_shard was already applied to this {type(each).__name__}; expected one call per module"
             )
     if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard got the same module twice in its list; expected distinct modules")
+        raise FSDPError("fully_shard got the same module twice in its list; expected distinct modules")
     if not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
             f"fully_shard: reshard_after_forward must be a bool or an int, got {type(reshard_after_forward).__name__}"
@@ -500,27 +506,43 @@ def fully_shard(
             "expected OffloadPolicy() (on a CPU mesh the parameters already live in CPU memory)"
         )
     if mesh is None:
+        if dp_mesh_dims is not None:
+            raise FSDPError("fully_shard: dp_mesh_dims needs mesh= (the full SPMD mesh the parameters live on)")
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
+    spmd_layouts: list[SpmdLayout] | None = None
+    if dp_mesh_dims is not None:
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not supported with "
+                "dp_mesh_dims (a full SPMD mesh), as in PyTorch; expected True or False"
+            )
+        spmd_layouts = _spmd_layouts(managed, mesh, dp_mesh_dims)
+        mesh = _dp_mesh_of(mesh, dp_mesh_dims)  # may flatten dims: creates process groups, after every check
+    elif mesh.ndim not in (1, 2):
+        raise FSDPError(
             f"fully_shard: got a {mesh.ndim}-D mesh {mesh!r}; expected a 1-D data-parallel mesh such as "
             'mesh["dp"], or a 2-D (replicate, shard) mesh for HSDP'
         )
     if mesh.get_coordinate() is None:
-        raise ValueError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
+        raise FSDPError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
     reshard, post_forward_size = _check_reshard_after_forward(reshard_after_forward, mesh)
     shard_dims = [_shard_dim(fqn, param, shard_placement_fn) for fqn, param, _ in managed]
     for fqn, param, _ in managed:
         if param.device.type != mesh.device_type:
-            raise ValueError(
+            raise FSDPError(
                 f"fully_shard: parameter {fqn!r} is on {param.device} but the mesh is a {mesh.device_type!r} mesh; "
                 "expected the parameters on the mesh's device type"
             )
     group = (
         FSDPParamGroup(
-            managed, mesh, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, shard_dims=shard_dims
+            managed,
+            mesh,
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+            shard_dims=shard_dims,
+            spmd_layouts=spmd_layouts,
         )
         if managed
         else None
@@ -546,12 +568,12 @@ def _shard_dim(
     if placement is None:
         return 0
     if type(placement) is not Shard:
-        raise ValueError(
+        raise FSDPError(
             f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; expected None or Shard(dim)"
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
-        raise ValueError(
+        raise FSDPError(
             f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r} of shape {tuple(param.shape)}; "
             f"expected a dim in [{-ndim}, {ndim - 1}]"
         )
@@ -564,7 +586,7 @@ def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[b
         return value, None
     shard_size = mesh.shape[-1]
     if value < 1 or shard_size % value:
-        raise ValueError(
+        raise FSDPError(
             f"fully_shard: reshard_after_forward={value} does not divide the data-parallel shard size {shard_size} "
             f"of {mesh!r}; expected True, False or a divisor of {shard_size}"
         )
@@ -588,7 +610,7 @@ def _post_forward_mesh(mesh: DeviceMesh, size: int) -> tuple[DeviceMesh, int]:
     elif shard_name is not None and root.mesh_dim_names and shard_name in root.mesh_dim_names:
         shard_dim = root.mesh_dim_names.index(shard_name)
     else:
-        raise ValueError(
+        raise FSDPError(
             f"fully_shard: reshard_after_forward={size} needs the data-parallel shard dim of {mesh!r} to be a "
             "named dim of its root mesh (or the mesh to be a root mesh)"
         )
@@ -624,3 +646,98 @@ def _managed_params(
                 elif all(owner.module is not submodule or owner.name != name for owner in entry[2]):
                     entry[2].append(ParamOwner(submodule, name))
     return list(found.values())
+
+
+def _check_dp_mesh_dims(spmd_mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = spmd_mesh.mesh_dim_names
+    if names is None:
+        raise FSDPError(
+            f"fully_shard: dp_mesh_dims needs a mesh with mesh_dim_names, got {spmd_mesh!r}; expected the full "
+            "SPMD mesh, e.g. init_device_mesh(..., mesh_dim_names=(\"dp_replicate\", \"dp_shard\", \"cp\", \"tp\"))"
+        )
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise FSDPError(
+                f"fully_shard: mesh dim name {name!r} of {dims!r} is not in the mesh's mesh_dim_names {names}"
+            )
+    both = set(dims.shard_names) & set(dims.replicate_names)
+    if both or len(set(dims.shard_names)) != len(dims.shard_names):
+        raise FSDPError(
+            f"fully_shard: {dims!r} names {sorted(both) or list(dims.shard_names)} twice; expected each "
+            "data-parallel dim once, as either a shard or a replicate dim"
+        )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"fully_shard: {dims!r} names no shard dim (DDP only); shardwise.fsdp_ext shards parameters, "
+            "expected at least one shard dim"
+        )
+
+
+def _spmd_layouts(
+    managed: list[tuple[str, nn.Parameter, list[ParamOwner]]], spmd_mesh: DeviceMesh, dims: DataParallelMeshDims
+) -> list[SpmdLayout]:
+    """Each parameter's layout over the full SPMD mesh, checked (no collective): a DTensor on that mesh,
+    Replicate on every data-parallel dim."""
+    _check_dp_mesh_dims(spmd_mesh, dims)
+    names = spmd_mesh.mesh_dim_names
+    assert names is not None
+    dp_names = (*dims.shard_names, *dims.replicate_names)
+    dp_dims = frozenset(names.index(name) for name in dp_names)
+    other = tuple(name for name in names if name not in dp_names)
+    layouts: list[SpmdLayout] = []
+    for fqn, param, _ in managed:
+        if not isinstance(param, DTensor):
+            raise FSDPError(
+                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the full SPMD mesh "
+                f"{spmd_mesh!r} (e.g. via distribute_module); got a plain tensor for {fqn!r}"
+            )
+        if param.device_mesh != spmd_mesh:
+            raise FSDPError(
+                f"fully_shard: parameter {fqn!r} is a DTensor on {param.device_mesh!r}; with dp_mesh_dims expected "
+                f"it on the mesh given to fully_shard, {spmd_mesh!r}"
+            )
+        spec = param._spec
+        for dim in sorted(dp_dims):
+            if not isinstance(spec.placements[dim], Replicate):
+                raise FSDPError(
+                    f"fully_shard: parameter {fqn!r} has {spec.placements[dim]} on the data-parallel mesh dim "
+                    f"{names[dim]!r} (placements {spec.placements}); expected Replicate() on every dim of {dims!r}"
+                )
+        tp_spec = None
+        if other:
+            placements = tuple(p for dim, p in enumerate(spec.placements) if dim not in dp_dims)
+            tp_spec = DTensorSpec(spmd_mesh[other], placements, spec.tensor_meta)
+        layouts.append(SpmdLayout(tp_spec, spec, dp_dims))
+    return layouts
+
+
+def _dp_mesh_of(spmd_mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh:
+    """The data-parallel mesh inside ``spmd_mesh``: 1-D over the shard dim(s), or 2-D (replicate, shard) for HSDP.
+
+    Several names of one kind are flattened into one dim, named by joining them with "_" (registered on
+    the root mesh, which creates its process group on first use: every rank calls this in the same order).
+    """
+    _check_dp_mesh_dims(spmd_mesh, dims)
+
+    def submesh(names: tuple[str, ...]) -> DeviceMesh:
+        if len(names) == 1:
+            return spmd_mesh[names[0]]
+        return spmd_mesh[names]._flatten("_".join(names))
+
+    shard = submesh(dims.shard_names)
+    if not dims.replicate_names:
+        return shard
+    replicate = submesh(dims.replicate_names)
+    root = spmd_mesh._get_root_mesh()
+    assert replicate.mesh_dim_names is not None and shard.mesh_dim_names is not None
+    pair = (replicate.mesh_dim_names[0], shard.mesh_dim_names[0])
+    try:
+        return root[pair]
+    except (KeyError, ValueError) as error:
+        raise FSDPError(
+            f"fully_shard: the replicate dim(s) {dims.replicate_names} and shard dim(s) {dims.shard_names} of "
+            f"{spmd_mesh!r} do not form a (replicate, shard) mesh ({error}); expected the replicate dims before "
+            "the shard dims in the mesh, each kind adjacent"
+        ) from error

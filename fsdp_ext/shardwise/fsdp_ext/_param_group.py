@@ -62,7 +62,24 @@ from shardwise.placement import (
     local_index_runs,
 )
 
-__all__ = ["FSDPParam", "FSDPParamGroup", "ParamOwner"]
+from ._errors import FSDPError
+
+__all__ = ["FSDPParam", "FSDPParamGroup", "ParamOwner", "SpmdLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpmdLayout:
+    """A parameter that is a DTensor on a full SPMD mesh (``fully_shard(..., dp_mesh_dims=...)``).
+
+    ``tp_spec``: its layout over the mesh's other (non data-parallel) dims, the piece FSDP shards further
+    (None when the mesh has no other dim); ``compute_spec``: its original spec on the full mesh (Replicate
+    on the dp dims), which the module computes with; ``dp_dims``: the indices of the dp dims in that mesh,
+    where a gradient's placement is left as it is for the reduce-scatter (a Partial sum over the batch).
+    """
+
+    tp_spec: DTensorSpec[DeviceMesh] | None
+    compute_spec: DTensorSpec[DeviceMesh]
+    dp_dims: frozenset[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +102,7 @@ class FSDPParam:
         sharded_offset: int,
         unsharded_offset: int,
         shard_dim: int = 0,
+        spmd: SpmdLayout | None = None,
     ) -> None:
         self.fqn = fqn
         self.shard_dim = shard_dim
@@ -93,6 +111,11 @@ class FSDPParam:
         self.orig_dtype = param.dtype
         # What the module computed with before: a plain tensor, or a DTensor of tensor parallelism.
         self.tp_spec: DTensorSpec[DeviceMesh] | None = param._spec if isinstance(param, DTensor) else None
+        # What the module computes with around the unsharded piece: TP's spec, or the full SPMD mesh's.
+        self.compute_spec = self.tp_spec
+        self.compute_dp_dims: frozenset[int] = frozenset()
+        if spmd is not None:
+            self.tp_spec, self.compute_spec, self.compute_dp_dims = spmd.tp_spec, spmd.compute_spec, spmd.dp_dims
         local = param._local_tensor if isinstance(param, DTensor) else param.data
         self.global_shape = tuple(param.shape)
         self.unsharded_shape = tuple(local.shape)  # the tensor-parallel piece (or the whole parameter)
@@ -169,7 +192,7 @@ class FSDPParam:
                 runs = local_index_runs(self.global_shape, spec.mesh.shape, coordinate, spec.placements)[self.shard_dim]
                 said = [start + k for start, length in runs for k in range(length)]
                 if said != tp_rows[offset : offset + size]:
-                    raise ValueError(
+                    raise FSDPError(
                         f"fully_shard: parameter {self.fqn!r} of shape {self.global_shape} is cut along dim "
                         f"{self.shard_dim} "
                         f"by tensor parallelism ({self.tp_spec.placements} on mesh shape {tuple(tp_mesh_shape)}) "
@@ -212,15 +235,15 @@ class FSDPParam:
 
     def unsharded_for_module(self, unsharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:
         """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
-        if self.tp_spec is None:
+        if self.compute_spec is None:
             return unsharded
         if unsharded.requires_grad:
             return _TensorParallelParam.apply(unsharded, self, group)
         return self.tp_dtensor_around(unsharded)
 
     def tp_dtensor_around(self, unsharded: torch.Tensor) -> DTensor:
-        """``DTensor.from_local`` of ``unsharded`` with the parameter's tensor-parallel spec."""
-        tp_spec = self.tp_spec
+        """``DTensor.from_local`` of ``unsharded`` with the parameter's tensor-parallel (or SPMD) spec."""
+        tp_spec = self.compute_spec
         assert tp_spec is not None and tp_spec.tensor_meta is not None
         return DTensor.from_local(
             unsharded,
@@ -260,12 +283,12 @@ class FSDPParam:
         ``from_local``'s backward all-reduces a gradient left Partial over tp (sequence parallelism's
         norms) for this parameter alone (eager batches them per unit).
         """
-        if self.tp_spec is None:
+        if self.compute_spec is None:
             return unsharded
         return self.tp_dtensor_around(unsharded)
 
     def tp_spec_for(self, dtype: torch.dtype) -> DTensorSpec[DeviceMesh]:
-        tp_spec = self.tp_spec
+        tp_spec = self.compute_spec
         assert tp_spec is not None and tp_spec.tensor_meta is not None
         if tp_spec.tensor_meta.dtype == dtype:
             return tp_spec
@@ -311,6 +334,15 @@ class _TensorParallelParam(torch.autograd.Function):
         spec: DTensorSpec[DeviceMesh] = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None, None
+        dp_dims = ctx.fsdp_param.compute_dp_dims
+        if dp_dims and grad.device_mesh == spec.mesh:
+            # Full SPMD mesh: on the dp dims the gradient keeps its placement (a Partial sum over the
+            # batch, or Replicate), which the unit's reduce-scatter sums; a Shard there is gathered.
+            placements = tuple(
+                (Replicate() if isinstance(have, Shard) else have) if mesh_dim in dp_dims else want
+                for mesh_dim, (have, want) in enumerate(zip(grad.placements, spec.placements))
+            )
+            spec = DTensorSpec(spec.mesh, placements, spec.tensor_meta)
         partial_dims = _deferrable_partial_dims(grad, spec)
         if partial_dims is None:
             return grad.redistribute(spec.mesh, spec.placements).to_local(), None, None
@@ -354,26 +386,43 @@ def _coordinates(mesh_shape: Sequence[int]) -> list[list[int]]:
 
 
 def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[DeviceMesh, tuple[str, ...]]:
-    """The mesh over the dp dim(s) and the parameter's tensor-parallel dims, and its dim names in order."""
+    """The mesh over the dp dim(s) and the parameter's tensor-parallel dims, and its dim names in order.
+
+    Both meshes are views of one root mesh; a dim of either may be a flattening of several root dims
+    (torchtitan's ``dp_shard_cp`` = ``root["dp_shard", "cp"]._flatten(...)``), so dims are ordered and
+    checked for overlap by the root dims they cover, not by their names (a flattened name is not one
+    of the root's names). The result is the root sliced by those names, flattened dims included.
+    """
     root = dp_mesh._get_root_mesh()
     dp_names = dp_mesh.mesh_dim_names
     tp_names = tp_mesh.mesh_dim_names
     if tp_mesh._get_root_mesh() != root or not dp_names or not tp_names:
-        raise ValueError(
+        raise FSDPError(
             f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh!r}, which is not a named dim of the "
             f"same mesh as the data-parallel mesh {dp_mesh!r}; expected both to be slices of one mesh, "
             'e.g. mesh = init_device_mesh(..., mesh_dim_names=("dp", "tp")), TP on mesh["tp"], '
             'fully_shard(..., mesh=mesh["dp"])'
         )
-    if set(dp_names) & set(tp_names):
-        raise ValueError(
+    root_dims_of = dict(zip(dp_names, dp_mesh._layout.dims)) | dict(zip(tp_names, tp_mesh._layout.dims))
+    dp_root_dims = {d for dims in dp_mesh._layout.dims for d in dims}
+    tp_root_dims = {d for dims in tp_mesh._layout.dims for d in dims}
+    if set(dp_names) & set(tp_names) or dp_root_dims & tp_root_dims:
+        raise FSDPError(
             f"fully_shard: parameter {fqn!r} is already laid out over the data-parallel mesh dim(s) {dp_names} "
             f"({tp_mesh!r}); expected parameters that are plain tensors or DTensors on other mesh dims "
             "(is fully_shard applied twice, or tensor parallelism on the dp dim?)"
         )
-    root_names = root.mesh_dim_names or ()
-    names = tuple(sorted((*dp_names, *tp_names), key=root_names.index))
-    return root[names], names
+    names = tuple(sorted((*dp_names, *tp_names), key=lambda name: min(root_dims_of[name], default=-1)))
+    try:
+        combined = root[names]
+    except (KeyError, ValueError) as error:
+        raise FSDPError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh!r} and the data-parallel mesh is "
+            f"{dp_mesh!r}; their dims {names} cannot be sliced together from the root mesh {root!r} ({error}); "
+            "expected dims that are the root's own dims or dims flattened from it, covering the root's dims in "
+            "increasing order"
+        ) from error
+    return combined, names
 
 
 class _UnshardedParams(torch.autograd.Function):
@@ -406,6 +455,7 @@ class FSDPParamGroup:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         shard_dims: Sequence[int] | None = None,
+        spmd_layouts: Sequence[SpmdLayout] | None = None,
     ) -> None:
         self.dp_mesh = dp_mesh
         # Gathers and reduce-scatters run over the last dim of the dp mesh; with HSDP the
@@ -417,7 +467,7 @@ class FSDPParamGroup:
         dtypes = {param.dtype for _, param, _ in params}
         if len(dtypes) > 1:
             listing = ", ".join(f"{fqn}: {param.dtype}" for fqn, param, _ in params)
-            raise ValueError(
+            raise FSDPError(
                 f"fully_shard: one unit gathers its parameters in one flat buffer, so they need one dtype; "
                 f"got {sorted(str(d) for d in dtypes)} ({listing}); expected a single dtype per unit "
                 "(apply fully_shard to the submodules with other dtypes first, or set mp_policy.param_dtype)"
@@ -430,12 +480,13 @@ class FSDPParamGroup:
         sharded_numel = unsharded_numel = 0
         for index, (fqn, param, owners) in enumerate(params):
             if param.dim() == 0:
-                raise ValueError(
+                raise FSDPError(
                     f"fully_shard: parameter {fqn!r} is 0-dimensional; FSDP shards dim 0, expected parameters "
                     "with at least one dim (pass it in ignored_params to leave it as it is)"
                 )
             shard_dim = shard_dims[index] if shard_dims is not None else 0
-            fsdp_param = FSDPParam(fqn, param, owners, dp_mesh, sharded_numel, unsharded_numel, shard_dim)
+            spmd = spmd_layouts[index] if spmd_layouts is not None else None
+            fsdp_param = FSDPParam(fqn, param, owners, dp_mesh, sharded_numel, unsharded_numel, shard_dim, spmd)
             sharded_numel += fsdp_param.padded_numel
             unsharded_numel += fsdp_param.unsharded_numel
             self.fsdp_params.append(fsdp_param)
@@ -669,12 +720,14 @@ class FSDPParamGroup:
             refused.append(f"set_gradient_divide_factor({self.gradient_divide_factor})")
         if self.all_reduce_hook is not None:
             refused.append("set_all_reduce_hook(...)")
+        if any(p.compute_dp_dims for p in self.fsdp_params):
+            refused.append("dp_mesh_dims (parameters on a full SPMD mesh)")
         if self.post_forward_group is not None:
             refused.append(
                 f"reshard_after_forward={self.post_forward_group[1]} (a share kept for a smaller group after forward)"
             )
         if refused:
-            raise RuntimeError(
+            raise FSDPError(
                 f"fully_shard under torch.compile: the unit of {unit} uses {'; '.join(refused)}, which a compiled "
                 "graph cannot honour (it keeps no state between forward and backward outside the graph); expected "
                 "these options at their defaults while compiling, or a compiled region that excludes the fully_shard "
@@ -732,8 +785,8 @@ class FSDPParamGroup:
         batches: dict[tuple[DeviceMesh, tuple[int, ...]], list[int]] = {}
         for index, fsdp_param in enumerate(with_grad):
             dims = pending.get(id(fsdp_param))
-            if dims and result[index] is not None and fsdp_param.tp_spec is not None:
-                batches.setdefault((fsdp_param.tp_spec.mesh, dims), []).append(index)
+            if dims and result[index] is not None and fsdp_param.compute_spec is not None:
+                batches.setdefault((fsdp_param.compute_spec.mesh, dims), []).append(index)
         for (mesh, dims), indices in batches.items():
             pieces = [result[i] for i in indices]
             flat = torch.cat([p.reshape(-1).to(self.reduce_dtype) for p in pieces if p is not None])

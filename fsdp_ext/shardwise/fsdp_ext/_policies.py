@@ -1,4 +1,4 @@
-"""Mixed-precision and offload policies of ``fully_shard`` (same names and fields as PyTorch's FSDP2)."""
+"""Mixed-precision and offload policies, and the data-parallel dims of a full SPMD mesh of ``fully_shard`` (same names and fields as PyTorch's FSDP2)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,42 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel, for ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)``.
+
+    The parameters then are DTensors on that whole mesh with ``Replicate()`` on these dims.
+    - ``shard``: the dim name(s) FSDP shards the parameters over; several names are flattened into
+      one shard dim (``mesh[names]._flatten("_".join(names))``).
+    - ``replicate``: the dim name(s) the sharded parameters stay replicated over (HSDP); several names
+      are flattened into one replicate dim.
+    At least one of them must be set (``ValueError`` otherwise).
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims; got shard=None and "
+                "replicate=None"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
