@@ -246,6 +246,46 @@ def test_concatenate_meshes_of_one_root() -> None:
         DeviceMesh._concatenate([])
 
 
+@multi_rank
+def test_ranks_outside_the_mesh_unflatten_it_without_groups() -> None:
+    rank = dist.get_rank()
+    pair = DeviceMesh("cpu", [1, 3], mesh_dim_names=("x",))
+    with count_group_constructions() as constructions:
+        split = pair._unflatten(0, (2, 1), ("a", "b"), backend_override={"b": "fake"})
+    if rank in (1, 3):
+        assert split.get_coordinate() == (rank // 2, 0) and len(split._dim_group_names) == 2
+        assert dist.get_process_group_ranks(split.get_group("a")) == [1, 3]
+        assert dist.get_backend(split.get_group("b")) == "fake"
+    else:
+        assert split.get_coordinate() is None and split._dim_group_names == () and constructions.calls == 0
+        with pytest.raises(MeshError, match="not part of"):
+            split.get_group("a")
+    assert split.mesh.tolist() == [[1], [3]]  # one grid: every rank can read it
+
+
+@multi_rank
+def test_world_ordered_creation_unflattens_with_every_rank_and_fakes_locally() -> None:
+    """Device-bound (NCCL split) worlds: every rank calls new_group for every real sub-group; fakes stay local."""
+    from shardwise.mesh import _process_groups as process_groups
+
+    rank = dist.get_rank()
+    original = process_groups.member_only_creation
+    setattr(process_groups, "member_only_creation", lambda: False)
+    try:
+        world = DeviceMesh("cpu", [3, 2, 1, 0], mesh_dim_names=("w",))
+        with count_group_constructions() as constructions:
+            mesh = world._unflatten(0, (2, 1, 2), ("dp", "cp", "tp"), backend_override={"cp": "fake"})
+        # dp and tp: 2 sub-groups each, called on every rank; cp: this rank's own fake group only.
+        real_calls = [ranks for ranks in constructions.ranks if len(ranks) == 2]
+        assert real_calls == [[3, 1], [2, 0], [3, 2], [1, 0]]
+        assert [ranks for ranks in constructions.ranks if len(ranks) == 1] == [[rank]]
+        dp, _, tp = mesh.get_coordinate()  # type: ignore[misc]
+        assert dist.get_rank(mesh.get_group("dp")) == dp and dist.get_rank(mesh.get_group("tp")) == tp
+        assert _sum_of_ranks(mesh.get_group_name("tp")) == (5 if rank >= 2 else 1)
+    finally:
+        setattr(process_groups, "member_only_creation", original)
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 
