@@ -5,7 +5,7 @@ and works with shardwise's tensor parallelism on a 2-D ``(dp, tp)`` mesh.
 """
 
 from ._errors import FSDPError
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 
@@ -24,6 +24,8 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

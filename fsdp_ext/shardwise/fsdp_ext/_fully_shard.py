@@ -26,7 +26,7 @@ from ._errors import FSDPError
 from ._param_group import FSDPParamGroup, ParamOwner, SpmdLayout
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 _STATE_ATTR = "_shardwise_fsdp_state"
 
@@ -75,6 +75,10 @@ class _FSDPState:
         self.backward_prefetch: list[_FSDPState] | None = None
         self.pre_backward_done = False
         self.is_last_backward = True
+        # set_unshard_in_backward(False): backward needs no unsharded parameter of this unit (an embedding).
+        self.unshard_in_backward = True
+        # set_symm_mem_for_comm: recorded only (no symmetric-memory buffers here).
+        self.symm_mem_backend: str | None = None
         # The unit's modules whose forward has not finished yet in the current unit forward (ids).
         self.modules_to_run: set[int] = set()
         # While dynamo traces: how many of the unit's modules are inside their forward (a count,
@@ -262,10 +266,10 @@ class _FSDPState:
         if not root.backward_callback_queued:
             root.backward_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
-        if self.group is not None:
+        if self.group is not None and self.unshard_in_backward:
             self.group.wait_unshard()
         for unit in self._backward_prefetch_targets():
-            if unit.group is not None:
+            if unit.group is not None and unit.unshard_in_backward:
                 unit.group.launch_unshard()
         return grad
 
@@ -279,7 +283,7 @@ class _FSDPState:
         index = root.forward_order.index(self)
         previous = root.forward_order[index - 1 : index] if index > 0 else []
         # The root keeps its parameters after forward: nothing to prefetch for it.
-        return [unit for unit in previous if unit.reshard_after_forward and not unit.is_root]
+        return [unit for unit in previous if unit.reshard_after_forward and not unit.is_root and unit.unshard_in_backward]
 
     def _end_of_backward(self) -> None:
         self.backward_callback_queued = False
@@ -424,6 +428,18 @@ class FSDPModule:
         for state in self._fsdp_units(True):
             state.is_last_backward = is_last_backward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Off: this unit's backward does not all-gather its parameters again (for a module whose backward
+        reads none of them, e.g. an embedding: its gradients are still reduce-scattered). The unit's own
+        setting, as in PyTorch (not recursive)."""
+        self._fsdp_state().unshard_in_backward = bool(unshard_in_backward)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted and recorded, with no effect: shardwise.fsdp_ext's collectives use ordinary buffers through
+        ``torch.ops._c10d_functional`` (no symmetric memory), whose results are the same."""
+        for state in self._fsdp_units(True):
+            state.symm_mem_backend = backend
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Replace the default (the next unit in forward order) with these units' all-gathers."""
         self._fsdp_state().forward_prefetch = [_fsdp_module_state(m, "set_modules_to_forward_prefetch") for m in modules]
@@ -433,6 +449,34 @@ class FSDPModule:
         self._fsdp_state().backward_prefetch = [
             _fsdp_module_state(m, "set_modules_to_backward_prefetch") for m in modules
         ]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run like its ``forward`` for FSDP: the unit's parameters are gathered
+    before it and freed after it (PyTorch's function of that name). A no-op when ``module`` is not a
+    fully_shard module."""
+    state = _state_of(module)
+    if state is None:
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise FSDPError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+
+    def forward_method(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.module_pre_forward(module, args, kwargs)
+        output = method(*args, **kwargs)
+        return state.module_post_forward(module, args, output)
+
+    forward_method.__name__ = method_name
+    forward_method.__doc__ = method.__doc__
+    setattr(module, method_name, forward_method)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """PyTorch shares CUDA streams between these FSDP roots; here every collective runs on the caller's
+    stream already, so this only checks that they are fully_shard modules."""
+    for module in modules:
+        _fsdp_module_state(module, "share_comm_ctx")
 
 
 def _fsdp_module_state(module: object, caller: str) -> _FSDPState:
