@@ -5,6 +5,7 @@ Multi-rank tests run on 4 gloo ranks; where PyTorch's DeviceMesh shares the beha
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from typing import Any, Callable
 
@@ -178,11 +179,13 @@ def test_fake_dims_create_no_real_group_and_same_ranks_share_groups() -> None:
     assert dist.get_backend(pp) == "fake" and pp.size() == 1 and pp.rank() == 0
     assert dist.get_process_group_ranks(pp) == [rank] and dataloading["pp"].get_group() is pp
     assert c10d._resolve_process_group(dataloading._dim_group_names[0]) is pp
-    assert dist.get_backend(dataloading.get_group("cp")) == "fake"
+    cp = dataloading.get_group("cp")
+    # One fake group per dim name: code naming axes by group_desc (spmd_types) tells pp from cp.
+    assert dist.get_backend(cp) == "fake" and cp is not pp and (pp.group_desc, cp.group_desc) == ("mesh_pp", "mesh_cp")
     assert dist.get_backend(dataloading.get_group("tp")) == "gloo"
     # Every group here is this rank's own: fakes are made locally, the real ones by their members only.
     assert all(rank in ranks for ranks in first.ranks)
-    # The same dims again, as torchtitan unflattens the world several times: no group is created twice.
+    # The same dims again, as torchtitan unflattens the world several times: no real group is created twice.
     with count_group_constructions() as again:
         dense = world._unflatten(
             0,
@@ -190,10 +193,10 @@ def test_fake_dims_create_no_real_group_and_same_ranks_share_groups() -> None:
             ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
             backend_override={"pp": "fake", "dp_replicate": "fake", "cp": "fake"},
         )
-    assert again.calls == 0
+    assert again.ranks == [[rank]]  # only dp_replicate's fake group (a new dim name); every real group is reused
     assert dense.get_group("tp") is dataloading.get_group("tp")
     assert dense.get_group("dp_shard") is dataloading.get_group("batch")
-    assert dense.get_group("pp") is pp
+    assert dense.get_group("pp") is pp and dense.get_group("cp") is cp
     # A degree-1 dim without "fake" gets a real (gloo) group of one rank; with it, a fake one.
     real_single = world._unflatten(0, (4, 1), ("all", "single"))
     assert dist.get_backend(real_single.get_group("single")) == "gloo"
@@ -208,10 +211,12 @@ def test_backend_override_with_a_backend_name_and_options() -> None:
     rank = dist.get_rank()
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = __import__("datetime").timedelta(seconds=123)
+    options._timeout = datetime.timedelta(seconds=123)
     mesh = world._unflatten(0, (2, 2), ("dp", "tp"), backend_override={"dp": "gloo", "tp": ("gloo", options)})
     tp = mesh.get_group("tp")
     assert dist.get_backend(tp) == "gloo" and dist.get_process_group_ranks(tp) == [rank - rank % 2, rank - rank % 2 + 1]
+    # The options reached the backend (their timeout, which c10d would otherwise replace with its default).
+    assert tp._get_backend(torch.device("cpu")).options._timeout == options._timeout
     assert _sum_of_ranks(mesh.get_group_name("tp")) == (1 if rank < 2 else 5)
     assert _sum_of_ranks(mesh.get_group_name("dp")) == (2 if rank % 2 == 0 else 4)
     # An override never stands for the default group, even over the whole world.

@@ -44,7 +44,8 @@ is then keyed by that backend (and the options' type and timeout) instead of the
 the default group, and is created as above with that backend and options. ``"fake"`` means the
 program never communicates over that dim (torchtitan gives it to dims of degree 1): the group is
 c10d's ``FakeProcessGroup`` of the dim's size, created by each member alone (no rendezvous, nothing
-to connect, also on device-bound worlds), registered with c10d like any group so that
+to connect, also on device-bound worlds), one per dim name and rank list (fake dims of one name
+share it across meshes), registered with c10d like any group so that
 ``get_process_group_ranks``, ``_resolve_process_group`` and functional collectives find it by name.
 A collective over it does nothing (its result is not the collective's); over a dim of size 1 none
 is needed, and redistribution issues none there.
@@ -212,7 +213,9 @@ class _GroupRegistry:
         world = self._follow_world()
         if choice.is_default and self._is_whole_world(ranks):
             return world
-        key = (choice.key(self._backend), ranks)
+        # Fake groups cost nothing to make: one per dim name (description), so that code naming axes
+        # by ``group_desc`` (spmd_types) sees "mesh_cp" for cp, not the first fake dim's name.
+        key = (choice.key(self._backend) + (f"/{description}" if choice.is_fake else ""), ranks)
         reference = self._groups.get(key, _MISSING)
         if reference is not _MISSING:  # one lookup: hashing a 16,384-rank key is not free
             return self._live(key, cast(weakref.ref[dist.ProcessGroup], reference))
