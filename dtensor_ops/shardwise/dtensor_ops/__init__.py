@@ -10,8 +10,10 @@ on it run shard by shard with the communication their sharding rules require.
 (from ``shardwise.placement``) are re-exported, as PyTorch does.
 """
 
+import sys
 from typing import Any
 
+import shardwise.placement as placement_types
 import torch
 import torch.optim.optimizer as optimizer
 import torch.utils._foreach_utils as foreach_utils
@@ -79,6 +81,9 @@ def _wire() -> None:
 
 
 _wire()
+# PyTorch's torch.distributed.tensor.placement_types is shardwise.placement: reachable from here as an
+# attribute (`from torch.distributed.tensor import placement_types`) and under this package's name.
+sys.modules.setdefault(f"{__name__}.placement_types", placement_types)
 # Packages above this one that hook in when installed (shardwise.compile_support): found, not named.
 load_extensions()
 

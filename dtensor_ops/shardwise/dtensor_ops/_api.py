@@ -26,7 +26,9 @@ from shardwise.placement import (
     strides_in_local_dim_order,
 )
 
+from ._conversions import _FromTorchTensor, _ToTorchTensor
 from ._dtensor import DTensor, new_dtensor
+from ._redistribution import gradient_placements
 from ._implicit_replication import implicit_replication
 from ._placement_args import normalize_placements, resolve_device_mesh
 from ._src_data import agree_on_source_meta, distribute_local_data, distribute_simulated
@@ -254,6 +256,15 @@ class _LegacyOutputHook(_OutputHook):
     def __call__(self, module: nn.Module, inputs: Any, outputs: Any) -> Any:
         return self.fn(outputs, self.mesh)
 
+
+
+def _normalize_placements_for_grad(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """PyTorch's private helper: where a gradient goes back to by default, ``Partial`` as ``Replicate``.
+
+    ``_FromTorchTensor`` (``DTensor.from_local``) and ``_ToTorchTensor`` (``to_local``) use this rule
+    when no ``grad_placements`` are given.
+    """
+    return tuple(gradient_placements(tuple(placements)))
 
 
 def _shard_tensor(

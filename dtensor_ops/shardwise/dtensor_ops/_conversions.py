@@ -45,14 +45,25 @@ def from_local(
     run_check: bool = False,
     shape: Sequence[int] | None = None,
     stride: Sequence[int] | None = None,
+    grad_placements: Sequence[Placement] | None = None,
 ) -> _DTensorT:
-    """``cls.from_local``: a DTensor of class ``cls`` from each rank's local piece (see ``DTensor.from_local``)."""
+    """``cls.from_local``: a DTensor of class ``cls`` from each rank's local piece (see ``DTensor.from_local``).
+
+    The arguments are checked and normalised here; the global layout is worked out inside the
+    autograd Function, called with PyTorch's positional arguments (code that intercepts
+    ``_FromTorchTensor.apply``, as spmd_types' checker does, sees what it sees on PyTorch) and the class.
+    """
     mesh = resolve_device_mesh(device_mesh, "DTensor.from_local")
     if not isinstance(local_tensor, torch.Tensor) or hasattr(local_tensor, "_spec"):
         raise TypeError(
             f"DTensor.from_local expects a plain torch.Tensor as local_tensor, got {type(local_tensor).__name__}"
         )
     placement_tuple = normalize_placements(placements, mesh, local_tensor.ndim, "DTensor.from_local")
+    grad_tuple = None
+    if grad_placements is not None:
+        grad_tuple = normalize_placements(
+            grad_placements, mesh, local_tensor.ndim, "DTensor.from_local(grad_placements=...)"
+        )
     if (shape is None) != (stride is None):
         # PyTorch's words first (code may match on them), then which one is missing.
         given, missing = ("shape", "stride") if stride is None else ("stride", "shape")
@@ -62,6 +73,22 @@ def from_local(
         )
     if mesh.device_type != local_tensor.device.type and not local_tensor.is_meta:
         local_tensor = local_tensor.to(mesh.device_type)
+    return cast(
+        _DTensorT,
+        _FromTorchTensor.apply(local_tensor, mesh, placement_tuple, run_check, shape, stride, grad_tuple, cls),
+    )
+
+
+def _local_spec(
+    local_tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    placement_tuple: tuple[Placement, ...],
+    run_check: bool,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+) -> tuple[torch.Tensor, DTensorSpec[DeviceMesh], bool]:
+    """The local tensor to wrap (synchronised by ``run_check``, empty outside the mesh), its global spec,
+    and whether this rank is outside the mesh."""
     global_shape: tuple[int, ...] | None = tuple(shape) if shape is not None else None
     if run_check:
         local_tensor, global_shape = check_and_sync_from_local(
@@ -89,9 +116,9 @@ def from_local(
     meta = TensorMeta(torch.Size(global_shape), global_stride, local_tensor.dtype)
     spec = DTensorSpec(mesh, placement_tuple, meta)
     if simulated_view() is None and mesh.get_coordinate() is None:
-        # A rank outside the mesh holds nothing (as PyTorch): an empty local tensor, no autograd link.
-        local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
-    return cast(_DTensorT, _FromLocal.apply(local_tensor, spec, cls))
+        # A rank outside the mesh holds nothing (as PyTorch): an empty local tensor.
+        return local_tensor.new_empty(0), spec, True
+    return local_tensor, spec, False
 
 
 def to_local(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -101,7 +128,7 @@ def to_local(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None
     grad_tuple = None
     if grad_placements is not None:
         grad_tuple = normalize_placements(grad_placements, dtensor._spec.mesh, dtensor.ndim, "to_local(grad_placements=...)")
-    return cast(torch.Tensor, _ToLocal.apply(dtensor, grad_tuple))
+    return cast(torch.Tensor, _ToTorchTensor.apply(dtensor, grad_tuple))
 
 
 def redistribute(
@@ -262,36 +289,89 @@ def _grad_to_spec(grad: Any, target_placements: tuple[Placement, ...]) -> torch.
 # -- autograd Functions ---------------------------------------------------------------
 
 
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, local_tensor: torch.Tensor, spec: DTensorSpec[DeviceMesh], cls: type[torch.Tensor]) -> Any:
-        ctx.spec = spec
-        ctx.cls = cls
-        # An alias, not the input itself: the DTensor must not share the caller's autograd identity.
-        return wrap_local_tensor(cls, local_tensor.view_as(local_tensor), spec)
+# The class ``_FromTorchTensor`` builds when called with PyTorch's seven arguments (no class): the
+# DTensor class sits above this module, so it names itself here when it is defined.
+_DEFAULT_DTENSOR_CLASS: list[type[torch.Tensor]] = []
+
+
+def set_default_dtensor_class(cls: type[torch.Tensor]) -> None:
+    """Called once by ``_dtensor`` with ``DTensor``: what ``_FromTorchTensor.apply`` builds without a class."""
+    _DEFAULT_DTENSOR_CLASS[:] = [cls]
+
+
+class _FromTorchTensor(torch.autograd.Function):
+    """``DTensor.from_local`` as an autograd Function, with PyTorch's name and positional arguments.
+
+    ``apply(local_tensor, device_mesh, placements, run_check, shape=None, stride=None,
+    grad_placements=None, cls=None)``: ``placements`` (and ``grad_placements``) a tuple, normalised;
+    ``cls`` (shardwise's addition, last) the DTensor class to build, ``DTensor`` when left out.
+    Backward: the gradient DTensor is moved to ``grad_placements``, by default to the forward
+    placements with ``Partial`` as ``Replicate``, and its local tensor returned.
+    """
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def forward(
+        ctx: Any,
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        run_check: bool,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        grad_placements: tuple[Placement, ...] | None = None,
+        cls: type[torch.Tensor] | None = None,
+    ) -> Any:
+        result_class = cls if cls is not None else _DEFAULT_DTENSOR_CLASS[0]
+        local, spec, outside_mesh = _local_spec(local_tensor, device_mesh, tuple(placements), run_check, shape, stride)
+        ctx.spec = spec
+        ctx.cls = result_class
+        ctx.grad_placements = grad_placements
+        # A rank outside the mesh holds an empty tensor, not linked to the caller's (it gets no gradient).
+        ctx.outside_mesh = outside_mesh
+        ctx.set_materialize_grads(False)
+        # An alias, not the input itself: the DTensor must not share the caller's autograd identity.
+        return wrap_local_tensor(result_class, local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        nothing = (None,) * 7
+        if grad_output is None or ctx.outside_mesh:
+            return (None, *nothing)
         spec: DTensorSpec[DeviceMesh] = ctx.spec
         if not isinstance(grad_output, ctx.cls):
             # Only reachable when a plain tensor gradient is handed straight back (e.g. a custom Function).
-            return grad_output, None, None
-        return _grad_to_spec(grad_output, gradient_placements(spec.placements)), None, None
+            return (grad_output, *nothing)
+        target = ctx.grad_placements if ctx.grad_placements is not None else gradient_placements(spec.placements)
+        return (_grad_to_spec(grad_output, tuple(target)), *nothing)
 
 
-class _ToLocal(torch.autograd.Function):
+class _ToTorchTensor(torch.autograd.Function):
+    """``DTensor.to_local`` as an autograd Function, with PyTorch's name and arguments:
+    ``apply(dtensor, grad_placements)``.
+
+    Backward: the local gradient is wrapped as a DTensor laid out by ``grad_placements``, by default
+    the DTensor's own placements with ``Partial`` as ``Replicate`` (PyTorch 2.13: a rank's gradient
+    of its partial value is the whole gradient, so ``from_local(x, [Partial()]).to_local()`` is the
+    identity for gradients too).
+    """
+
     @staticmethod
     def forward(ctx: Any, dtensor: Any, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
         ctx.spec = dtensor._spec
         ctx.cls = type(dtensor)
         ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
         local = dtensor._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        if grad_output is None:
+            return None, None
         spec: DTensorSpec[DeviceMesh] = ctx.spec
-        placements: tuple[Placement, ...] = ctx.grad_placements or spec.placements
+        placements: tuple[Placement, ...] = (
+            tuple(ctx.grad_placements) if ctx.grad_placements is not None else gradient_placements(spec.placements)
+        )
         meta = cast(TensorMeta, spec.tensor_meta)
         if isinstance(grad_output, ctx.cls):
             raise RuntimeError(

@@ -189,6 +189,7 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> DTensor:
         """Build a DTensor from each rank's local piece (differentiable).
 
@@ -198,17 +199,26 @@ class DTensor(torch.Tensor):
         PyTorch), or ``run_check=True``, which gathers every rank's local shape,
         infers the global shape from them (uneven shards included), checks that
         they agree with the placements and broadcasts the data of replicated mesh
-        dims from their first rank.
+        dims from their first rank. ``grad_placements``: where the gradient goes back to
+        (default: these placements, ``Partial`` ones as ``Replicate``).
         """
         return _conversions.from_local(
-            DTensor, local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride
+            DTensor,
+            local_tensor,
+            device_mesh,
+            placements,
+            run_check=run_check,
+            shape=shape,
+            stride=stride,
+            grad_placements=grad_placements,
         )
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's piece (differentiable).
 
         ``grad_placements`` says how the gradient that will flow into the
-        returned tensor is laid out (default: this DTensor's placements), e.g.
+        returned tensor is laid out (default: this DTensor's placements, ``Partial``
+        ones as ``Replicate``, as PyTorch 2.13), e.g.
         ``[Partial()]`` when each rank's local gradient is a partial sum.
         """
         return _conversions.to_local(self, grad_placements=grad_placements)
@@ -256,3 +266,7 @@ def new_dtensor(
 ) -> DTensor:
     """Wrap ``local_tensor`` as a DTensor without argument checks (spec.tensor_meta must be set)."""
     return wrap_local_tensor(DTensor, local_tensor, spec, requires_grad)
+
+
+# ``_FromTorchTensor.apply`` called with PyTorch's arguments alone (no class) builds this class.
+_conversions.set_default_dtensor_class(DTensor)

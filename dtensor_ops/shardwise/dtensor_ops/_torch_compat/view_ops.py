@@ -34,6 +34,7 @@ __all__ = [
     "Singleton",
     "Split",
     "dim_maps",
+    "infer_size",
     "view_groups",
 ]
 
@@ -169,27 +170,66 @@ def _sizes(sizes: Sequence[Any]) -> Shape:
     return tuple(int(size) for size in sizes)
 
 
-def _infer_size(numel: int, shape: Shape) -> Shape:
-    if shape.count(-1) > 1:
-        raise ValueError(f"only one dimension can be inferred (-1) in view shape {shape}")
-    if -1 not in shape:
-        return shape
+def infer_size(total_size: int, sizes: Sequence[int]) -> Shape:
+    """``sizes`` with its one ``-1`` (if any) replaced by what makes ``total_size`` elements.
+
+    As PyTorch's: more than one ``-1`` is an ``AssertionError``; a ``-1`` that cannot be a whole
+    number, or sizes without ``-1`` whose product is not ``total_size``, a ``RuntimeError``.
+    """
+    shape = tuple(sizes)
+    inferred = [position for position, size in enumerate(shape) if size == -1]
+    if len(inferred) > 1:
+        raise AssertionError(f"can only infer one size: view shape {shape} has {len(inferred)} dims of -1")
     known = math.prod(size for size in shape if size != -1)
-    if known == 0 or numel % known != 0:
-        raise ValueError(f"shape {shape} is invalid for input of size {numel}")
-    return tuple(numel // known if size == -1 else size for size in shape)
+    if inferred:
+        if known == 0 or total_size % known != 0:
+            raise RuntimeError(
+                f"size inferred for -1 is not integral {shape} should have {total_size} elements."
+            )
+        return tuple(total_size // known if size == -1 else size for size in shape)
+    if known != total_size:
+        raise RuntimeError(f"sizes do not match {total_size} vs {known}: view shape {shape}")
+    return shape
+
+
+# Stands for a size-0 dim when grouping the dims of an empty reshape: a prime no real size shares a factor with.
+_ZERO_STAND_IN = 2**61 - 1
+
+
+def _with_zero_sizes(spec: DimSpec) -> DimSpec:
+    """``spec`` with the stand-in size written back as 0 (view maps hold sizes only in ``Split``)."""
+    if isinstance(spec, Split):
+        shape = tuple(0 if size == _ZERO_STAND_IN else size for size in spec.group_shape)
+        return Split(_with_zero_sizes(spec.input_dim), shape, spec.split_id)
+    return spec
+
+
+def _empty_view_groups(source: Shape, target: Shape) -> DimMap:
+    """The dim map of a reshape between shapes holding no element, where products say nothing.
+
+    Each size-0 dim stands for one and the same large prime on both sides, so the dims group as they
+    would for a non-empty tensor of those sizes (``(0, 4) -> (0, 2, 2)`` as ``(3, 4) -> (3, 2, 2)``:
+    a rank holding an empty shard gets the map the other ranks get). Where that does not make the two
+    shapes the same size, the whole input is flattened and split into the target, which describes any
+    reshape.
+    """
+    stand_in_source = tuple(_ZERO_STAND_IN if size == 0 else size for size in source)
+    stand_in_target = tuple(_ZERO_STAND_IN if size == 0 else size for size in target)
+    if math.prod(stand_in_source) == math.prod(stand_in_target):
+        return tuple(_with_zero_sizes(spec) for spec in view_groups(stand_in_source, stand_in_target))
+    whole = Flatten.new(tuple(InputDim(dim) for dim in range(len(source))))
+    return tuple(Split.new(whole, target, index) for index in range(len(target)))
 
 
 def view_groups(from_size: Sequence[int], to_size: Sequence[int]) -> DimMap:
     """The dim map of viewing a tensor of shape ``from_size`` as ``to_size`` (``-1`` allowed)."""
     source = tuple(int(size) for size in from_size)
     numel = math.prod(source)
-    target = _infer_size(numel, tuple(int(size) for size in to_size))
-    if math.prod(target) != numel:
-        raise AssertionError(f"Total view shape does not add up: {source} -> {target}")
+    target = infer_size(numel, _sizes(tuple(to_size)))
     groups = view_dim_groups(source, target)
     if groups is None:
-        raise ValueError(f"view_groups: no dim correspondence between {source} and {target} (they hold no elements)")
+        # No element: sizes cannot say which dims correspond (a rank holding an empty shard asks too).
+        return _empty_view_groups(source, target)
     result: list[DimSpec] = []
     for in_dims, out_dims in groups:
         if not out_dims:

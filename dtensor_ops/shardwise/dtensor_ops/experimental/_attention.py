@@ -42,7 +42,7 @@ from shardwise.placement import Placement, Shard
 
 from .. import _collectives
 from .._dtensor import DTensor
-from ._cp_flex import DEFAULT_BLOCK_SIZE, MaskMod, cp_block_mask, gather_key_value, gather_rows, padded_rows
+from ._cp_flex import DEFAULT_BLOCK_SIZE, MaskMod, cp_block_mask, flex_cp_allgather, gather_key_value, gather_rows, padded_rows
 from ._cp_kernels import choose_kernel
 from ._cp_layout import (
     SequenceLayout,
@@ -75,6 +75,8 @@ __all__ = [
     "context_parallel",
     "context_parallel_unshard",
     "set_rotate_method",
+    # PyTorch's _context_parallel._attention (this module, at that path too) imports it for flex attention.
+    "flex_cp_allgather",
 ]
 
 SDPA_SEQ_DIM = 2  # F.scaled_dot_product_attention's inputs are (batch, heads, seq, head_dim)
