@@ -342,7 +342,7 @@ def all_reduce_along_mesh_dim(tensor: torch.Tensor, reduce_op: str, mesh: Any, m
     return from_reduced(reduced, reduce_op)
 
 
-class AsyncCollectiveTensor(torch.Tensor):
+class AsyncCollectiveTensor(funcol.AsyncCollectiveTensor):
     """A redistribution's local result whose last collective may still be in flight.
 
     It has the final shape, dtype and device, so it can be wrapped into a DTensor and
@@ -353,6 +353,13 @@ class AsyncCollectiveTensor(torch.Tensor):
     except pure views (``view``, ``alias``, ``detach``) of a still pending tensor: they
     return another pending tensor, so that ``DTensor.to_local()`` and autograd's aliasing
     do not force the wait.
+
+    A subclass of torch's ``funcol.AsyncCollectiveTensor`` (whose ``elem`` is the collective's
+    output as it arrives, with nothing left to do): torch.compile resolves inputs of that class with
+    ``trigger_wait()`` before tracing and at every call (AOTAutograd), which here runs the
+    post-processing too; dynamo takes it as a traceable wrapper subclass whose one inner tensor is
+    the finished result (``__tensor_flatten__`` waits).  So a pending local tensor can enter a
+    compiled region, as torch's own can.
 
     Like every ``torch.ops._c10d_functional`` result, it must eventually be waited
     (used, or ``wait()``-ed) on every rank that launched the collective.
@@ -386,6 +393,37 @@ class AsyncCollectiveTensor(torch.Tensor):
         self._finish = finish
         self._result = None
 
+    @classmethod
+    def _finished(cls, result: torch.Tensor) -> AsyncCollectiveTensor:
+        """One whose collective is done: it stands for ``result`` (what ``__tensor_unflatten__`` rebuilds)."""
+        done = cls(result, _identity, tuple(result.shape))
+        done._result = result
+        done._pending = None
+        done._finish = None
+        return done
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        self.wait()
+        return ["_result"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor], meta: Any, outer_size: Any, outer_stride: Any
+    ) -> AsyncCollectiveTensor:
+        return AsyncCollectiveTensor._finished(inner_tensors["_result"])
+
+    def trigger_wait(self) -> torch.Tensor:
+        """torch's name for :meth:`wait` (what torch.compile calls on pending inputs)."""
+        return self.wait()
+
+    def _get_acs_underlying_tensor(self) -> torch.Tensor:
+        return self.wait()
+
+    @property
+    def elem(self) -> torch.Tensor:  # type: ignore[override]
+        """torch's field for the tensor it stands for: here the finished result (waits)."""
+        return self.wait()
+
     def wait(self) -> torch.Tensor:
         """Wait for the collective and return the finished local tensor (a plain tensor)."""
         result = self._result
@@ -403,7 +441,7 @@ class AsyncCollectiveTensor(torch.Tensor):
         return result
 
     @property
-    def completed(self) -> bool:
+    def completed(self) -> bool:  # type: ignore[override]
         """Whether the collective has been waited for."""
         return self._result is not None
 
@@ -456,6 +494,10 @@ def _holds_async(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
     tree_map_only(AsyncCollectiveTensor, note, (args, kwargs))
     return bool(found)
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _ApplyAfterWait:
