@@ -6,6 +6,7 @@ and works with shardwise's tensor parallelism on a 2-D ``(dp, tp)`` mesh.
 
 from ._errors import FSDPError
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from ._mesh_info import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 
@@ -30,5 +31,9 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+    "DDPMeshInfo",
+    "ShardPlacementResult",
     "DTensorExtensions",
 ]

@@ -20,10 +20,11 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
-from shardwise.placement import DTensorSpec, Placement, Replicate, Shard
+from shardwise.placement import DTensorSpec, Replicate, Shard
 
 from ._errors import FSDPError
-from ._param_group import FSDPParamGroup, ParamOwner, SpmdLayout
+from ._mesh_info import FSDPMeshInfo, ShardPlacementFnResult, ShardPlacementResult, _check_dp_mesh_dims, _dp_mesh_of
+from ._param_group import FSDPParamGroup, FSDPParamGroups, ParamOwner, SpmdLayout
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -34,7 +35,7 @@ _STATE_ATTR = "_shardwise_fsdp_state"
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather."""
 
-    def __init__(self, group: FSDPParamGroup | None) -> None:
+    def __init__(self, group: FSDPParamGroup | FSDPParamGroups | None) -> None:
         self._group = group
 
     def wait(self) -> None:
@@ -54,7 +55,7 @@ class _FSDPState:
         self,
         modules: list[nn.Module],
         mesh: DeviceMesh,
-        group: FSDPParamGroup | None,
+        group: FSDPParamGroup | FSDPParamGroups | None,
         reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
@@ -502,7 +503,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int = True,
-    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], ShardPlacementFnResult] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -555,15 +556,13 @@ def fully_shard(
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a shardwise DeviceMesh, got {type(mesh).__name__}")
-    spmd_layouts: list[SpmdLayout] | None = None
     if dp_mesh_dims is not None:
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(
                 f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not supported with "
                 "dp_mesh_dims (a full SPMD mesh), as in PyTorch; expected True or False"
             )
-        spmd_layouts = _spmd_layouts(managed, mesh, dp_mesh_dims)
-        mesh = _dp_mesh_of(mesh, dp_mesh_dims)  # may flatten dims: creates process groups, after every check
+        _check_dp_mesh_dims(mesh, dp_mesh_dims)
     elif mesh.ndim not in (1, 2):
         raise FSDPError(
             f"fully_shard: got a {mesh.ndim}-D mesh {mesh!r}; expected a 1-D data-parallel mesh such as "
@@ -571,31 +570,72 @@ def fully_shard(
         )
     if mesh.get_coordinate() is None:
         raise FSDPError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
-    reshard, post_forward_size = _check_reshard_after_forward(reshard_after_forward, mesh)
-    shard_dims = [_shard_dim(fqn, param, shard_placement_fn) for fqn, param, _ in managed]
     for fqn, param, _ in managed:
         if param.device.type != mesh.device_type:
             raise FSDPError(
                 f"fully_shard: parameter {fqn!r} is on {param.device} but the mesh is a {mesh.device_type!r} mesh; "
                 "expected the parameters on the mesh's device type"
             )
-    group = (
-        FSDPParamGroup(
-            managed,
-            mesh,
+    # One parameter group per data-parallel mesh: the default one (key None), and those named by
+    # shard_placement_fn's ShardPlacementResults (parameters on equal meshes share a group).
+    placements = [_shard_placement(fqn, param, shard_placement_fn) for fqn, param, _ in managed]
+    buckets: dict[Any, tuple[FSDPMeshInfo | None, list[int]]] = {}
+    for index, (_, mesh_info) in enumerate(placements):
+        key = None if mesh_info is None else (mesh_info.mesh, mesh_info.is_spmd_mesh, mesh_info.spmd_mesh)
+        buckets.setdefault(key, (mesh_info, []))[1].append(index)
+    plans: list[tuple[DeviceMesh | None, list[int], list[SpmdLayout] | None, tuple[bool, int | None]]] = []
+    for key, (mesh_info, indices) in buckets.items():
+        chosen = [managed[i] for i in indices]
+        if mesh_info is None:
+            layouts = _spmd_layouts(chosen, mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
+            if dp_mesh_dims is None:
+                reshard_plan = _check_reshard_after_forward(reshard_after_forward, mesh)
+            else:
+                reshard_plan = (bool(reshard_after_forward), None)
+            plans.append((None, indices, layouts, reshard_plan))  # the default mesh: flattened below if needed
+            continue
+        if mesh_info.is_spmd_mesh:
+            assert mesh_info.spmd_mesh is not None and mesh_info.dp_mesh_dims is not None
+            layouts = _spmd_layouts(chosen, mesh_info.spmd_mesh, mesh_info.dp_mesh_dims)
+        else:
+            layouts = None
+        if mesh_info.is_spmd_mesh and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not supported with a "
+                "mesh info from dp_mesh_dims (a full SPMD mesh), as in PyTorch; expected True or False"
+            )
+        reshard_plan = _check_reshard_after_forward(reshard_after_forward, mesh_info.mesh)
+        plans.append((mesh_info.mesh, indices, layouts, reshard_plan))
+    if plans:
+        reshard = plans[0][3][0]
+    elif dp_mesh_dims is None:
+        reshard = _check_reshard_after_forward(reshard_after_forward, mesh)[0]
+    else:
+        reshard = bool(reshard_after_forward)
+    if dp_mesh_dims is not None:
+        mesh = _dp_mesh_of(mesh, dp_mesh_dims)  # may flatten dims: creates process groups, after every check
+    groups: list[FSDPParamGroup] = []
+    for group_mesh, indices, layouts, (_, post_forward_size) in plans:
+        dp_mesh = group_mesh if group_mesh is not None else mesh
+        group = FSDPParamGroup(
+            [managed[i] for i in indices],
+            dp_mesh,
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
-            shard_dims=shard_dims,
-            spmd_layouts=spmd_layouts,
+            shard_dims=[placements[i][0] for i in indices],
+            spmd_layouts=layouts,
         )
-        if managed
-        else None
-    )
-    if group is not None:
         if post_forward_size is not None:
-            group.set_post_forward_group(_post_forward_mesh(mesh, post_forward_size))
-        group.make_sharded_params()
-    state = _FSDPState(modules, mesh, group, reshard, mp_policy)
+            group.set_post_forward_group(_post_forward_mesh(dp_mesh, post_forward_size))
+        groups.append(group)
+    unit_group: FSDPParamGroup | FSDPParamGroups | None = None
+    if len(groups) == 1:
+        unit_group = groups[0]
+    elif groups:
+        unit_group = FSDPParamGroups(groups)
+    if unit_group is not None:
+        unit_group.make_sharded_params()
+    state = _FSDPState(modules, mesh, unit_group, reshard, mp_policy)
     for each in modules:
         each.__dict__[_STATE_ATTR] = state
         each.register_forward_pre_hook(state.module_pre_forward, prepend=True, with_kwargs=True)
@@ -604,16 +644,27 @@ def fully_shard(
     return module
 
 
-def _shard_dim(
-    fqn: str, param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None
-) -> int:
-    """The dim FSDP cuts ``param`` along: what ``shard_placement_fn`` says (a ``Shard``), else 0."""
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+def _shard_placement(
+    fqn: str, param: nn.Parameter, shard_placement_fn: Callable[[nn.Parameter], ShardPlacementFnResult] | None
+) -> tuple[int, FSDPMeshInfo | None]:
+    """The dim FSDP cuts ``param`` along (what ``shard_placement_fn`` says, else 0) and the mesh info it
+    names, if any (None: the mesh given to fully_shard)."""
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    mesh_info: FSDPMeshInfo | None = None
+    placement: object = result
+    if isinstance(result, ShardPlacementResult):
+        if not isinstance(result.mesh_info, FSDPMeshInfo):
+            raise FSDPError(
+                f"fully_shard: shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose mesh_info is a "
+                f"{type(result.mesh_info).__name__}; expected an FSDPMeshInfo or HSDPMeshInfo (a mesh with a shard dim)"
+            )
+        mesh_info, placement = result.mesh_info, result.placement
     if placement is None:
-        return 0
+        return 0, mesh_info
     if type(placement) is not Shard:
         raise FSDPError(
-            f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r}; expected None or Shard(dim)"
+            f"fully_shard: shard_placement_fn returned {result!r} for {fqn!r}; expected None or Shard(dim), or a "
+            "ShardPlacementResult(Shard(dim) or None, mesh_info)"
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
@@ -621,7 +672,7 @@ def _shard_dim(
             f"fully_shard: shard_placement_fn returned {placement!r} for {fqn!r} of shape {tuple(param.shape)}; "
             f"expected a dim in [{-ndim}, {ndim - 1}]"
         )
-    return placement.dim % ndim
+    return placement.dim % ndim, mesh_info
 
 
 def _check_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[bool, int | None]:
@@ -692,33 +743,6 @@ def _managed_params(
     return list(found.values())
 
 
-def _check_dp_mesh_dims(spmd_mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
-    if not isinstance(dims, DataParallelMeshDims):
-        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
-    names = spmd_mesh.mesh_dim_names
-    if names is None:
-        raise FSDPError(
-            f"fully_shard: dp_mesh_dims needs a mesh with mesh_dim_names, got {spmd_mesh!r}; expected the full "
-            "SPMD mesh, e.g. init_device_mesh(..., mesh_dim_names=(\"dp_replicate\", \"dp_shard\", \"cp\", \"tp\"))"
-        )
-    for name in (*dims.shard_names, *dims.replicate_names):
-        if name not in names:
-            raise FSDPError(
-                f"fully_shard: mesh dim name {name!r} of {dims!r} is not in the mesh's mesh_dim_names {names}"
-            )
-    both = set(dims.shard_names) & set(dims.replicate_names)
-    if both or len(set(dims.shard_names)) != len(dims.shard_names):
-        raise FSDPError(
-            f"fully_shard: {dims!r} names {sorted(both) or list(dims.shard_names)} twice; expected each "
-            "data-parallel dim once, as either a shard or a replicate dim"
-        )
-    if not dims.shard_names:
-        raise NotImplementedError(
-            f"fully_shard: {dims!r} names no shard dim (DDP only); shardwise.fsdp_ext shards parameters, "
-            "expected at least one shard dim"
-        )
-
-
 def _spmd_layouts(
     managed: list[tuple[str, nn.Parameter, list[ParamOwner]]], spmd_mesh: DeviceMesh, dims: DataParallelMeshDims
 ) -> list[SpmdLayout]:
@@ -755,33 +779,3 @@ def _spmd_layouts(
             tp_spec = DTensorSpec(spmd_mesh[other], placements, spec.tensor_meta)
         layouts.append(SpmdLayout(tp_spec, spec, dp_dims))
     return layouts
-
-
-def _dp_mesh_of(spmd_mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh:
-    """The data-parallel mesh inside ``spmd_mesh``: 1-D over the shard dim(s), or 2-D (replicate, shard) for HSDP.
-
-    Several names of one kind are flattened into one dim, named by joining them with "_" (registered on
-    the root mesh, which creates its process group on first use: every rank calls this in the same order).
-    """
-    _check_dp_mesh_dims(spmd_mesh, dims)
-
-    def submesh(names: tuple[str, ...]) -> DeviceMesh:
-        if len(names) == 1:
-            return spmd_mesh[names[0]]
-        return spmd_mesh[names]._flatten("_".join(names))
-
-    shard = submesh(dims.shard_names)
-    if not dims.replicate_names:
-        return shard
-    replicate = submesh(dims.replicate_names)
-    root = spmd_mesh._get_root_mesh()
-    assert replicate.mesh_dim_names is not None and shard.mesh_dim_names is not None
-    pair = (replicate.mesh_dim_names[0], shard.mesh_dim_names[0])
-    try:
-        return root[pair]
-    except (KeyError, ValueError) as error:
-        raise FSDPError(
-            f"fully_shard: the replicate dim(s) {dims.replicate_names} and shard dim(s) {dims.shard_names} of "
-            f"{spmd_mesh!r} do not form a (replicate, shard) mesh ({error}); expected the replicate dims before "
-            "the shard dims in the mesh, each kind adjacent"
-        ) from error

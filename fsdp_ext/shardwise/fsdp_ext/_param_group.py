@@ -64,7 +64,7 @@ from shardwise.placement import (
 
 from ._errors import FSDPError
 
-__all__ = ["FSDPParam", "FSDPParamGroup", "ParamOwner", "SpmdLayout"]
+__all__ = ["FSDPParam", "FSDPParamGroup", "FSDPParamGroups", "ParamOwner", "SpmdLayout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -820,3 +820,83 @@ class FSDPParamGroup:
             if isinstance(grad, DTensor):
                 grad = grad._local_tensor
             fsdp_param.unsharded_view(self._accumulated_grad).add_(grad)
+
+
+class FSDPParamGroups:
+    """The parameter groups of one unit whose parameters live on several data-parallel meshes (a
+    ``shard_placement_fn`` returning ``ShardPlacementResult``s), driven together: one all-gather and one
+    reduce-scatter per group. Settings assigned to it (``requires_gradient_sync``, ...) reach every group."""
+
+    _SETTINGS = frozenset(
+        {
+            "requires_gradient_sync",
+            "requires_all_reduce",
+            "reshard_after_backward",
+            "gradient_divide_factor",
+            "force_sum_reduction",
+            "all_reduce_hook",
+        }
+    )
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        object.__setattr__(self, "groups", groups)
+        self.groups: list[FSDPParamGroup]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._SETTINGS:
+            raise AttributeError(f"FSDPParamGroups has no setting {name!r}")
+        for group in self.groups:
+            setattr(group, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in FSDPParamGroups._SETTINGS:
+            return getattr(self.groups[0], name)
+        raise AttributeError(name)
+
+    @property
+    def fsdp_params(self) -> list[FSDPParam]:
+        return [p for group in self.groups for p in group.fsdp_params]
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(group.is_unsharded for group in self.groups)
+
+    def make_sharded_params(self) -> list[nn.Parameter]:
+        return [p for group in self.groups for p in group.make_sharded_params()]
+
+    def launch_unshard(self) -> None:
+        for group in self.groups:
+            group.launch_unshard()
+
+    def wait_unshard(self) -> None:
+        self.launch_unshard()  # every gather in flight before the first wait
+        for group in self.groups:
+            group.wait_unshard()
+
+    def drop_post_forward_shard(self) -> None:
+        for group in self.groups:
+            group.drop_post_forward_shard()
+
+    def use_unsharded_params(self) -> None:
+        for group in self.groups:
+            group.use_unsharded_params()
+
+    def use_sharded_params(self) -> None:
+        for group in self.groups:
+            group.use_sharded_params()
+
+    def use_traced_unsharded_params(self, regather_in_backward: bool) -> None:
+        for group in self.groups:
+            group.use_traced_unsharded_params(regather_in_backward)
+
+    def reshard_after_forward(self) -> None:
+        for group in self.groups:
+            group.reshard_after_forward()
+
+    def reshard(self, keep_post_forward_shard: bool = False) -> None:
+        for group in self.groups:
+            group.reshard(keep_post_forward_shard)
+
+    def reset(self) -> None:
+        for group in self.groups:
+            group.reset()
