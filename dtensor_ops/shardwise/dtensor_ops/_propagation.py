@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence, cast
 
 import torch
 
+from shardwise.mesh import MeshError
 from shardwise.placement import (
     DTensorSpec,
     Partial,
@@ -139,9 +140,10 @@ def _check_inputs(op: torch._ops.OpOverload, specs: Sequence[DTensorSpec[Any]]) 
         if spec.tensor_meta is None:
             raise ValueError(f"{op}: the spec of DTensor argument {index} has no tensor_meta ({spec}); it is required")
         if spec.mesh != mesh:
-            raise ValueError(
-                f"{op}: DTensor arguments live on different device meshes ({mesh!r} and {spec.mesh!r}); "
-                "expected all of them on the same mesh"
+            # PyTorch raises RuntimeError here: MeshError is both that and the ValueError we raised before.
+            raise MeshError(
+                f"Cannot run {op} on inputs with different meshes: got {mesh!r} and {spec.mesh!r}. "
+                f"{op}: DTensor arguments live on different device meshes; expected all of them on the same mesh"
             )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardwise.mesh import DeviceMesh
+from shardwise.mesh import DeviceMesh, MeshError
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta, contiguous_strides
 
 from .._dtensor import DTensor, new_dtensor
@@ -110,7 +110,7 @@ def _as_strided_scatter(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs
             "expected src as a DTensor on the same mesh"
         )
     if source._spec.mesh != tensor._spec.mesh:
-        raise RuntimeError(f"{op}: self and src live on different meshes; expected one mesh")
+        raise MeshError(f"{op}: self and src live on different meshes; expected one mesh")
     # Both checked before either is gathered (so that no rank enters a collective alone).
     for value in (tensor, source):
         meta = value._spec.tensor_meta

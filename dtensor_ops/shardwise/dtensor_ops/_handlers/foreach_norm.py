@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from shardwise.mesh import MeshError
 from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta, _StridedShard
 
 from .._collectives import all_reduce_along_mesh_dim
@@ -69,7 +70,7 @@ def norms_across_shards(
     for index, tensor in enumerate(tensors):
         if isinstance(tensor, DTensor):
             if tensor._spec.mesh != mesh:
-                raise ValueError(
+                raise MeshError(
                     f"norms_across_shards: tensor {index} lives on {tensor._spec.mesh!r}, tensor 0 on {mesh!r}; "
                     "expected every DTensor on the same device mesh"
                 )

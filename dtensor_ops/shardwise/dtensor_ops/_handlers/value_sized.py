@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.mesh import DeviceMesh
+from shardwise.mesh import DeviceMesh, MeshError
 from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
 from .._dtensor import DTensor, new_dtensor
@@ -48,7 +48,7 @@ def _whole_arguments(
     mesh = dtensors[0]._spec.mesh
     for other in dtensors[1:]:
         if other._spec.mesh != mesh:
-            raise RuntimeError(
+            raise MeshError(
                 f"{op}: its DTensor arguments live on different meshes ({mesh} and {other._spec.mesh}); "
                 "expected one mesh for every DTensor argument"
             )

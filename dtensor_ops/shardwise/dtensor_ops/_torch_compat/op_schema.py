@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar, Union
 
 import torch
 
+from shardwise.mesh import MeshError
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _StridedShard
 
 from .._caches import clear_all_caches
@@ -253,7 +254,10 @@ class OpSchema:
         if not meshes:
             raise ValueError(f"{self.op}: no DTensorSpec or OpStrategy among the arguments, so there is no mesh")
         if validate and any(mesh != meshes[0] for mesh in meshes[1:]):
-            raise ValueError(f"{self.op}: the arguments are on different meshes {meshes}; expected one mesh")
+            raise MeshError(
+                f"DTensor does not support cross-mesh operation on {self.op}! Got meshes: {meshes}. "
+                "Please make sure all the arguments have the same DeviceMesh."
+            )
         return meshes[0]
 
     def is_inplace_op(self) -> bool:
