@@ -171,3 +171,34 @@ def test_bad_dp_mesh_dims_input_is_refused_before_any_collective() -> None:
         with pytest.raises(RuntimeError):  # catchable as PyTorch's error class too
             fully_shard(_mlp(), mesh=root, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
     assert comm.get_total_counts() == 0
+
+
+@multi_rank(world_size=4)
+def test_shard_placement_result_with_an_spmd_mesh_info() -> None:
+    # torchtitan's expert-parallel pattern under full_dtensor: the mesh info comes from _get_mesh_info with
+    # the dims (which flattens them once), and shard_placement_fn hands it out per parameter.
+    from shardwise.fsdp_ext import ShardPlacementResult
+    from shardwise.fsdp_ext._fully_shard_compat._fsdp_init import _get_mesh_info
+
+    reference = _mlp()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    dims = DataParallelMeshDims(shard=("dp_shard", "cp"))
+    info = _get_mesh_info(mesh, dims)
+    model = _distribute(copy.deepcopy(reference), mesh)
+    for child in (model[0], model[2]):
+        fully_shard(child, mesh=mesh, dp_mesh_dims=dims,
+                    shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info))  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    model.set_gradient_divide_factor(1.0)
+    weight = model[0].weight
+    assert weight.device_mesh == info.mesh and weight.placements == (Shard(0),)
+    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    reference(x).pow(2).mean().backward()
+    model(distribute_tensor(x, mesh, _batch_placements(mesh, dims))).pow(2).mean().backward()
+    _assert_grads(model, reference)
+
+
+def _assert_grads(model: nn.Module, reference: nn.Module) -> None:
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is not None and ref_param.grad is not None, name
+        torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
