@@ -202,3 +202,32 @@ def _assert_grads(model: nn.Module, reference: nn.Module) -> None:
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
         assert param.grad is not None and ref_param.grad is not None, name
         torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dp_replicate, dp_shard, cp", [(1, 2, 1), (1, 1, 2), (2, 1, 1)])
+@multi_rank(world_size=4)
+def test_full_dtensor_on_torchtitans_unflattened_storage_mesh(dp_replicate: int, dp_shard: int, cp: int) -> None:
+    # torchtitan's full_dtensor backend: the dense mesh is an _unflatten of the 1-D world mesh (size-1 dims
+    # fake, dp_shard always real), the storage mesh its active dims, dp_mesh_dims as resolve_fsdp_mesh makes it.
+    reference = _mlp()
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    sizes = (1, dp_replicate, dp_shard, cp, 2)
+    fake = {name: "fake" for name, size in zip(names, sizes) if size == 1 and name != "dp_shard"}
+    dense = world._unflatten(0, sizes, names, backend_override=fake)
+    active = tuple(name for name, size in zip(names, sizes) if size > 1 or name == "dp_shard")
+    storage = dense[active]
+    dims = DataParallelMeshDims(
+        shard=("dp_shard", "cp") if cp > 1 else "dp_shard", replicate="dp_replicate" if dp_replicate > 1 else None
+    )
+    model = _shard(_distribute(copy.deepcopy(reference), storage), storage, dims)
+    model.set_gradient_divide_factor(1.0)
+    weight = model[0].weight
+    shard_name = "dp_shard_cp" if cp > 1 else "dp_shard"
+    expected = (("dp_replicate",) if dp_replicate > 1 else ()) + (shard_name, "tp")
+    assert weight.device_mesh.mesh_dim_names == expected
+    assert weight.placements[-2:] == (_StridedShard(0, split_factor=2), Shard(0))
+    x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    reference(x).pow(2).mean().backward()
+    model(distribute_tensor(x, storage, _batch_placements(storage, dims))).pow(2).mean().backward()
+    _assert_grads(model, reference)

@@ -128,3 +128,25 @@ def test_tp_on_a_dim_the_flattened_dp_dim_covers_is_refused() -> None:
         fully_shard(model.layers[0], mesh=dp_mesh)
     # Catchable both ways, as PyTorch's RuntimeError and as our ValueError.
     assert issubclass(FSDPError, RuntimeError) and issubclass(FSDPError, ValueError)
+
+
+@multi_rank(world_size=4)
+def test_fsdp_x_tp_on_torchtitans_unflattened_meshes() -> None:
+    # torchtitan's ParallelDims.build_mesh: views of the 1-D world mesh by _unflatten (size-1 dims fake);
+    # TP on the dataloading mesh's "tp", FSDP on the dense mesh's "fsdp" (two different unflattenings).
+    torch.manual_seed(0)
+    reference = Transformer(_args())
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    dataloading = world._unflatten(0, (1, 2, 1, 2), ("pp", "batch", "cp", "tp"),
+                                   backend_override={"pp": "fake", "cp": "fake"})
+    dense = world._unflatten(0, (1, 1, 2, 2), ("pp", "dp_replicate", "fsdp", "tp"),
+                             backend_override={"pp": "fake", "dp_replicate": "fake"})
+    dp_mesh = dense["fsdp"]
+    model = Transformer.parallelize(copy.deepcopy(reference), dataloading["tp"], True)
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    wq = model.layers[0].attention.wq.weight
+    assert wq.device_mesh.mesh_dim_names == ("fsdp", "tp")
+    assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    _train_against_one_process(model, reference, dp_mesh)

@@ -32,9 +32,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fsdp_extensions as fsdp_extensions
-import torch.distributed.fsdp._optim_utils as fsdp1_optim_utils
-import torch.distributed.fsdp._state_dict_utils as fsdp1_state_dict_utils
-import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
 import torch.nn as nn
 from shardwise.dtensor_ops import DTensor
 from shardwise.mesh import DeviceMesh
@@ -424,6 +421,13 @@ def _honour_installed_extensions() -> None:
     """Make FSDP1 instances without a device mesh use shardwise extensions set by ``_set_fsdp_extensions``."""
     global _original_init_extension, _original_use_unsharded_views, _original_sharded_pre_load
     global _original_unflatten_optim_states, _original_shard_optim_state
+    # Imported here, not at module level: FSDP1's own import (torch.distributed.fsdp._init_utils) imports
+    # DTensorExtensions, and with torch's paths resolving to shardwise (shardwise.torch_switch) that import
+    # runs while these FSDP1 modules are still initialising.
+    import torch.distributed.fsdp._optim_utils as fsdp1_optim_utils
+    import torch.distributed.fsdp._state_dict_utils as fsdp1_state_dict_utils
+    import torch.distributed.fsdp.fully_sharded_data_parallel as fsdp1_module
+
     if _original_init_extension is None:
         _original_init_extension = fsdp1_module._init_extension
         fsdp1_module._init_extension = _init_extension_honouring_installed

@@ -131,7 +131,7 @@ class _FSDPState:
             return self.traced_module_pre_forward(module, args, kwargs)
         return self._eager_module_pre_forward(module, args, kwargs)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # lazy: FSDP2 is imported while torch._dynamo itself imports (switch on)
     def _eager_module_pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
@@ -152,7 +152,7 @@ class _FSDPState:
             return self.traced_module_post_forward(module, output)
         return self._eager_module_post_forward(module, args, output)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # lazy: FSDP2 is imported while torch._dynamo itself imports (switch on)
     def _eager_module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         self.modules_to_run.discard(id(module))
         if not self.modules_to_run:
@@ -502,7 +502,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = True,
     shard_placement_fn: Callable[[nn.Parameter], ShardPlacementFnResult] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -535,6 +535,8 @@ def fully_shard(
             )
     if len({id(m) for m in modules}) != len(modules):
         raise FSDPError("fully_shard got the same module twice in its list; expected distinct modules")
+    if reshard_after_forward is None:
+        reshard_after_forward = True  # PyTorch's default: reshard, except the root (which keeps its parameters here)
     if not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
             f"fully_shard: reshard_after_forward must be a bool or an int, got {type(reshard_after_forward).__name__}"

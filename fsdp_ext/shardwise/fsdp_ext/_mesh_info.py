@@ -28,6 +28,7 @@ __all__ = [
     "ShardPlacementFnResult",
     "get_mesh_info",
     "resolve_shard_placement",
+    "combine_meshes",
 ]
 
 
@@ -176,14 +177,59 @@ def _dp_mesh_of(spmd_mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh
     if not dims.replicate_names:
         return shard
     replicate = submesh(dims.replicate_names)
-    root = spmd_mesh._get_root_mesh()
-    assert replicate.mesh_dim_names is not None and shard.mesh_dim_names is not None
-    pair = (replicate.mesh_dim_names[0], shard.mesh_dim_names[0])
     try:
-        return root[pair]
+        combined = combine_meshes([replicate, shard])
     except (KeyError, ValueError) as error:
+        combined = None
+        reason = str(error)
+    else:
+        reason = f"the shard dims come first in the mesh: {combined!r}"
+    if combined is None or combined.mesh_dim_names != (*(replicate.mesh_dim_names or ()), *(shard.mesh_dim_names or ())):
         raise FSDPError(
             f"fully_shard: the replicate dim(s) {dims.replicate_names} and shard dim(s) {dims.shard_names} of "
-            f"{spmd_mesh!r} do not form a (replicate, shard) mesh ({error}); expected the replicate dims before "
+            f"{spmd_mesh!r} do not form a (replicate, shard) mesh ({reason}); expected the replicate dims before "
             "the shard dims in the mesh, each kind adjacent"
-        ) from error
+        )
+    return combined
+
+
+def combine_meshes(parts: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh over the dims of ``parts`` (views of one root mesh), its dims in the order they have there.
+
+    Slices and flattenings of one root: the root sliced by the parts' dim names (a dim the root knows by
+    name, or a flattened one). Otherwise (views from ``_unflatten``, which re-grid the root's ranks, as
+    torchtitan's meshes are): the parts' dims one by one, outer dims (larger strides through the root's
+    ranks) first, joined by ``DeviceMesh._concatenate``. Raises ``KeyError``/``ValueError`` (the mesh's
+    errors) when the dims overlap or do not fit one grid; creates no process group.
+    """
+    root = parts[0]._get_root_mesh()
+    names = [name for part in parts for name in (part.mesh_dim_names or ())]
+    if all(part._layout.root_shape == root._layout.root_shape for part in parts):
+        root_dims = {
+            name: dims for part in parts for name, dims in zip(part.mesh_dim_names or (), part._layout.dims)
+        }
+        ordered = tuple(sorted(names, key=lambda name: min(root_dims[name], default=-1)))
+        try:
+            return root[ordered]
+        except (KeyError, ValueError):
+            pass  # a name the root does not know (an unflattened dim): concatenate below
+    keyed: list[tuple[float, int, int, DeviceMesh]] = []
+    for part_index, part in enumerate(parts):
+        singles = [part if part.ndim == 1 else part[name] for name in (part.mesh_dim_names or ())]
+        strides = [_stride_through_ranks(single) for single in singles]
+        for index, single in enumerate(singles):
+            # A dim of size 1 walks no ranks: it keeps its place next to its part's neighbours.
+            stride = strides[index]
+            if stride is None:
+                before = [s for s in strides[:index] if s is not None]
+                after = [s for s in strides[index + 1 :] if s is not None]
+                stride = before[-1] if before else after[0] if after else (float("inf") if part_index == 0 else -1)
+            keyed.append((-stride, part_index, index, single))
+    keyed.sort(key=lambda entry: entry[:3])
+    return DeviceMesh._concatenate([single for *_, single in keyed])
+
+
+def _stride_through_ranks(mesh: DeviceMesh) -> float | None:
+    """How far one step along a 1-D mesh moves in its root's rank list (None for a dim of size 1)."""
+    runs = mesh._layout.runs[0]
+    return max((stride for _, stride in runs), default=None)

@@ -63,6 +63,7 @@ from shardwise.placement import (
 )
 
 from ._errors import FSDPError
+from ._mesh_info import combine_meshes
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "FSDPParamGroups", "ParamOwner", "SpmdLayout"]
 
@@ -389,9 +390,9 @@ def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[D
     """The mesh over the dp dim(s) and the parameter's tensor-parallel dims, and its dim names in order.
 
     Both meshes are views of one root mesh; a dim of either may be a flattening of several root dims
-    (torchtitan's ``dp_shard_cp`` = ``root["dp_shard", "cp"]._flatten(...)``), so dims are ordered and
-    checked for overlap by the root dims they cover, not by their names (a flattened name is not one
-    of the root's names). The result is the root sliced by those names, flattened dims included.
+    (torchtitan's ``dp_shard_cp`` = ``root["dp_shard", "cp"]._flatten(...)``) or come from ``_unflatten``
+    (torchtitan's dataloading and dense meshes), so dims are ordered and checked for overlap by the ranks
+    they walk, not by their names (see ``combine_meshes``).
     """
     root = dp_mesh._get_root_mesh()
     dp_names = dp_mesh.mesh_dim_names
@@ -403,25 +404,30 @@ def _mesh_with_dp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> tuple[D
             'e.g. mesh = init_device_mesh(..., mesh_dim_names=("dp", "tp")), TP on mesh["tp"], '
             'fully_shard(..., mesh=mesh["dp"])'
         )
-    root_dims_of = dict(zip(dp_names, dp_mesh._layout.dims)) | dict(zip(tp_names, tp_mesh._layout.dims))
+    same_grid = dp_mesh._layout.root_shape == tp_mesh._layout.root_shape == root._layout.root_shape
     dp_root_dims = {d for dims in dp_mesh._layout.dims for d in dims}
     tp_root_dims = {d for dims in tp_mesh._layout.dims for d in dims}
-    if set(dp_names) & set(tp_names) or dp_root_dims & tp_root_dims:
+    already = f"fully_shard: parameter {fqn!r} is already laid out over the data-parallel mesh dim(s) {dp_names} "
+    if set(dp_names) & set(tp_names) or (same_grid and dp_root_dims & tp_root_dims):
         raise FSDPError(
-            f"fully_shard: parameter {fqn!r} is already laid out over the data-parallel mesh dim(s) {dp_names} "
-            f"({tp_mesh!r}); expected parameters that are plain tensors or DTensors on other mesh dims "
+            f"{already}({tp_mesh!r}); expected parameters that are plain tensors or DTensors on other mesh dims "
             "(is fully_shard applied twice, or tensor parallelism on the dp dim?)"
         )
-    names = tuple(sorted((*dp_names, *tp_names), key=lambda name: min(root_dims_of[name], default=-1)))
     try:
-        combined = root[names]
+        combined = combine_meshes([dp_mesh, tp_mesh])
     except (KeyError, ValueError) as error:
+        if "overlap" in str(error):
+            raise FSDPError(
+                f"{already}({tp_mesh!r}: {error}); expected parameters that are plain tensors or DTensors on other "
+                "mesh dims (is fully_shard applied twice, or tensor parallelism on the dp dim?)"
+            ) from error
         raise FSDPError(
             f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh!r} and the data-parallel mesh is "
-            f"{dp_mesh!r}; their dims {names} cannot be sliced together from the root mesh {root!r} ({error}); "
-            "expected dims that are the root's own dims or dims flattened from it, covering the root's dims in "
-            "increasing order"
+            f"{dp_mesh!r}; their dims cannot be joined into one mesh ({error}); expected dims of one root mesh "
+            "(sliced, flattened or unflattened from it) that do not overlap"
         ) from error
+    names = combined.mesh_dim_names
+    assert names is not None
     return combined, names
 
 

@@ -20,3 +20,20 @@ __all__ = [
     "share_comm_ctx",
     "UnshardHandle",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # torch's code probes FSDP2's private submodules (dynamo: `from torch.distributed.fsdp._fully_shard
+    # import _fsdp_param_group`, guarded by `except ModuleNotFoundError`). A submodule shardwise has no
+    # counterpart of is missing in exactly that way, not an AttributeError turned into ImportError.
+    if name.startswith("_fsdp_"):
+        import importlib
+
+        try:
+            return importlib.import_module(f"{__name__}.{name}")  # one of ours, not imported yet
+        except ModuleNotFoundError as missing:
+            raise ModuleNotFoundError(
+                f"shardwise.fsdp_ext has no counterpart of torch.distributed.fsdp._fully_shard.{name}",
+                name=f"{__name__}.{name}",
+            ) from missing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
