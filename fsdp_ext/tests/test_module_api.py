@@ -138,6 +138,8 @@ def test_share_comm_ctx_takes_fsdp_modules_only() -> None:
     share_comm_ctx([])
     with pytest.raises(FSDPError, match="not a fully_shard module"):
         share_comm_ctx([first, nn.Linear(2, 2)])  # type: ignore[list-item]
+    with pytest.raises(FSDPError, match="containers that do not implement forward"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=init_device_mesh("cpu", (4,)))
     # PyTorch's default reshard_after_forward=None: reshard (the root keeps its parameters anyway).
     unit = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (4,)), reshard_after_forward=None)
     assert unit._fsdp_state().reshard_after_forward is True

@@ -533,6 +533,12 @@ def fully_shard(
             raise FSDPError(
                 f"fully_shard was already applied to this {type(each).__name__}; expected one call per module"
             )
+        if isinstance(each, (nn.ModuleList, nn.ModuleDict)) and type(each).forward is nn.Module.forward:
+            # Its forward never runs, so its hooks would never gather its parameters.
+            raise FSDPError(
+                f"fully_shard does not support containers that do not implement forward: a {type(each).__name__}; "
+                "expected the modules inside it (each its own unit, or a list of them as one unit)"
+            )
     if len({id(m) for m in modules}) != len(modules):
         raise FSDPError("fully_shard got the same module twice in its list; expected distinct modules")
     if reshard_after_forward is None:
