@@ -321,3 +321,66 @@ def test_flex_cp_allgather_gathers_key_and_value_along_the_sequence() -> None:
         assert key.grad is not None and value.grad is not None
         torch.testing.assert_close(key.grad, summed.chunk(WORLD, dim=seq_dim)[rank])
         torch.testing.assert_close(value.grad, torch.full_like(value, float(WORLD)))
+
+
+# -- what torch's own code reached from them imports (DCP, LocalTensorMode's random tracker) -----------
+
+
+def test_names_torchs_own_modules_import_from_the_dtensor_package() -> None:
+    import shardwise.dtensor_ops as dtensor_ops
+    from shardwise.dtensor_ops._ops.utils import prod
+    from shardwise.placement import DTensorSpec, ShardOrderEntry, TensorMeta
+
+    assert dtensor_ops._DTensorSpec is DTensorSpec and dtensor_ops._TensorMeta is TensorMeta
+    assert dtensor_ops._ShardOrderEntry is ShardOrderEntry
+    assert prod([2, 3, 4]) == 24 and prod([]) == 1
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, placements, shape",
+    [
+        ((4,), ("S0",), (10, 3)),
+        ((2, 2), ("S0", "S1"), (5, 7)),
+        ((2, 2), ("S0", "S0"), (9, 2)),  # one tensor dim cut by both mesh dims
+        ((2, 3), ("R", "S1"), (4, 8)),
+        ((2, 2), ("P", "R"), (3, 3)),
+    ],
+)
+def test_random_shard_numbering_matches_pytorchs(mesh_shape: tuple[int, ...], placements: tuple[str, ...], shape: tuple[int, ...]) -> None:
+    import itertools
+    from types import SimpleNamespace
+
+    import torch.distributed.tensor._random as theirs
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    from shardwise.dtensor_ops import _random as ours
+    from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
+    from shardwise.testing import FakeMesh
+
+    def build(name: str, shard: Any, replicate: Any, partial: Any) -> Any:
+        return shard(int(name[1:])) if name.startswith("S") else replicate() if name == "R" else partial()
+
+    our_spec = DTensorSpec(
+        FakeMesh(mesh_shape),
+        tuple(build(name, Shard, Replicate, Partial) for name in placements),
+        TensorMeta(torch.Size(shape), torch.empty(shape).stride(), torch.float32),
+    )
+    # PyTorch's helpers read only these fields of a spec and its mesh.
+    their_spec = SimpleNamespace(
+        shape=torch.Size(shape),
+        ndim=len(shape),
+        placements=tuple(build(name, TorchShard, TorchReplicate, TorchPartial) for name in placements),
+        mesh=SimpleNamespace(shape=mesh_shape, ndim=len(mesh_shape), size=lambda dim: mesh_shape[dim]),
+    )
+    first = ours._calc_first_shard_size(our_spec)
+    assert tuple(first) == our_spec.local_shape((0,) * len(mesh_shape))
+    if len({name for name in placements if name.startswith("S")}) == sum(name.startswith("S") for name in placements):
+        # Where two mesh dims cut one tensor dim PyTorch's gives the size of one cut of the whole dim
+        # (9 rows over (2, 2): 5); ours is the first shard's real size (3), which bounds every shard alike.
+        assert first == theirs._calc_first_shard_size(their_spec)
+    for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+        index, count = ours._calc_shard_info(coordinate, our_spec)
+        assert (index, count) == tuple(theirs._calc_shard_info(coordinate, their_spec)), coordinate
+        assert ours._calc_shard_linear_idx(index, count) == theirs._calc_shard_linear_idx(index, count)

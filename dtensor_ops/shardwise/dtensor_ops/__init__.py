@@ -20,6 +20,11 @@ import torch.utils._foreach_utils as foreach_utils
 from shardwise.mesh import DeviceMesh as DeviceMesh
 from shardwise.mesh import init_device_mesh as init_device_mesh
 from shardwise.placement import Partial, Placement, Replicate, Shard
+# PyTorch's torch.distributed.tensor has these under private names; torch's own code imports them from
+# there (DCP's _pg_transport: _DTensorSpec).
+from shardwise.placement import DTensorSpec as _DTensorSpec
+from shardwise.placement import ShardOrderEntry as _ShardOrderEntry
+from shardwise.placement import TensorMeta as _TensorMeta
 from shardwise.mesh import _layout as _mesh_layout
 from shardwise.placement import _mask_partial, _placements, _shard_order
 from shardwise.placement import _spec as _placement_spec

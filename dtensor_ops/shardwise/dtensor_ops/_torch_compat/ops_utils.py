@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from shardwise.placement import DTensorSpec, Placement, Replicate
 from shardwise.placement import normalize_dim as _normalize_dim
@@ -24,10 +24,19 @@ __all__ = [
     "is_tensor_partial",
     "is_tensor_shardable",
     "normalize_dim",
+    "prod",
     "register_op_strategy",
     "register_prop_rule",
     "replicate_op_strategy",
 ]
+
+
+def prod(xs: Iterable[int]) -> int:
+    """The product of ``xs`` (1 for none): PyTorch's helper, which its LocalTensorMode imports from here."""
+    result = 1
+    for x in xs:
+        result = result * x
+    return result
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

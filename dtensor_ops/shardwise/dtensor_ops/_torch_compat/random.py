@@ -13,11 +13,11 @@ import contextlib
 import sys
 import types
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from shardwise.mesh import DeviceMesh
-from shardwise.placement import DTensorSpec
+from shardwise.placement import DTensorSpec, Shard, _StridedShard, compute_local_shape
 
 from .._random_draws import INSTALLED_RNG_TRACKER, default_generator_for, enter_shard_stream, plan_for_spec
 from ..random import broadcast_first_rank_rng_state, is_rng_supported_mesh, manual_seed
@@ -145,6 +145,35 @@ class OffsetBasedRNGTracker:
 
 
 # (mesh, this rank's generator state) -> the mesh's first rank's state, on every rank of the mesh.
+
+
+def _calc_shard_info(mesh_coordinate: Sequence[int], spec: DTensorSpec[Any]) -> tuple[list[int], list[int]]:
+    """Per tensor dim of ``spec``: which shard the rank at ``mesh_coordinate`` holds, and how many shards there are.
+
+    A tensor dim cut by several mesh dims is numbered over them in mesh-dim order (the first mesh dim
+    outermost), the ``torch.chunk`` nesting of the layout; an uncut dim is shard 0 of 1.
+    """
+    shard_index = [0] * len(spec.shape)
+    shard_count = [1] * len(spec.shape)
+    for mesh_dim, placement in enumerate(spec.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            size = spec.mesh.shape[mesh_dim]
+            shard_index[placement.dim] = shard_index[placement.dim] * size + mesh_coordinate[mesh_dim]
+            shard_count[placement.dim] *= size
+    return shard_index, shard_count
+
+
+def _calc_shard_linear_idx(shard_coord: Sequence[int], shard_size: Sequence[int]) -> int:
+    """The shard's number among all shards, its per-dim indices read row-major (the last dim fastest)."""
+    linear = 0
+    for index, count in zip(shard_coord, shard_size):
+        linear = linear * count + index
+    return linear
+
+
+def _calc_first_shard_size(spec: DTensorSpec[Any]) -> list[int]:
+    """The local shape of the first shard (mesh coordinate 0 on every mesh dim): the largest, by ``torch.chunk``."""
+    return list(compute_local_shape(spec.shape, spec.mesh.shape, (0,) * spec.mesh.ndim, spec.placements))
 
 
 class _RandomModule(types.ModuleType):

@@ -248,7 +248,6 @@ def kernel_by_name(name: str) -> BlockKernel:
         raise ValueError(f"unknown ring attention kernel {name!r}; expected one of {sorted(_KERNELS)}") from None
 
 
-@torch._dynamo.assume_constant_result
 def _sdp_choice(
     shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, device: torch.device, is_causal: bool, scale: float, requires_grad: bool
 ) -> int:
@@ -258,6 +257,13 @@ def _sdp_choice(
     query, key, value = (torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad) for shape in shapes)
     grouped = shapes[0][1] != shapes[1][1]
     return int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=grouped))
+
+
+# What ``torch._dynamo.assume_constant_result`` does (torch 2.13: it sets this mark and nothing else),
+# without importing torch._dynamo when this module is imported: that import costs about a second, and
+# under shardwise's torch switch it starts dynamo's own imports (FSDP's package among them) while this
+# package is half imported.
+_sdp_choice._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def choose_kernel(
