@@ -139,7 +139,8 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
     py_library(
         name = name,
         srcs = native.glob(["shardwise/**/*.py"]),
-        data = native.glob(["shardwise/**/py.typed"]) + sorted(native_modules.keys()),
+        # A package's top-level *.pth files (the switch's) are data here and land at the wheel's root.
+        data = native.glob(["shardwise/**/py.typed", "*.pth"]) + sorted(native_modules.keys()),
         imports = ["."],
         deps = deps,
         visibility = ["//visibility:public"],
@@ -153,7 +154,7 @@ def sw_package(name, deps = [], test_deps = [], multi_rank_tests = {}, test_data
         name = "wheel",
         distribution = "shardwise-" + name.replace("_", "-"),
         version = VERSIONS[name],
-        srcs = native.glob(["shardwise/**"], exclude = ["**/__pycache__/**", "**/*.pyc", "**/*.so"]) +
+        srcs = native.glob(["shardwise/**", "*.pth"], exclude = ["**/__pycache__/**", "**/*.pyc", "**/*.so"]) +
                sorted(native_modules.keys()),
         strip_prefix = native.package_name(),
         platform_tag = NATIVE_WHEEL_TAG if native_modules else "",

@@ -29,6 +29,9 @@ ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
     "tools": frozenset(
         {"testing", "tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}
     ),
+    # The switch maps torch's paths onto every product package (it imports them by name only when
+    # torch's path is imported, never at its own import); its tests may use the harness.
+    "torch_switch": frozenset({"tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}),
 }
 
 # The layers inside shardwise.dtensor_ops, bottom first: a module may import modules of its own layer
