@@ -116,3 +116,23 @@ def test_bad_shard_placement_result_is_refused() -> None:
         with pytest.raises(FSDPError, match=r"expected None or Shard\(dim\)"):
             fully_shard(Block(), mesh=mesh["b"], shard_placement_fn=lambda p: Replicate())  # type: ignore[arg-type,return-value]
     assert comm.get_total_counts() == 0
+
+
+def test_compat_package_has_the_names_torch_imports_from_fsdp2() -> None:
+    # What torch.distributed.fsdp's __init__ and torchtitan import from torch.distributed.fsdp._fully_shard,
+    # which the switch (shardwise.torch_switch) resolves to this package. FSDP2's internals
+    # (_fsdp_param_group, _fsdp_state) stay absent: dynamo probes for them and expects ModuleNotFoundError.
+    import importlib
+
+    import shardwise.fsdp_ext as fsdp_ext
+    import shardwise.fsdp_ext._fully_shard_compat as compat
+
+    for name in ("CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "fully_shard", "MixedPrecisionPolicy",
+                 "OffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx", "UnshardHandle"):
+        assert getattr(compat, name) is getattr(fsdp_ext, name), name
+    common = importlib.import_module("shardwise.fsdp_ext._fully_shard_compat._fsdp_common")
+    assert common.FSDPMeshInfo is FSDPMeshInfo and common.ShardPlacementResult is ShardPlacementResult
+    assert importlib.import_module("shardwise.fsdp_ext._fully_shard_compat._fsdp_init")._get_mesh_info is _get_mesh_info
+    assert importlib.import_module("shardwise.fsdp_ext._fully_shard_compat._fully_shard").fully_shard is fully_shard
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("shardwise.fsdp_ext._fully_shard_compat._fsdp_param_group")
