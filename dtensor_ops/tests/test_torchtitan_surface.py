@@ -255,6 +255,15 @@ def test_from_and_to_torch_tensor_are_the_conversions_with_pytorchs_gradients() 
         Shard(1), Replicate(), Replicate(),
     )
 
+    # _redistribute.redistribute_local_tensor with PyTorch 2.13's keywords (torchtitan's simple_fsdp passes specs
+    # by name).
+    from shardwise.dtensor_ops._redistribute import redistribute_local_tensor
+
+    gathered = redistribute_local_tensor(
+        built._local_tensor, current_spec=built._spec, target_spec=built._spec.with_placements((Replicate(),)), is_explicit=True
+    )
+    assert torch.equal(gathered, torch.arange(6.0).reshape(2, 3).repeat(WORLD, 1))
+
 
 @multi_rank(world_size=WORLD)
 def test_from_local_and_to_local_call_the_functions_with_pytorchs_arguments() -> None:

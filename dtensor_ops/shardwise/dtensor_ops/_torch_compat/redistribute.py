@@ -262,10 +262,12 @@ def redistribute_local_tensor(
     async_op: bool = False,
     is_backward: bool = False,
     use_graph_based_transform: bool | None = None,
+    is_explicit: bool = False,
 ) -> torch.Tensor:
     """This rank's piece of ``target_spec`` from its piece of ``current_spec`` (PyTorch's function).
 
-    ``is_backward`` and ``use_graph_based_transform`` change nothing (one planner, the cheapest plan).
+    ``is_backward`` (PyTorch before 2.13) and ``use_graph_based_transform`` change nothing (one planner,
+    the cheapest plan); ``is_explicit`` (2.13): the user asked for it, as torch's ``DebugMode`` records it.
     """
     for mesh_dim, (current, target) in enumerate(zip(current_spec.placements, target_spec.placements)):
         if isinstance(current, Partial) and isinstance(target, Partial) and current.reduce_op != target.reduce_op:
@@ -273,7 +275,7 @@ def redistribute_local_tensor(
                 f"Redistribution from one partial type ({current}) to another ({target}) is unsupported "
                 f"(mesh dim {mesh_dim}): reduce to Replicate or Shard first"
             )
-    return _run_redistribution(local_tensor, current_spec, target_spec, async_op=async_op)
+    return _run_redistribution(local_tensor, current_spec, target_spec, async_op=async_op, is_explicit=is_explicit)
 
 
 class DTensorRedistributePlanner:
