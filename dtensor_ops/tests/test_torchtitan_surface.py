@@ -393,3 +393,24 @@ def test_random_shard_numbering_matches_pytorchs(mesh_shape: tuple[int, ...], pl
         index, count = ours._calc_shard_info(coordinate, our_spec)
         assert (index, count) == tuple(theirs._calc_shard_info(coordinate, their_spec)), coordinate
         assert ours._calc_shard_linear_idx(index, count) == theirs._calc_shard_linear_idx(index, count)
+
+
+@multi_rank(world_size=WORLD)
+def test_to_local_of_a_parameter_is_a_parameter_as_in_pytorch() -> None:
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+
+    from shardwise.dtensor_ops import Shard, distribute_tensor, init_device_mesh
+
+    ours = torch.nn.Parameter(distribute_tensor(torch.ones(8, 2), init_device_mesh("cpu", (WORLD,)), [Shard(0)]))
+    theirs = torch.nn.Parameter(torch_distribute_tensor(torch.ones(8, 2), torch_init_device_mesh("cpu", (WORLD,)), [TorchShard(0)]))
+    for grad_enabled in (True, False):
+        with torch.set_grad_enabled(grad_enabled):
+            local, their_local = ours.to_local(), theirs.to_local()
+        assert isinstance(their_local, torch.nn.Parameter)
+        assert isinstance(local, torch.nn.Parameter) and local.shape == (2, 2)
+        # The DTensor's own local tensor is not marked.
+        assert not isinstance(ours._local_tensor, torch.nn.Parameter)
+    plain = distribute_tensor(torch.ones(8, 2), init_device_mesh("cpu", (WORLD,)), [Shard(0)])
+    assert not isinstance(plain.to_local(), torch.nn.Parameter)

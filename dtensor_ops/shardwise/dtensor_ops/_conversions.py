@@ -122,13 +122,25 @@ def _local_spec(
 
 
 def to_local(dtensor: Any, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-    """``dtensor.to_local()`` (see ``DTensor.to_local``)."""
+    """``dtensor.to_local()`` (see ``DTensor.to_local``).
+
+    The local tensor of an ``nn.Parameter(DTensor)`` is marked as a parameter too (PyTorch 2.13:
+    ``isinstance(p.to_local(), nn.Parameter)``), on a fresh view so the DTensor's own is not marked.
+    """
     if not torch.is_grad_enabled():
-        return cast(torch.Tensor, dtensor._local_tensor)
-    grad_tuple = None
-    if grad_placements is not None:
-        grad_tuple = normalize_placements(grad_placements, dtensor._spec.mesh, dtensor.ndim, "to_local(grad_placements=...)")
-    return cast(torch.Tensor, _ToTorchTensor.apply(dtensor, grad_tuple))
+        result = cast(torch.Tensor, dtensor._local_tensor)
+    else:
+        grad_tuple = None
+        if grad_placements is not None:
+            grad_tuple = normalize_placements(
+                grad_placements, dtensor._spec.mesh, dtensor.ndim, "to_local(grad_placements=...)"
+            )
+        result = cast(torch.Tensor, _ToTorchTensor.apply(dtensor, grad_tuple))
+    if getattr(dtensor, "_is_param", False) and not getattr(result, "_is_param", False):
+        if result is dtensor._local_tensor:
+            result = result.view_as(result)
+        result._is_param = True
+    return result
 
 
 def redistribute(
