@@ -79,6 +79,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_random",
             "_dtensor_spec",
             "_ops._view_ops",
+            "_ops._pointwise_ops",
             "_ops.utils",
             "_ops.single_dim_strategy",
             "_ops._embedding_ops",

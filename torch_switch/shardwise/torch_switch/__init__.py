@@ -46,6 +46,8 @@ ALIASES: dict[str, str] = {
     "torch.distributed._tensor": "shardwise.dtensor_ops",
     "torch.distributed._tensor.placement_types": "shardwise.placement",
     "torch.distributed.fsdp._fully_shard": "shardwise.fsdp_ext._fully_shard_compat",
+    # FSDP2-based DDP; torch's pipelining imports it.
+    "torch.distributed._composable.replicate_with_fsdp": "shardwise.fsdp_ext._replicate",
 }
 
 # Under these paths a submodule that shardwise lacks is torch's own file (helpers that work on any
@@ -57,8 +59,10 @@ _TORCH_FILLS_GAPS = ("torch.distributed.tensor", "torch.distributed._tensor")
 _LOADED_WITH_TORCH = ("torch.distributed.device_mesh",)
 # Imported as soon as the switch takes over, before anything can import torch._dynamo: dynamo's own
 # import reaches torch.distributed.tensor (through FSDP's package), and shardwise's compile support
-# must be in place before that import starts to register itself right after it.
-_IMPORTED_AT_TAKE_OVER = ("torch.distributed.tensor",)
+# must be in place before that import starts to register itself right after it. torch's own FSDP2 imports
+# torch.distributed._symmetric_memory, which defines the symm_mem ops inductor's lowerings name at import;
+# shardwise's FSDP2 does not need it, so it is imported here, as torch's FSDP package would have.
+_IMPORTED_AT_TAKE_OVER = ("torch.distributed.tensor", "torch.distributed._symmetric_memory")
 # Names ``torch.distributed`` re-exports from its device_mesh module.
 _REEXPORTED_BY_TORCH_DISTRIBUTED = ("DeviceMesh", "init_device_mesh")
 
