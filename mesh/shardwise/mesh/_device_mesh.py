@@ -73,7 +73,8 @@ class DeviceMesh:
     _has_joint_groups: bool
     _slices: dict[tuple[str, ...], DeviceMesh]
     _key: tuple[Any, ...]
-    _world_generation: int
+    _init_backend: bool
+    _world_generation: int | None
     _stable_digest: bytes
     _hash: int
 
@@ -83,17 +84,39 @@ class DeviceMesh:
         mesh: torch.Tensor | Sequence[Any] | Any,
         *,
         mesh_dim_names: tuple[str, ...] | None = None,
+        _init_backend: bool = True,
+        _rank: int | None = None,
     ) -> None:
+        """``_init_backend=False`` (PyTorch's private keyword): a mesh without process groups, needing no
+        default process group; it describes a layout only (shape, coordinates, slicing, ``_flatten``,
+        ``_unflatten``) and its ``get_group`` raises. ``_rank``: the global rank whose coordinate the mesh
+        reports (default: this process's rank); with a backend it must be this process's rank.
+        """
         device_type = validation.check_device_type(device_type)
+        if not isinstance(_init_backend, bool):
+            raise MeshError(f"DeviceMesh: _init_backend must be a bool, got {_init_backend!r}")
+        if _rank is not None and (isinstance(_rank, bool) or not isinstance(_rank, int)):
+            raise MeshError(f"DeviceMesh: _rank must be an int (a global rank) or None, got {_rank!r}")
         if isinstance(mesh, validation.RankGrid):  # init_device_mesh's grid, valid by construction
             grid = mesh
         else:
             grid = validation.rank_grid_from(mesh)
         names = validation.normalize_dim_names(mesh_dim_names, len(grid.shape))
+        if not _init_backend:
+            self._init_without_backend(device_type, grid, names, _rank)
+            return
         validation.check_fits_world(grid, world_size_for_validation())
         ensure_default_process_group(device_type)
         layout = MeshLayout.root(grid)
         rank = dist.get_rank()
+        if _rank is not None and _rank != rank:
+            # The groups are this process's: a mesh reporting another rank's coordinate would pair
+            # that coordinate with this rank's groups.
+            raise MeshError(
+                f"DeviceMesh(..., _rank={_rank}) in the process of rank {rank}: with process groups the mesh "
+                f"answers for this process's rank only; pass _rank={rank} or None, or _init_backend=False for "
+                "a mesh that only describes a layout"
+            )
         groups = [
             process_groups.group_for_dim(layout, dim, rank, _group_description(names, dim))
             for dim in range(layout.ndim)
@@ -105,6 +128,22 @@ class DeviceMesh:
             # run by the mesh's ranks only, cannot do later: make them all now.
             self._create_joint_groups()
 
+    def _init_without_backend(
+        self, device_type: str, grid: validation.RankGrid, names: tuple[str, ...] | None, rank: int | None
+    ) -> None:
+        """A mesh that only describes a layout: no default group needed, no group created or looked up."""
+        if rank is None:
+            if not dist.is_initialized():
+                raise MeshError(
+                    "DeviceMesh(..., _init_backend=False) without _rank needs the default process group to know "
+                    "this process's rank, and none is initialised; pass _rank=<the global rank whose coordinate "
+                    "the mesh should report> or call init_process_group first"
+                )
+            rank = dist.get_rank()
+        # No world check: without groups the ranks are labels (spmd_types builds arange(n) meshes
+        # for any axis size, also larger than the world or with no world at all).
+        self._setup(device_type, MeshLayout.root(grid), names, root=None, groups=(), rank=rank, init_backend=False)
+
     def _setup(
         self,
         device_type: str,
@@ -114,8 +153,10 @@ class DeviceMesh:
         root: DeviceMesh | None,
         groups: tuple[dist.ProcessGroup, ...],
         rank: int,
+        init_backend: bool = True,
     ) -> None:
         self._device_type = device_type
+        self._init_backend = root._init_backend if root is not None else init_backend
         self._layout = layout
         self._mesh_dim_names = names
         self.device_type = device_type
@@ -137,11 +178,19 @@ class DeviceMesh:
         self._slices = {}
         # The layout's signature, not its grid: views of one root cut into different grids (a mesh
         # and its ``_unflatten``) that walk the same ranks are the same mesh.
-        layout_key = (device_type, layout.signature, names)
+        layout_key: tuple[Any, ...] = (device_type, layout.signature, names)
+        if not self._init_backend:
+            # Never equal to a mesh with groups (nor sharing its digest, which compiled graphs look
+            # meshes up by): a DTensor cache must not hand a group-less mesh to real communication.
+            # The rank is part of it, as it sets every coordinate the mesh reports.
+            layout_key = (*layout_key, ("_init_backend=False", "_rank", rank))
         # Python's str hash differs between processes; a digest of the key does not, so the hash is
         # the same on every rank (and in every process: the world's number stays out of it).
         self._stable_digest = hashlib.blake2b(repr(layout_key).encode(), digest_size=16).digest()
-        self._world_generation = root._world_generation if root is not None else world_generation()
+        if root is not None:
+            self._world_generation = root._world_generation
+        else:
+            self._world_generation = world_generation() if self._init_backend else None
         self._key = (*layout_key, self._world_generation)
         self._hash = int.from_bytes(self._stable_digest[:8], "little", signed=True)
         _LATEST_MESH_BY_DIGEST[self._stable_digest.hex()] = self
@@ -297,6 +346,12 @@ class DeviceMesh:
         return self._coordinate
 
     def _require_groups(self, what: str) -> tuple[dist.ProcessGroup, ...]:
+        if not self._init_backend:
+            raise MeshError(
+                f"{what}: {self!r} was built with _init_backend=False, so no process group was initialised for "
+                "it (it describes a layout only: shape, coordinates, slicing); build the mesh with process groups "
+                "(DeviceMesh(...) without _init_backend=False, or init_device_mesh) to communicate over it"
+            )
         self._require_member(what)
         if len(self._group_refs) != self.ndim:
             raise MeshError(
@@ -414,7 +469,7 @@ class DeviceMesh:
             submesh = root._flatten_mapping[names[0]]
         else:
             groups: tuple[dist.ProcessGroup, ...] = ()
-            if self._coordinate is not None:
+            if self._coordinate is not None and self._init_backend:
                 groups = tuple(self._group_by_root_dims(dims) for dims in root_dims)
             submesh = DeviceMesh._view(root, self._layout.view(root_dims), names, groups)
         self._slices[names] = submesh
@@ -471,7 +526,11 @@ class DeviceMesh:
             raise MeshError(
                 f"a flattened dim named {mesh_dim_name!r} already exists over different mesh dims; pick another name"
             )
-        group = process_groups.group_for_dim(layout, 0, self._rank, f"mesh_{mesh_dim_name}", choice=choice)
+        group = (
+            process_groups.group_for_dim(layout, 0, self._rank, f"mesh_{mesh_dim_name}", choice=choice)
+            if self._init_backend
+            else None  # a layout only: the override was checked, there is no group to give it to
+        )
         flattened = DeviceMesh._view(root, layout, (mesh_dim_name,), _member_groups([group]))
         root._flatten_mapping[mesh_dim_name] = flattened
         return flattened
@@ -508,10 +567,11 @@ class DeviceMesh:
                 f"{where}: dim {index} of {self!r} walks its ranks as {self._layout.runs[index]} (size, stride) runs, "
                 f"which sizes {sizes} cannot split into a grid ({error})"
             ) from error
-        kept = self._require_groups(where) if self._coordinate is not None else ()
+        kept = self._require_groups(where) if self._coordinate is not None and self._init_backend else ()
         created = [
             process_groups.group_for_dim(layout, index + offset, self._rank, _group_description(names, index + offset), choice=choice)
             for offset, choice in enumerate(choices)
+            if self._init_backend
         ]
         new_groups = _member_groups(created)
         groups = (*kept[:index], *new_groups, *kept[index + 1 :]) if kept else ()
@@ -541,6 +601,11 @@ class DeviceMesh:
                     f"{where}: {mesh!r} and {first!r} are not views of one root mesh (different ranks or device "
                     "type); expected slices, flattenings or unflattenings of the same mesh"
                 )
+        if any(mesh._init_backend != first._init_backend or mesh._rank != first._rank for mesh in device_mesh_list):
+            raise MeshError(
+                f"{where}: {list(device_mesh_list)!r} mix meshes with process groups and meshes built with "
+                "_init_backend=False (or for different _rank); expected views of one root mesh"
+            )
         unnamed = [mesh for mesh in device_mesh_list if mesh._mesh_dim_names is None]
         if unnamed:
             raise MeshError(f"{where}: {unnamed!r} have no mesh_dim_names; every mesh concatenated needs them")
@@ -554,7 +619,7 @@ class DeviceMesh:
                 f"in the order they have in the root mesh"
             ) from error
         groups: tuple[dist.ProcessGroup, ...] = ()
-        if first._coordinate is not None:
+        if first._coordinate is not None and first._init_backend:
             groups = tuple(group for mesh in device_mesh_list for group in mesh._require_groups(where))
         return DeviceMesh._view(first._get_root_mesh(), layout, names, groups)
 
@@ -654,6 +719,8 @@ class DeviceMesh:
         # ``[3, 2, 1, 0]``) print alike; the rank listing tells them apart and, like the rest,
         # is the same on every rank.
         text = f"DeviceMesh({sizes}, '{self._device_type}', stride={self._layout.strides}, {self._layout.rank_listing}"
+        if not self._init_backend:
+            text += f", _init_backend=False, _rank={self._rank}"
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL":
             # As PyTorch: with detail on, show this rank's grid (the only rank-dependent repr).
             grid = self._layout.submesh_grid(self._rank)
@@ -680,6 +747,10 @@ class DeviceMesh:
         # Joint groups are not looked up again: redistribution then keeps to one mesh dim per step.
         self._joint_groups = {}
         self._has_joint_groups = False
+        if not self.__dict__.setdefault("_init_backend", True):
+            # A layout only: it keeps the rank it was built for and has no groups to find.
+            self._group_refs = ()
+            return
         groups: list[dist.ProcessGroup] = []
         if dist.is_initialized():
             self._rank = dist.get_rank()
