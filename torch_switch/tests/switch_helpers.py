@@ -9,36 +9,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 
-PTH_NAME = "shardwise_torch_switch.pth"
-
 
 def make_environment(root: pathlib.Path) -> pathlib.Path:
-    """A virtual environment over this interpreter's packages with the switch's .pth in its site-packages.
-
-    The .pth is found next to the shardwise.torch_switch package (runfiles or source tree), as the wheel
-    installs it next to the package. Returns the environment's python.
-    """
+    """A virtual environment over this interpreter's packages with the switch's .pth installed; its python."""
     import shardwise.torch_switch
 
-    package_dir = pathlib.Path(shardwise.torch_switch.__file__).resolve().parent
-    pth = package_dir.parent.parent / PTH_NAME
-    assert pth.is_file(), f"the switch's {PTH_NAME} is not beside its package at {pth}"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)],
-        check=True,
-    )
-    python = root / "bin" / "python"
-    site_packages = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    shutil.copy(pth, pathlib.Path(site_packages) / PTH_NAME)
-    return python
+    return pathlib.Path(shardwise.torch_switch.switched_environment(str(root)))
 
 
 def _check_off() -> None:

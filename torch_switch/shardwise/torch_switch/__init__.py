@@ -253,9 +253,50 @@ def install_if_requested() -> None:
         install()
 
 
+PTH_FILE_NAME = "shardwise_torch_switch.pth"
+
+
+def pth_file() -> str:
+    """The ``.pth`` file that turns the switch on at interpreter start: next to the ``shardwise`` folder this
+    package lies in, in site-packages as the wheel installs it and in a source or Bazel tree alike."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), PTH_FILE_NAME)
+
+
+def switched_environment(root: str) -> str:
+    """A virtual environment at ``root`` over this interpreter's packages, with the switch's ``.pth`` installed
+    in its site-packages (as installing the wheel would); returns its python. Its interpreters honour
+    ``SHARDWISE_AS_TORCH`` at start: a way to try an unmodified program (or test one) without installing wheels,
+    with shardwise importable through ``PYTHONPATH``."""
+    import shutil
+    import subprocess
+
+    source = pth_file()
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"the switch's {PTH_FILE_NAME} is not beside its package: {source}")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", root], check=True)
+    python = os.path.join(root, "bin", "python")
+    site_packages = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    shutil.copy(source, os.path.join(site_packages, PTH_FILE_NAME))
+    return python
+
+
 def is_active() -> bool:
     """Whether torch's DTensor paths resolve to shardwise in this process."""
     return _FINDER is not None and _FINDER.active
 
 
-__all__ = ["ALIASES", "ENVIRONMENT_VARIABLE", "SwitchError", "install", "install_if_requested", "is_active", "shardwise_path_for"]
+__all__ = [
+    "ALIASES",
+    "ENVIRONMENT_VARIABLE",
+    "PTH_FILE_NAME",
+    "SwitchError",
+    "install",
+    "install_if_requested",
+    "is_active",
+    "pth_file",
+    "shardwise_path_for",
+    "switched_environment",
+]
