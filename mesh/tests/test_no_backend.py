@@ -19,7 +19,8 @@ import torch.distributed.device_mesh as torch_device_mesh
 from group_creation_helpers import count_group_constructions
 
 from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh
-from shardwise.mesh._device_mesh import _live_mesh_by_digest
+from shardwise.mesh._device_mesh import _METHODS_LOCAL_TENSOR_MODE_PATCHES, _live_mesh_by_digest
+from shardwise.mesh._simulation import as_simulated_rank
 from shardwise.testing import multi_rank
 
 GRID = [[0, 1, 2], [3, 4, 5]]
@@ -151,6 +152,33 @@ def test_identity_copy_pickle_and_context() -> None:
         restored.get_group()
     with mesh:
         assert get_current_mesh() is mesh
+
+
+def _per_rank(value: object) -> dict[int, int]:
+    """The per-rank ints of a simulated (LocalTensorMode) SymInt."""
+    return dict(value.node._local_ints)  # type: ignore[attr-defined]
+
+
+def test_local_tensor_mode_patching_this_class_keeps_its_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With shardwise standing in for torch (shardwise.torch_switch), the DeviceMesh that torch's
+    # LocalTensorMode patches on entry is ours; spmd-types' tests run its checker under that mode.
+    local_tensor = pytest.importorskip("torch.distributed._local_tensor")
+    monkeypatch.setattr(local_tensor, "DeviceMesh", DeviceMesh)
+    own = {name: DeviceMesh.__dict__[name] for name in _METHODS_LOCAL_TENSOR_MODE_PATCHES}
+    mesh = _layout_mesh(0, [[0, 1], [2, 3]])
+    with local_tensor.LocalTensorMode(4):
+        assert {name: DeviceMesh.__dict__[name] for name in own} == own
+        dp, tp = mesh.get_coordinate()  # type: ignore[misc]
+        assert (_per_rank(dp), _per_rank(tp)) == ({0: 0, 1: 0, 2: 1, 3: 1}, {0: 0, 1: 1, 2: 0, 3: 1})
+        assert _per_rank(mesh._sym_get_coordinate(1)) == _per_rank(mesh["tp"].get_local_rank()) == _per_rank(tp)
+        assert _per_rank(mesh.get_rank()) == {rank: rank for rank in range(4)}
+        # The pinned rank that dtensor_ops' per-rank code relies on, which torch's replacements ignore.
+        with as_simulated_rank(3):
+            assert mesh.get_coordinate() == (1, 1) and mesh._sym_get_coordinate(0) == 1
+    assert {name: DeviceMesh.__dict__[name] for name in own} == own
+    assert mesh.get_coordinate() == (0, 0) and mesh._sym_get_coordinate(1) == 0
+    with pytest.raises(MeshError, match="rank 7 is not part of"):
+        _layout_mesh(7)._sym_get_coordinate(0)
 
 
 # ----------------------------------------------------------------- beside real meshes, 4 gloo ranks

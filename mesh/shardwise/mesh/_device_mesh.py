@@ -38,7 +38,37 @@ def get_current_mesh() -> DeviceMesh:
     return _active_meshes.meshes[-1]
 
 
-class DeviceMesh:
+# What torch's LocalTensorMode replaces on "the" DeviceMesh class while it is enabled
+# (``_local_tensor._PATCHED_DEVICE_MESH_METHODS``): its module imports
+# ``torch.distributed.device_mesh.DeviceMesh``, which is this class when shardwise stands in for
+# torch (``shardwise.torch_switch``).
+_METHODS_LOCAL_TENSOR_MODE_PATCHES = frozenset(
+    {"get_coordinate", "get_local_rank", "get_rank", "_is_current_rank_part_of_mesh", "_sym_get_coordinate"}
+)
+
+
+class _DeviceMeshClass(type):
+    """Keeps this class's own answers under torch's LocalTensorMode.
+
+    torch's replacements read torch's mesh internals (``_rank_map``, its layout's
+    ``remap_to_tensor``) and ignore the rank that ``_simulation.as_simulated_rank`` pins, which
+    dtensor_ops relies on; ``_simulation`` already answers for every simulated rank, as they do.
+    So their assignment is dropped (the mode's restore, which assigns our own methods, goes through).
+    """
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if name in _METHODS_LOCAL_TENSOR_MODE_PATCHES and _is_local_tensor_mode_patch(value):
+            return
+        super().__setattr__(name, value)
+
+
+def _is_local_tensor_mode_patch(value: object) -> bool:
+    return getattr(value, "__module__", None) == simulation._LOCAL_TENSOR_MODULE and str(
+        getattr(value, "__qualname__", "")
+    ).startswith("_LocalDeviceMesh.")
+
+
+class DeviceMesh(metaclass=_DeviceMeshClass):
     """An n-D grid of global ranks, with one c10d process group per dim for each rank in it.
 
     Follows ``torch.distributed.device_mesh.DeviceMesh`` (PyTorch 2.13). The ranks of a mesh build
@@ -277,6 +307,13 @@ class DeviceMesh:
 
     def _is_current_rank_part_of_mesh(self) -> bool:
         return self.get_coordinate() is not None
+
+    def _sym_get_coordinate(self, index: int) -> int:
+        """This rank's coordinate along mesh dim ``index`` (PyTorch's DTensor reads it; the rank must be in the mesh)."""
+        coordinate = self.get_coordinate()
+        if coordinate is None:
+            raise MeshError(f"_sym_get_coordinate({index}): rank {self._rank} is not part of {self!r}")
+        return coordinate[index]
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         """This rank's index along ``mesh_dim`` (= its rank in that dim's process group)."""
