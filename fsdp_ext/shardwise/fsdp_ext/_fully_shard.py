@@ -75,6 +75,14 @@ class _FSDPState:
         self.forward_prefetch: list[_FSDPState] | None = None
         self.backward_prefetch: list[_FSDPState] | None = None
         self.pre_backward_done = False
+        # From this unit's pre-backward hook to the end of backward: a forward of the unit now is activation
+        # checkpointing recomputing it, with the unsharded parameters the pre-backward hook put in place.
+        self.in_backward = False
+        # Whether the modules hold the unsharded parameters of the unit forward in progress (the autograd
+        # function's outputs): a list unit's later modules compute with them, unless a backward in between
+        # (torchtitan's chunked loss: lm_head forward and backward per chunk while the final norm of the same
+        # unit ran once) swapped them out.
+        self.forward_params_in_place = False
         self.is_last_backward = True
         # set_unshard_in_backward(False): backward needs no unsharded parameter of this unit (an embedding).
         self.unshard_in_backward = True
@@ -100,6 +108,8 @@ class _FSDPState:
                 state.is_root = False
                 state.root = self
                 state.units = []
+            if state.group is not None:
+                state.group.check_materialized()
             self.units.append(state)
         self.forward_order = []
         self.recording_order = True
@@ -135,7 +145,14 @@ class _FSDPState:
     def _eager_module_pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
-        if self.modules_to_run:
+        if self.modules_to_run or self.in_backward:
+            # Another module of a unit already gathered, or a recomputation in backward (nothing to gather,
+            # prefetch or hook: the forward it replays did that).
+            group = self.group
+            if not self.in_backward and not self.forward_params_in_place and group is not None:
+                group.wait_unshard()
+                group.use_unsharded_params()
+                self.forward_params_in_place = True
             param_dtype = self.mp_policy.param_dtype
             if self.mp_policy.cast_forward_inputs and param_dtype is not None:
                 args, kwargs = _cast_floating((args, kwargs), param_dtype)
@@ -154,6 +171,10 @@ class _FSDPState:
 
     @torch._disable_dynamo  # lazy: FSDP2 is imported while torch._dynamo itself imports (switch on)
     def _eager_module_post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.in_backward:
+            # Recomputed in backward: the unsharded parameters stay until the unit's post-backward.
+            output_dtype = self.mp_policy.output_dtype
+            return _cast_floating(output, output_dtype) if output_dtype is not None else output
         self.modules_to_run.discard(id(module))
         if not self.modules_to_run:
             return self.post_forward(module, args, output)
@@ -192,6 +213,7 @@ class _FSDPState:
                 if unit.group is not None:
                     unit.group.launch_unshard()
             group.use_unsharded_params()
+            self.forward_params_in_place = True
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -199,6 +221,7 @@ class _FSDPState:
         grad_enabled = torch.is_grad_enabled()
         if group is not None:
             group.use_sharded_params()
+            self.forward_params_in_place = False
             if not grad_enabled:
                 group.reshard()
             elif self.reshard_after_forward and not self.is_root:
@@ -269,6 +292,13 @@ class _FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
         if self.group is not None and self.unshard_in_backward:
             self.group.wait_unshard()
+            # The modules compute with the unsharded parameters during the unit's backward, as in PyTorch's
+            # FSDP2: activation checkpointing's recomputation (checkpoint_wrapper inside the unit, whose
+            # forward hooks do not run again) reads them there. The unit's post-backward (or the end of
+            # backward) puts the sharded ones back.
+            self.group.use_unsharded_params_in_backward()
+        self.in_backward = True
+        self.forward_params_in_place = False
         for unit in self._backward_prefetch_targets():
             if unit.group is not None and unit.unshard_in_backward:
                 unit.group.launch_unshard()
@@ -290,8 +320,11 @@ class _FSDPState:
         self.backward_callback_queued = False
         for unit in self.units:
             unit.pre_backward_done = False
-            if unit.group is not None and unit.group.reshard_after_backward:
-                unit.group.reshard()
+            unit.in_backward = False
+            if unit.group is not None:
+                unit.group.use_sharded_params()
+                if unit.group.reshard_after_backward:
+                    unit.group.reshard()
 
 
 class _TracedUnits:
@@ -335,6 +368,22 @@ class FSDPModule:
             if state is not None and state not in units:
                 units.append(state)
         return units
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to_empty``, ``to``, ...), then this unit's sharded parameters made views of
+        its flat buffers again (on the new device, for ``to_empty(device=...)`` after ``fully_shard`` on meta).
+
+        ``_apply`` swaps each parameter's contents in place (``torch.utils.swap_tensors``: the DTensor
+        parameter objects, which an optimizer may hold, stay), which leaves their local tensors outside the
+        flat buffer the all-gather sends; re-pointing them now makes in-place initialisation afterwards
+        (``init_weights``, ``nn.init.*_``, ``copy_``) land in that buffer.
+        """
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        state = _state_of(self)  # type: ignore[arg-type]
+        if state is not None and state.group is not None:
+            # A list unit is re-pointed once its last module moved (until then its parameters are on two devices).
+            state.group.reset_sharded_storage()
+        return result
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now (the next forward then skips its all-gather)."""
@@ -416,8 +465,11 @@ class FSDPModule:
             )
         for unit in state.units or [state]:
             unit.pre_backward_done = False
+            unit.in_backward = False
+            unit.forward_params_in_place = False
             unit.modules_to_run = set()
             if unit.group is not None:
+                unit.group.use_sharded_params()
                 unit.group.reset()
         state.backward_callback_queued = False
         if state.recording_order:
@@ -553,6 +605,10 @@ def fully_shard(
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     managed = _managed_params(modules, ignored_params or set())
     device_type = managed[0][1].device.type if managed else "cpu"
+    if device_type == "meta":
+        # Deferred initialisation: the parameters will be materialised on the default device (to_empty).
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device_type = accelerator.type if accelerator is not None else "cpu"
     if isinstance(offload_policy, CPUOffloadPolicy) and device_type != "cpu":
         raise NotImplementedError(
             f"fully_shard: CPUOffloadPolicy on a {device_type!r} mesh is not supported by shardwise.fsdp_ext; "
@@ -579,10 +635,13 @@ def fully_shard(
     if mesh.get_coordinate() is None:
         raise FSDPError(f"fully_shard: rank {torch.distributed.get_rank()} is not part of {mesh!r}")
     for fqn, param, _ in managed:
-        if param.device.type != mesh.device_type:
+        # Meta parameters (deferred initialisation) are sharded as they are, with no collective; the
+        # unit's buffers follow them onto the mesh's device when module.to_empty(device=...) moves them.
+        if param.device.type not in (mesh.device_type, "meta"):
             raise FSDPError(
                 f"fully_shard: parameter {fqn!r} is on {param.device} but the mesh is a {mesh.device_type!r} mesh; "
-                "expected the parameters on the mesh's device type"
+                "expected the parameters on the mesh's device type (or on the meta device, to be materialised "
+                "later with module.to_empty(device=...))"
             )
     # One parameter group per data-parallel mesh: the default one (key None), and those named by
     # shard_placement_fn's ShardPlacementResults (parameters on equal meshes share a group).

@@ -558,15 +558,78 @@ class FSDPParamGroup:
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = fsdp_param.sharded_param
 
-    def _sync_sharded_storage(self) -> None:
-        """Copy in sharded parameters whose local tensor was replaced (``param.data = ...``)."""
+    def _local_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
         for fsdp_param in self.fsdp_params:
             param = fsdp_param.sharded_param
             assert param is not None
-            local = param._local_tensor  # type: ignore[attr-defined]
-            if local.data_ptr() != fsdp_param._sharded_local_ptr:
-                view = fsdp_param.sharded_local_view(self.sharded_flat)
-                view.copy_(local)
+            tensors.append(param._local_tensor)  # type: ignore[attr-defined]
+        return tensors
+
+    def reset_sharded_storage(self) -> bool:
+        """Make the sharded parameters' local tensors views of ``sharded_flat`` again, keeping their values.
+
+        For whatever replaced them in place of the parameter objects the optimizer holds
+        (``nn.Module._apply``: ``to_empty``, ``to``; ``param.data = ...``). When every local tensor moved to
+        another device (``fully_shard`` on the meta device, then ``to_empty(device=...)``), the flat
+        buffers are allocated anew there (uninitialised, as ``to_empty``'s tensors are), so in-place
+        initialisation of the DTensor parameters writes straight into what the next all-gather sends.
+        Returns False, changing nothing, while the local tensors are on several devices (a list unit
+        half-way through ``_apply``) or on a device other than the mesh's (still meta).
+        """
+        tensors = self._local_tensors()
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            return False
+        device = devices.pop()
+        if device.type != self.dp_mesh.device_type:
+            return False
+        if device != self.sharded_flat.device:
+            self._move_buffers(device)
+        self._sync_sharded_storage()
+        return True
+
+    def _move_buffers(self, device: torch.device) -> None:
+        """Allocate the flat buffers on ``device``; nothing gathered, pending or accumulated survives."""
+        self.reset()
+        self.device = device
+        self.sharded_flat = torch.empty(self.sharded_numel, dtype=self.orig_dtype, device=device)
+        self.unsharded_flat = torch.empty(self.unsharded_numel, dtype=self.param_dtype, device=device)
+        self._unsharded_views = [p.unsharded_view(self.unsharded_flat) for p in self.fsdp_params]
+        self._free_unsharded()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param._sharded_local_ptr = -1  # no local tensor is a view of the new buffer yet
+
+    def check_materialized(self) -> None:
+        """Refuse to gather parameters still on the meta device (or elsewhere than the mesh's device)."""
+        off = [
+            f"{p.fqn} ({t.device})"
+            for p, t in zip(self.fsdp_params, self._local_tensors())
+            if t.device.type != self.dp_mesh.device_type
+        ]
+        if off:
+            raise FSDPError(
+                f"fully_shard: parameters {', '.join(off)} are not on the {self.dp_mesh.device_type!r} device of "
+                f"their mesh {self.dp_mesh!r}; expected parameters created on the meta device to be materialised "
+                "before the first forward or unshard: call module.to_empty(device=...) and initialise them "
+                "(e.g. module.init_weights() or reset_parameters())"
+            )
+
+    def _sync_sharded_storage(self) -> None:
+        """Copy in sharded parameters whose local tensor was replaced (``param.data = ...``, ``to_empty``)."""
+        for fsdp_param, local in zip(self.fsdp_params, self._local_tensors()):
+            param = fsdp_param.sharded_param
+            assert param is not None
+            view = fsdp_param.sharded_local_view(self.sharded_flat)
+            if local.data_ptr() != fsdp_param._sharded_local_ptr or local.device != view.device:
+                if local.dtype != self.orig_dtype:
+                    raise FSDPError(
+                        f"fully_shard: parameter {fsdp_param.fqn!r} became {local.dtype} after fully_shard (which "
+                        f"laid it out as {self.orig_dtype}); expected dtype changes before fully_shard, or "
+                        "mp_policy=MixedPrecisionPolicy(param_dtype=...) for compute in another dtype"
+                    )
+                if not local.is_meta and view.data_ptr() != local.data_ptr():
+                    view.copy_(local)
                 param._local_tensor = view  # type: ignore[attr-defined]
                 fsdp_param._sharded_local_ptr = view.data_ptr()
 
@@ -584,7 +647,8 @@ class FSDPParamGroup:
             with torch.no_grad():
                 self._pending_gather = launch_all_gather(post_forward.view(-1), size, name)
             return
-        self._sync_sharded_storage()
+        self.check_materialized()
+        self.reset_sharded_storage()
         send = self.sharded_flat
         if send.dtype != self.param_dtype:
             send = send.to(self.param_dtype)
@@ -666,6 +730,20 @@ class FSDPParamGroup:
             for owner in fsdp_param.owners:
                 owner.module._parameters[owner.name] = value  # type: ignore[assignment]
 
+    def use_unsharded_params_in_backward(self) -> None:
+        """Point the modules at the unsharded parameters for recomputation in backward (activation checkpointing).
+
+        Fresh leaves on the unsharded storage, requiring gradients as the forward's did (so that the recomputed
+        ops save the same tensors, which checkpointing checks); the recomputed graph is only read for its saved
+        tensors, never differentiated: the gradients still come through the forward's ``_UnshardedParams``.
+        """
+        with torch.enable_grad():
+            for fsdp_param, view in zip(self.fsdp_params, self._unsharded_views):
+                tensor = view.detach().requires_grad_(fsdp_param.requires_grad)
+                value = fsdp_param.unsharded_for_module(tensor, self)
+                for owner in fsdp_param.owners:
+                    owner.module._parameters[owner.name] = value  # type: ignore[assignment]
+
     def use_traced_unsharded_params(self, regather_in_backward: bool) -> None:
         """Point the modules at unsharded parameters built by traceable ops (inside a compiled graph).
 
@@ -745,6 +823,7 @@ class FSDPParamGroup:
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Gradients of the unsharded parameters in, the sharded parameters' gradients out."""
         self.backward_ran = True
+        self.use_sharded_params()  # the pre-backward hook put the unsharded ones on the modules
         with_grad = [p for p in self.fsdp_params if p.requires_grad]
         if self.reshard_after_backward:
             self.reshard()
@@ -874,6 +953,13 @@ class FSDPParamGroups:
         for group in self.groups:
             group.launch_unshard()
 
+    def reset_sharded_storage(self) -> bool:
+        return all([group.reset_sharded_storage() for group in self.groups])
+
+    def check_materialized(self) -> None:
+        for group in self.groups:
+            group.check_materialized()
+
     def wait_unshard(self) -> None:
         self.launch_unshard()  # every gather in flight before the first wait
         for group in self.groups:
@@ -890,6 +976,10 @@ class FSDPParamGroups:
     def use_sharded_params(self) -> None:
         for group in self.groups:
             group.use_sharded_params()
+
+    def use_unsharded_params_in_backward(self) -> None:
+        for group in self.groups:
+            group.use_unsharded_params_in_backward()
 
     def use_traced_unsharded_params(self, regather_in_backward: bool) -> None:
         for group in self.groups:
