@@ -10,6 +10,7 @@ hooks again in the recomputation.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +95,70 @@ def test_checkpointed_blocks_train_like_one_process(where: str, layout: str) -> 
         assert isinstance(param, DTensor), name
         expected = reference_params[name.replace("._checkpoint_wrapped_module", "")]
         torch.testing.assert_close(param.full_tensor(), expected.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+class _Trunk(nn.Module):
+    """Embedding, one block, a final norm; the output head is called apart (torchtitan's chunked loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.block = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.norm(h + self.block(h))
+
+
+def _chunked_loss_backward(model: _Trunk, tokens: torch.Tensor, labels: torch.Tensor, fsdp: bool) -> None:
+    """torchtitan's ChunkedLossWrapper: head forward and backward per chunk of detached hidden states, the
+    accumulated hidden-state gradient sent through the trunk last."""
+    hidden = model(tokens)
+    chunks = [c.detach().requires_grad_(True) for c in hidden.chunk(2, dim=1)]
+    label_chunks = labels.chunk(2, dim=1)
+    head: Any = model.head
+    if fsdp:
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
+    grads = []
+    for index, (chunk, label_chunk) in enumerate(zip(chunks, label_chunks)):
+        if fsdp and index == len(chunks) - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(chunk)
+        F.cross_entropy(logits.flatten(0, 1), label_chunk.flatten()).backward()
+        grads.append(chunk.grad)
+    if fsdp:
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.reshard()
+    hidden.backward(torch.cat(grads, dim=1))
+
+
+@multi_rank(world_size=4)
+def test_list_unit_with_backwards_between_its_modules_as_torchtitans_chunked_loss() -> None:
+    torch.manual_seed(0)
+    reference = _Trunk()
+    model = copy.deepcopy(reference)
+    fully_shard(model.block)
+    fully_shard([model.norm, model.head])  # torchtitan: the final norm and the output head, one unit
+    fully_shard(model)
+    sharded_before = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 16, (4, 6), generator=generator)
+    labels = torch.randint(0, 16, (4, 6), generator=generator)
+    rank = dist.get_rank()
+    for _ in range(2):
+        _chunked_loss_backward(reference, tokens, labels, fsdp=False)
+        _chunked_loss_backward(model, tokens[rank : rank + 1], labels[rank : rank + 1], fsdp=True)
+        for name, param in model.named_parameters():
+            assert param is sharded_before[name], name
+            expected = reference.get_parameter(name).grad
+            assert param.grad is not None and expected is not None, name
+            # The reference averages its loss over 4 rows, each rank over its one row and FSDP over the 4 ranks.
+            torch.testing.assert_close(param.grad.full_tensor(), expected, rtol=1e-5, atol=1e-6, msg=name)
+        reference.zero_grad()
+        model.zero_grad()
