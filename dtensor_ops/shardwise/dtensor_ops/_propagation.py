@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any, Mapping, Sequence, cast
 
 import torch
@@ -363,6 +364,8 @@ def _cheapest_combination(
     changed, enumeration order): free local steps still lose to no step at all, and equal candidates
     resolve the same way on every rank.
     """
+    if _size_one_dims_choose_freely(call, per_mesh_dim):
+        return _cheapest_combination_over_larger_dims(op, rule, call, per_mesh_dim)
     rule_specs = call.input_specs
     best_rank: tuple[int, int, int] | None = None
     best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
@@ -387,6 +390,95 @@ def _cheapest_combination(
         rank = (moved, changed, order)
         if best_rank is None or rank < best_rank:
             best_rank, best = rank, (inputs_nd, outputs_nd)
+    if best_rank is None:
+        raise ShardingPropagationError(
+            f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({describe_inputs(call.all_specs)})"
+        )
+    return best
+
+
+def _size_one_dims_choose_freely(call: OpCall, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]) -> bool:
+    """Whether some mesh dim of size 1 offers several strategies and what they cost does not depend on them.
+
+    On a mesh dim of size 1 every placement holds the same values, so the planner moves an input's
+    placements there by free relabels and prices the rest of its plan without them
+    (``_redistribute_plan``, "Mesh dims of size 1"). Not where a ``_StridedShard`` layout (or a shard
+    order, which is one) is involved: those plans are priced on the whole layout.
+    """
+    mesh_shape = tuple(call.mesh.shape)
+    if not any(size == 1 and len(strategies) > 1 for size, strategies in zip(mesh_shape, per_mesh_dim)):
+        return False
+    for spec in call.input_specs:
+        if spec.has_explicit_shard_order or any(isinstance(p, _StridedShard) for p in spec.placements):
+            return False
+    return not any(
+        isinstance(p, _StridedShard) for strategies in per_mesh_dim for strategy in strategies for p in strategy.inputs
+    )
+
+
+def _cheapest_combination_over_larger_dims(
+    op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
+) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
+    """``_cheapest_combination``'s choice, enumerating the product over the mesh dims of size > 1 only.
+
+    The rank of a combination is (redistribution time, placements changed, enumeration order). Its time
+    does not depend on the strategies of the size-1 dims (``_size_one_dims_choose_freely``), its changed
+    placements are a sum over mesh dims, and two combinations that agree on the larger dims compare in
+    enumeration order as their size-1 parts do. So for each combination of the larger dims the best
+    completion is the first exact one among the size-1 parts sorted by (placements they change, their
+    enumeration order): usually the first, so the rule's exactness check and the planner are asked about
+    as often as on the mesh without those dims. The choice is the full enumeration's.
+    """
+    rule_specs = call.input_specs
+    mesh_shape = tuple(call.mesh.shape)
+    ndim = len(per_mesh_dim)
+    # Weight of each mesh dim's strategy index in the full product's enumeration order (row-major).
+    weights = [math.prod(len(per_mesh_dim[later]) for later in range(d + 1, ndim)) for d in range(ndim)]
+    free_dims = [d for d in range(ndim) if mesh_shape[d] == 1]
+    larger_dims = [d for d in range(ndim) if mesh_shape[d] != 1]
+
+    def changed_on(d: int, strategy: OneDimStrategy) -> int:
+        return sum(1 for spec, wanted in zip(rule_specs, strategy.inputs) if spec.placements[d] != wanted)
+
+    free_changed = [[changed_on(d, strategy) for strategy in per_mesh_dim[d]] for d in free_dims]
+
+    def free_rank(indices: tuple[int, ...]) -> tuple[int, int]:
+        changed = sum(free_changed[k][i] for k, i in enumerate(indices))
+        return changed, sum(weights[d] * i for d, i in zip(free_dims, indices))
+
+    free_parts = sorted(itertools.product(*(range(len(per_mesh_dim[d])) for d in free_dims)), key=free_rank)
+
+    best_rank: tuple[int, int, int] | None = None
+    best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
+    costs: dict[tuple[int, tuple[Placement, ...]], int] = {}
+    combo: list[OneDimStrategy] = [per_mesh_dim[d][0] for d in range(ndim)]
+    for larger in itertools.product(*(range(len(per_mesh_dim[d])) for d in larger_dims)):
+        for d, i in zip(larger_dims, larger):
+            combo[d] = per_mesh_dim[d][i]
+        for free in free_parts:
+            for d, i in zip(free_dims, free):
+                combo[d] = per_mesh_dim[d][i]
+            inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
+            outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
+            if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
+                continue
+            moved = 0
+            changed = 0
+            for index, target in enumerate(inputs_nd):
+                current = rule_specs[index].placements
+                if target == current:
+                    continue
+                cost = costs.get((index, target))
+                if cost is None:
+                    cost = _redistribute_cost(rule_specs[index], target)
+                    costs[(index, target)] = cost
+                moved += cost
+                changed += sum(1 for have, want in zip(current, target) if have != want)
+            order = sum(weights[d] * i for d, i in zip(larger_dims, larger)) + free_rank(free)[1]
+            rank = (moved, changed, order)
+            if best_rank is None or rank < best_rank:
+                best_rank, best = rank, (inputs_nd, outputs_nd)
+            break  # the first exact completion is this combination's best
     if best_rank is None:
         raise ShardingPropagationError(
             f"{op}: none of the {rule.family!r} rule's strategies is exact for inputs ({describe_inputs(call.all_specs)})"
