@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _StridedShard
 
 from ._aligned import argument_location
 
@@ -262,10 +262,11 @@ NEW_FACTORY_RULE = ShardingRule(
 
 def _fill_strategies(call: OpCall) -> list[OneDimStrategy]:
     extra_inputs: tuple[Placement, ...] = (Replicate(),) * (len(call.input_specs) - 1)  # fill_.Tensor's value
-    return [
-        OneDimStrategy((placement,), (placement,) + extra_inputs)
-        for placement in call.placements_keeping_values_unread(len(call.input_shape(0)))
-    ]
+    keep = call.placements_keeping_values_unread(len(call.input_shape(0)))
+    # A fill writes one value everywhere, so any layout may stay as it is: also the _StridedShard pieces
+    # FSDP over TP leaves (optimizers zero such gradients in place).
+    keep += [p for p in dict.fromkeys(call.input_specs[0].placements) if isinstance(p, _StridedShard)]
+    return [OneDimStrategy((placement,), (placement,) + extra_inputs) for placement in keep]
 
 
 @dataclass(frozen=True)
