@@ -1,6 +1,7 @@
 """The package layers of DESIGN.md, the layers inside dtensor_ops, and a checker for both.
 
     tools -> testing -> tp_styles / fsdp_ext / compile_support -> dtensor_ops -> placement -> mesh
+    tools -> torch_switch (-> every product package, by name only when torch's path is imported)
 
 Inside dtensor_ops, imports go one direction only (``DTENSOR_OPS_LAYERS``, bottom first), and no
 product module takes part in an import cycle, counting imports inside functions and
@@ -27,7 +28,7 @@ ALLOWED_IMPORTS: dict[str, frozenset[str]] = {
     "compile_support": frozenset({"dtensor_ops", "placement", "mesh"}),
     "testing": frozenset({"tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}),
     "tools": frozenset(
-        {"testing", "tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}
+        {"torch_switch", "testing", "tp_styles", "fsdp_ext", "compile_support", "dtensor_ops", "placement", "mesh"}
     ),
     # The switch maps torch's paths onto every product package (it imports them by name only when
     # torch's path is imported, never at its own import); its tests may use the harness.
