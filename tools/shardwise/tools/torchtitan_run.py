@@ -28,7 +28,10 @@ from typing import Any
 CONFIGS: dict[str, dict[str, Any]] = {
     # name: ParallelismConfig fields (and "compile": True for per-block compile)
     "seed": {},  # one process: writes the seed checkpoint every other configuration starts from
+    # One process on the global batch of 1, 2 or 4 data-parallel ranks: the references.
     "single": {},
+    "single_x2": {"batch_multiplier": 2},
+    "single_x4": {"batch_multiplier": 4},
     "tp4": {"tensor_parallel_degree": 4, "enable_sequence_parallel": True},
     "fsdp2_tp2": {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2},
     "hsdp2x2": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2},
@@ -37,7 +40,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 SEQ_LEN = 32
-BATCH = 4
+BATCH = 4  # rows per data-parallel rank
+MAX_GLOBAL_ROWS = 16  # each step's rows are drawn once at this size; a run takes the first local x dp of them
+
+
+def reference_for(name: str) -> str:
+    """The one-process configuration whose global batch (hence losses) a configuration must reproduce."""
+    settings = CONFIGS[name]
+    data_parallel = settings.get("data_parallel_replicate_degree", 1) * settings.get("data_parallel_shard_degree", 1)
+    return {1: "single", 2: "single_x2", 4: "single_x4"}[data_parallel]
 STEPS = int(os.environ.get("SHARDWISE_TITAN_STEPS", "3"))
 VOCAB = 2048
 
@@ -156,11 +167,15 @@ def _fixed_data_components() -> tuple[Any, Any]:
             self.local_batch_size, self.seq_len = local_batch_size, seq_len
 
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            generator = torch.Generator().manual_seed(1234)
+            step = 0
             while True:
-                # The global batch, the same on every rank; each data-parallel rank takes its rows.
-                tokens = torch.randint(0, VOCAB, (self.local_batch_size * self.dp_world_size, self.seq_len + 1),
-                                       generator=generator)
+                # Each step's rows do not depend on the data-parallel degree: drawn at MAX_GLOBAL_ROWS from the
+                # step's own seed, the same on every rank; the global batch is the first local x dp of them and
+                # each data-parallel rank takes its slice.
+                generator = torch.Generator().manual_seed(1234 + step)
+                step += 1
+                tokens = torch.randint(0, VOCAB, (MAX_GLOBAL_ROWS, self.seq_len + 1), generator=generator)
+                assert self.local_batch_size * self.dp_world_size <= MAX_GLOBAL_ROWS
                 rows = tokens[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
                 # One document per row: positions count from 0 (torchtitan builds its attention masks from them).
                 positions = torch.arange(self.seq_len).expand(rows.shape[0], -1).contiguous()
@@ -182,6 +197,7 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
 
     settings = dict(CONFIGS[name])
     compile_blocks = settings.pop("compile", False)
+    batch_multiplier = settings.pop("batch_multiplier", 1)
     config = llama3_debugmodel()
     spec = model_registry("debugmodel")
     spec.model.layers = spec.model.layers[:2]
@@ -196,7 +212,7 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
     config.dataloader = dataloader
     config.dump_folder = os.path.join(out_dir, name)
     config.training.seq_len = SEQ_LEN
-    config.training.local_batch_size = BATCH
+    config.training.local_batch_size = BATCH * batch_multiplier
     config.training.steps = STEPS
     config.training.dtype = "float32"
     config.training.mixed_precision_param = "float32"
@@ -215,7 +231,7 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
     config.lr_scheduler.warmup_steps = 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
     parallelism = ParallelismConfig(spmd_backend=backend, **settings)
-    if name in ("seed", "single"):
+    if name == "seed" or name.startswith("single"):
         parallelism.data_parallel_shard_degree = 1
     elif "data_parallel_shard_degree" not in settings:
         parallelism.data_parallel_shard_degree = world // (
