@@ -19,7 +19,14 @@ The contract (see the package README, "Random ops"):
   per op.
 
 How a sharded op gets its stream (values with no Shard mesh dim simply run the op
-on the generator as it is, so they equal plain torch's values for the same seed):
+on the generator as it is, so they equal plain torch's values for the same seed).
+The shard index is this rank's coordinate, row-major, over the mesh dims of size > 1
+that cut the tensor, ``Shard`` or ``_StridedShard`` alike (FSDP over TP): a strided
+piece is a fixed set of indices, disjoint from the other coordinates' pieces, so it
+gets its own stream, the same on every run with the same seed (not the values a
+replicated draw gives its elements: no layout gets those, see below).  A strided
+mesh dim of size 1 cuts nothing, so FSDP x TP on one data-parallel rank draws TP's
+values exactly.
 
 * CUDA (Philox, counter based): the generator keeps its seed; shard ``k`` of
   ``n`` runs at offset ``start + k * stride`` and afterwards every rank sets the
@@ -37,13 +44,14 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 from shardwise.mesh import _simulation as simulation
-from shardwise.placement import DTensorSpec, Partial, Shard, compute_local_shape
+from shardwise.placement import DTensorSpec, Partial, Shard, _StridedShard, compute_local_shape
 
 from ._caches import SHARED_CACHES
 from ._decision import OpDecision, OutputSpecs, RandomPlan
@@ -125,11 +133,35 @@ def _offset_stride(spec: DTensorSpec[Any]) -> int:
     if meta is None:
         raise ValueError(f"random ops need the output spec's tensor_meta, got {spec!r}")
     mesh = spec.mesh
-    first_shard = compute_local_shape(meta.shape, mesh.shape, (0,) * mesh.ndim, spec.placements)
-    numel = 1
-    for extent in first_shard:
-        numel *= extent
-    return _round_up_to_4(2 * numel) + 16
+    return _round_up_to_4(2 * _largest_shard_numel(tuple(meta.shape), tuple(mesh.shape), tuple(spec.placements))) + 16
+
+
+# Beyond this many mesh coordinates a strided layout's stride is bounded by the whole tensor instead.
+_MAX_COORDINATES_SCANNED = 4096
+
+
+def _largest_shard_numel(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]) -> int:
+    """The element count of the largest local piece of ``shape`` laid out as ``placements``.
+
+    Under torch.chunk cuts the piece at coordinate 0 is the largest; a ``_StridedShard``'s piece
+    (one chunk of each of its split pieces) is not monotone in the extent it cuts, so with one the
+    pieces are all measured (or, on a very large mesh, the whole tensor bounds them).
+    """
+
+    def numel(local_shape: Sequence[int]) -> int:
+        count = 1
+        for extent in local_shape:
+            count *= extent
+        return count
+
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return numel(compute_local_shape(shape, mesh_shape, (0,) * len(mesh_shape), placements))
+    if numel(mesh_shape) > _MAX_COORDINATES_SCANNED:
+        return numel(shape)
+    return max(
+        numel(compute_local_shape(shape, mesh_shape, coordinate, placements))
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape))
+    )
 
 
 def plan_for_spec(
@@ -162,7 +194,9 @@ def plan_for_spec(
     holds_zeros = False
     for mesh_dim, placement in enumerate(spec.placements):
         size = mesh.shape[mesh_dim]
-        if isinstance(placement, Shard) and size > 1:
+        # A _StridedShard mesh dim cuts the tensor like a Shard one (its pieces are disjoint index sets),
+        # so its coordinate picks the stream as a Shard's does.
+        if isinstance(placement, (Shard, _StridedShard)) and size > 1:
             num_shards *= size
             shard_index = shard_index * size + (coordinate[mesh_dim] if coordinate is not None else 0)
         elif (

@@ -29,6 +29,13 @@ job, which dispatch runs for every op in its random-op set.
   (written) and scales the negative inputs by it: element-wise, ``self`` and ``noise`` share
   their shards and the slopes are drawn per shard.  Its backward is the same product with
   the incoming gradient, linear in that gradient (a Partial gradient stays Partial).
+* ``_StridedShard`` (FSDP over TP: ``(_StridedShard(0, sf=tp), Shard(0))``): wherever a rule
+  keeps or follows ``Shard(d)`` of its drawn tensor, it offers the same for each
+  ``_StridedShard`` that tensor holds (on any mesh dim; where it holds something else that
+  strategy would move it, so the cost model leaves it out).  Random rules get no strided
+  variants from the engine, so they name them here; the draw then treats a strided mesh dim
+  like a Shard one (its coordinate picks the shard's stream, ``_random_draws``), with no
+  communication.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _StridedShard
 
 from ._shapes import input_meta, is_contiguous, same_as_input_meta
 from .._rules import (
@@ -68,11 +75,28 @@ __all__ = [
 aten = torch.ops.aten
 
 
+def _strided_shards_of(call: OpCall, index: int = 0) -> list[_StridedShard]:
+    """The ``_StridedShard`` placements input ``index`` holds on any mesh dim (dims normalised, in order)."""
+    if index >= len(call.input_specs):
+        return []
+    ndim = len(call.input_shape(index))
+    found: list[_StridedShard] = []
+    for placement in call.input_specs[index].placements:
+        if isinstance(placement, _StridedShard) and -ndim <= placement.dim < ndim:
+            strided = _StridedShard(placement.dim % ndim, split_factor=placement.split_factor)
+            if strided not in found:
+                found.append(strided)
+    return found
+
+
+def _placements_keeping_drawn_values_unread(call: OpCall) -> list[Placement]:
+    """What an input whose values are not read may keep, its own ``_StridedShard`` layouts included."""
+    keep = call.placements_keeping_values_unread(len(call.input_shape(0)))
+    return [*keep, *_strided_shards_of(call)]
+
+
 def _inplace_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
-    return [
-        OneDimStrategy((placement,), (placement,))
-        for placement in call.placements_keeping_values_unread(len(call.input_shape(0)))
-    ]
+    return [OneDimStrategy((placement,), (placement,)) for placement in _placements_keeping_drawn_values_unread(call)]
 
 
 def _inplace_fill_output_meta(
@@ -95,7 +119,7 @@ INPLACE_FILL_RULE = ShardingRule(
 
 def _functional_fill_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies = []
-    for placement in call.placements_keeping_values_unread(len(call.input_shape(0))):
+    for placement in _placements_keeping_drawn_values_unread(call):
         output: Placement = Replicate() if isinstance(placement, Partial) else placement
         strategies.append(OneDimStrategy((output,), (placement,)))
     return strategies
@@ -124,6 +148,7 @@ FUNCTIONAL_FILL_RULE = ShardingRule(
 def _bernoulli_probabilities_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies = [OneDimStrategy((Shard(dim),), (Shard(dim),)) for dim in range(len(call.input_shape(0)))]
     strategies.append(OneDimStrategy((Replicate(),), (Replicate(),)))
+    strategies += [OneDimStrategy((strided,), (strided,)) for strided in _strided_shards_of(call)]
     return strategies
 
 
@@ -142,9 +167,18 @@ def _bernoulli_tensor_p_strategies(call: OpCall) -> list[OneDimStrategy]:
     p_shape = call.input_shape(1) if has_p else torch.Size(())
     in_place = call.op is aten.bernoulli_.Tensor
     strategies = []
-    for placement in call.placements_keeping_values_unread(len(self_shape)):
+    for placement in _placements_keeping_drawn_values_unread(call):
         if isinstance(placement, Shard):
             p_placement = broadcast_input_placement(self_shape, p_shape, placement.dim)
+        elif isinstance(placement, _StridedShard):
+            # p holds the same strided indices where it has self's extent; broadcast from size 1 or
+            # missing there, every piece reads all of it.
+            broadcast = broadcast_input_placement(self_shape, p_shape, placement.dim)
+            p_placement = (
+                _StridedShard(broadcast.dim, split_factor=placement.split_factor)
+                if isinstance(broadcast, Shard)
+                else broadcast
+            )
         else:
             p_placement = Replicate()
         output: Placement = placement
@@ -169,6 +203,7 @@ def _dropout_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies.append(OneDimStrategy((Replicate(), Replicate()), (Replicate(),)))
     for reduce_op in call.linear_reduce_ops():
         strategies.append(OneDimStrategy((Partial(reduce_op), Replicate()), (Partial(reduce_op),)))
+    strategies += [OneDimStrategy((strided, strided), (strided,)) for strided in _strided_shards_of(call)]
     return strategies
 
 
@@ -230,6 +265,7 @@ def _multinomial_strategies(call: OpCall) -> list[OneDimStrategy]:
     strategies = [OneDimStrategy((Replicate(),), (Replicate(),))]
     if len(call.input_shape(0)) == 2:
         strategies.insert(0, OneDimStrategy((Shard(0),), (Shard(0),)))
+        strategies += [OneDimStrategy((s,), (s,)) for s in _strided_shards_of(call) if s.dim == 0]
     return strategies
 
 
@@ -250,6 +286,10 @@ def _rrelu_strategies(call: OpCall) -> list[OneDimStrategy]:
         strategies = [
             OneDimStrategy((Shard(dim),) * num_outputs, (Shard(dim), Shard(dim)))
             for dim in range(len(call.input_shape(0)))
+        ]
+        strategies += [
+            OneDimStrategy((strided,) * num_outputs, (strided, strided))
+            for strided in [*_strided_shards_of(call, 0), *_strided_shards_of(call, 1)]
         ]
     strategies.append(OneDimStrategy((Replicate(),) * num_outputs, (Replicate(),) * len(call.input_specs)))
     return strategies
@@ -321,8 +361,21 @@ register_rule(
 )
 register_rule((aten.native_dropout.default,), DROPOUT_RULE)
 register_rule((aten.native_dropout_backward.default,), DROPOUT_BACKWARD_RULE)
+def _random_like_factory_strategies(call: OpCall) -> list[OneDimStrategy]:
+    """The like-factory's strategies, and the template's own ``_StridedShard`` layouts kept (values unread)."""
+    assert LIKE_FACTORY_RULE.one_dim_strategies is not None
+    strategies = list(LIKE_FACTORY_RULE.one_dim_strategies(call))
+    strategies += [OneDimStrategy((strided,), (strided,)) for strided in _strided_shards_of(call)]
+    return strategies
+
+
 # The like-factory rule of tensor_basics, drawing values: every overload of the random *_like factories.
-RANDOM_LIKE_FACTORY_RULE = dataclasses.replace(LIKE_FACTORY_RULE, family="random like-factory", random=RandomDraw.VALUES)
+RANDOM_LIKE_FACTORY_RULE = dataclasses.replace(
+    LIKE_FACTORY_RULE,
+    family="random like-factory",
+    random=RandomDraw.VALUES,
+    one_dim_strategies=_random_like_factory_strategies,
+)
 register_rule(
     (
         aten.rand_like.default,
