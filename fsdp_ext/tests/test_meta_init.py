@@ -110,14 +110,7 @@ def test_sharded_on_meta_then_to_empty_and_copied_in_trains_like_one_process(lay
     "layout",
     [
         "fsdp",
-        pytest.param(
-            "fsdp_tp",
-            marks=pytest.mark.xfail(
-                reason="dtensor_ops refuses random fills (aten.normal_) on _StridedShard(0) x Shard(0) DTensors "
-                "(FSDP x TP where both cut dim 0); copy_ of distributed values works (test above)",
-                strict=True,
-            ),
-        ),
+        "fsdp_tp",
         "hsdp",
     ],
 )
