@@ -32,7 +32,7 @@ TIMED: dict[str, list[str]] = {
 
 def _launch(python: str, out_dir: pathlib.Path, ranks: int, backend: str, configs: list[str], shardwise: bool,
             steps: int) -> dict[str, dict]:
-    out_json = out_dir / f"{backend}_{'shardwise' if shardwise else 'torch'}_{ranks}.json"
+    out_json = out_dir / f"{backend}_{'_'.join(configs)}_{'shardwise' if shardwise else 'torch'}_{ranks}.json"
     env = dict(os.environ)
     env.pop(ENVIRONMENT_VARIABLE, None)
     if shardwise:
@@ -59,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=None, help="folder for the runs' files (default: a temporary one)")
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="backend/config pairs to time (default: every pair of TIMED)")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out or tempfile.mkdtemp(prefix="bench_torchtitan_"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,21 +69,25 @@ def main() -> None:
     print(f"torchtitan 0.3.0, Llama 3 debug model (2 layers), 4 gloo CPU ranks, {args.steps} steps, median step "
           "time without the first")
     print(f"{'backend/config':28s} {'PyTorch s':>10s} {'shardwise s':>12s} {'ratio':>7s}  losses")
-    for backend, configs in TIMED.items():
-        theirs = _launch(python, out_dir, 4, backend, configs, shardwise=False, steps=args.steps)
-        ours = _launch(python, out_dir, 4, backend, configs, shardwise=True, steps=args.steps)
-        for name in configs:
-            their_step, our_step = _median_step(theirs.get(name, {})), _median_step(ours.get(name, {}))
-            label = f"{backend}/{name}"
-            if their_step is None or our_step is None:
-                print(f"{label:28s} {'-' if their_step is None else f'{their_step:.3f}':>10s} "
-                      f"{'-' if our_step is None else f'{our_step:.3f}':>12s} {'-':>7s}  "
-                      f"PyTorch: {theirs.get(name, {}).get('error', 'ran')[:90]}; "
-                      f"shardwise: {ours.get(name, {}).get('error', 'ran')[:90]}")
-                continue
-            agree = max(abs(a - b) / abs(b) for a, b in zip(ours[name]["losses"], theirs[name]["losses"]))
-            print(f"{label:28s} {their_step:10.3f} {our_step:12.3f} {our_step / their_step:7.2f}  "
-                  f"max relative difference {agree:.1e}")
+    chosen = [tuple(pair.split("/")) for pair in args.configs] if args.configs else [
+        (backend, name) for backend, names in TIMED.items() for name in names
+    ]
+    for backend, name in chosen:
+        # One launch per configuration and stack: PyTorch's DeviceMesh keeps state across process groups
+        # that makes a second Trainer in one process fail.
+        theirs = _launch(python, out_dir, 4, backend, [name], shardwise=False, steps=args.steps)
+        ours = _launch(python, out_dir, 4, backend, [name], shardwise=True, steps=args.steps)
+        their_step, our_step = _median_step(theirs.get(name, {})), _median_step(ours.get(name, {}))
+        label = f"{backend}/{name}"
+        if their_step is None or our_step is None:
+            print(f"{label:28s} {'-' if their_step is None else f'{their_step:.3f}':>10s} "
+                  f"{'-' if our_step is None else f'{our_step:.3f}':>12s} {'-':>7s}  "
+                  f"PyTorch: {theirs.get(name, {}).get('error', 'ran')[:90]}; "
+                  f"shardwise: {ours.get(name, {}).get('error', 'ran')[:90]}")
+            continue
+        agree = max(abs(a - b) / abs(b) for a, b in zip(ours[name]["losses"], theirs[name]["losses"]))
+        print(f"{label:28s} {their_step:10.3f} {our_step:12.3f} {our_step / their_step:7.2f}  "
+              f"max relative difference {agree:.1e}")
 
 
 if __name__ == "__main__":
