@@ -161,3 +161,33 @@ print("searches in", extension.__file__)
 """
     run = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_installed_switch_takes_over_at_interpreter_start(tmp_path: pathlib.Path) -> None:
+    """Every wheel installed together: the switch's .pth sits at the site root and, with SHARDWISE_AS_TORCH=1,
+    torch's DTensor paths are shardwise's as soon as torch is imported; without it they are torch's."""
+    switch = [w for w in WHEELS if _distribution(w) == "shardwise-torch-switch"]
+    assert switch, "no shardwise-torch-switch wheel among " + ", ".join(w.name for w in WHEELS)
+    with zipfile.ZipFile(switch[0]) as archive:
+        assert "shardwise_torch_switch.pth" in archive.namelist()
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(target),
+         *map(str, WHEELS)],
+        env=_pip_env(), capture_output=True, text=True,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    # site.addsitedir processes the target's .pth files exactly as Python does for site-packages at start.
+    probe = f"""
+import site
+site.addsitedir({str(target)!r})
+import torch.distributed.tensor as t
+print(t.__name__)
+"""
+    for value, expected in (("1", "shardwise.dtensor_ops"), ("", "torch.distributed.tensor")):
+        env = {k: v for k, v in os.environ.items() if k != "SHARDWISE_AS_TORCH"}
+        if value:
+            env["SHARDWISE_AS_TORCH"] = value
+        run = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stdout.strip().splitlines()[-1] == expected, run.stdout
