@@ -355,6 +355,35 @@ def _shards_existing_dims(
     return True
 
 
+def _priced_combination(
+    rule: ShardingRule,
+    call: OpCall,
+    rule_specs: Sequence[DTensorSpec[Any]],
+    combo: Sequence[OneDimStrategy],
+    costs: dict[tuple[int, tuple[Placement, ...]], int],
+) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...], int, int] | None:
+    """One n-D combination of per-mesh-dim strategies: its input and output placements, the cost of moving the
+    inputs there and how many mesh dims change; None where the rule's exactness check refuses it. ``costs``
+    memoises the redistribution price per (input, target) across the combinations of one decision."""
+    inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
+    outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
+    if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
+        return None
+    moved = 0
+    changed = 0
+    for index, target in enumerate(inputs_nd):
+        current = rule_specs[index].placements
+        if target == current:
+            continue
+        cost = costs.get((index, target))
+        if cost is None:
+            cost = _redistribute_cost(rule_specs[index], target)
+            costs[(index, target)] = cost
+        moved += cost
+        changed += sum(1 for have, want in zip(current, target) if have != want)
+    return inputs_nd, outputs_nd, moved, changed
+
+
 def _cheapest_combination(
     op: torch._ops.OpOverload, rule: ShardingRule, call: OpCall, per_mesh_dim: Sequence[Sequence[OneDimStrategy]]
 ) -> tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]]:
@@ -371,22 +400,10 @@ def _cheapest_combination(
     best: tuple[tuple[tuple[Placement, ...], ...], tuple[tuple[Placement, ...] | None, ...]] = ((), ())
     costs: dict[tuple[int, tuple[Placement, ...]], int] = {}
     for order, combo in enumerate(itertools.product(*per_mesh_dim)):
-        inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
-        outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
-        if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
+        priced = _priced_combination(rule, call, rule_specs, combo, costs)
+        if priced is None:
             continue
-        moved = 0
-        changed = 0
-        for index, target in enumerate(inputs_nd):
-            current = rule_specs[index].placements
-            if target == current:
-                continue
-            cost = costs.get((index, target))
-            if cost is None:
-                cost = _redistribute_cost(rule_specs[index], target)
-                costs[(index, target)] = cost
-            moved += cost
-            changed += sum(1 for have, want in zip(current, target) if have != want)
+        inputs_nd, outputs_nd, moved, changed = priced
         rank = (moved, changed, order)
         if best_rank is None or rank < best_rank:
             best_rank, best = rank, (inputs_nd, outputs_nd)
@@ -458,22 +475,10 @@ def _cheapest_combination_over_larger_dims(
         for free in free_parts:
             for d, i in zip(free_dims, free):
                 combo[d] = per_mesh_dim[d][i]
-            inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
-            outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
-            if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
+            priced = _priced_combination(rule, call, rule_specs, combo, costs)
+            if priced is None:
                 continue
-            moved = 0
-            changed = 0
-            for index, target in enumerate(inputs_nd):
-                current = rule_specs[index].placements
-                if target == current:
-                    continue
-                cost = costs.get((index, target))
-                if cost is None:
-                    cost = _redistribute_cost(rule_specs[index], target)
-                    costs[(index, target)] = cost
-                moved += cost
-                changed += sum(1 for have, want in zip(current, target) if have != want)
+            inputs_nd, outputs_nd, moved, changed = priced
             order = sum(weights[d] * i for d, i in zip(larger_dims, larger)) + free_rank(free)[1]
             rank = (moved, changed, order)
             if best_rank is None or rank < best_rank:
