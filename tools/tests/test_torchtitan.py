@@ -25,7 +25,7 @@ from shardwise.torch_switch import ENVIRONMENT_VARIABLE, switched_environment
 # backend -> the configurations (torchtitan_run.CONFIGS) that train on shardwise in it.
 BACKENDS: dict[str, list[str]] = {
     "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2"],
-    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2"],
+    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2"],
 }
 
 
