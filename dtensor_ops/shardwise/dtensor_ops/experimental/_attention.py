@@ -580,6 +580,19 @@ def _dtensor_layout(global_length: int, world_size: int) -> SequenceLayout:
     return contiguous_layout(global_length, world_size)
 
 
+def _check_inputs_laid_out_as_query(where: str, query: Any, key: Any, value: Any) -> None:
+    """Context-parallel attention needs key and value laid out as the query, on its mesh, and nothing Partial."""
+    mesh = query.device_mesh
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.device_mesh != mesh or tuple(tensor.placements) != tuple(query.placements):
+            raise ValueError(
+                f"{where}: {name} is laid out as {tuple(tensor.placements)} on {tensor.device_mesh}; expected the query's "
+                f"{tuple(query.placements)} on {mesh}"
+            )
+    if any(placement.is_partial() for placement in query.placements):
+        raise ValueError(f"{where}: Partial inputs {tuple(query.placements)} must be reduced first")
+
+
 def _context_parallel_mesh_dim(placements: Sequence[Placement]) -> int | None:
     found = [dim for dim, placement in enumerate(placements) if isinstance(placement, Shard) and placement.dim % 4 == SDPA_SEQ_DIM]
     return found[0] if len(found) == 1 else None
@@ -602,14 +615,7 @@ def _dtensor_attention(args: tuple[Any, ...], kwargs: dict[str, Any], defer_to_d
     if cp_dim is None:
         return None
     mesh = query.device_mesh
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.device_mesh != mesh or tuple(tensor.placements) != tuple(query.placements):
-            raise ValueError(
-                f"{where}: {name} is laid out as {tuple(tensor.placements)} on {tensor.device_mesh}; expected the query's "
-                f"{tuple(query.placements)} on {mesh}"
-            )
-    if any(placement.is_partial() for placement in query.placements):
-        raise ValueError(f"{where}: Partial inputs {tuple(query.placements)} must be reduced first")
+    _check_inputs_laid_out_as_query(where, query, key, value)
     world_size = mesh.size(cp_dim)
     query_layout = _dtensor_layout(query.shape[SDPA_SEQ_DIM], world_size)
     kv_layout = query_layout if key.shape[SDPA_SEQ_DIM] == query.shape[SDPA_SEQ_DIM] else _dtensor_layout(key.shape[SDPA_SEQ_DIM], world_size)
@@ -903,14 +909,7 @@ def _sequence_sharded(query: Any, key: Any, value: Any) -> tuple[DeviceMesh, int
         return None
     mesh = query.device_mesh
     where = "context parallel scaled_dot_product_attention on DTensors"
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.device_mesh != mesh or tuple(tensor.placements) != tuple(query.placements):
-            raise ValueError(
-                f"{where}: {name} is laid out as {tuple(tensor.placements)} on {tensor.device_mesh}; expected the query's "
-                f"{tuple(query.placements)} on {mesh}"
-            )
-    if any(placement.is_partial() for placement in query.placements):
-        raise ValueError(f"{where}: Partial inputs {tuple(query.placements)} must be reduced first")
+    _check_inputs_laid_out_as_query(where, query, key, value)
     if any(isinstance(placement, Shard) and placement.dim % 4 == 3 for placement in query.placements):
         return None  # a cut head dim: the kernel's sharding rule decides
     return mesh, cp_dim
