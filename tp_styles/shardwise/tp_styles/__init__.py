@@ -12,7 +12,15 @@ one fake-tensor trace and the cost model.
 
 from . import _context_parallel_style  # noqa: F401  (registers _ContextParallel as a ParallelStyle)
 from .api import parallelize_module
-from .auto_plan import AutoPlan, auto_parallelize, auto_plan
+from .auto_plan import (
+    AutoPlan,
+    AutoPlanError,
+    DataDependentControlFlowError,
+    ExampleInputMismatchError,
+    UnsupportedModelError,
+    auto_parallelize,
+    auto_plan,
+)
 from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
@@ -26,13 +34,17 @@ from .style import (
 
 __all__ = [
     "AutoPlan",
+    "AutoPlanError",
     "ColwiseParallel",
+    "DataDependentControlFlowError",
+    "ExampleInputMismatchError",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "UnsupportedModelError",
     "auto_parallelize",
     "auto_plan",
     "loss_parallel",

@@ -10,15 +10,32 @@ reads it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Sequence
+import logging
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]  # public class, not in its __all__
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from ._auto_errors import (
+    AutoPlanError,
+    DataDependentControlFlowError,
+    ExampleInputMismatchError,
+    UnsupportedModelError,
+    describe_inputs,
+    failure_site,
+)
 
 __all__ = ["ModelTrace", "TracedCall", "TracedOp", "TensorId", "trace_forward"]
 
@@ -100,6 +117,10 @@ class _Recorder(TorchDispatchMode):
         self.names = names
         self.ops: list[TracedOp] = []
         self.call_stack: list[int] = []
+        # Where a tensor's values come from, for errors: the example inputs it was computed from, and the
+        # first parameter it was computed from.
+        self.from_inputs: dict[TensorId, frozenset[int]] = {}
+        self.from_parameter: dict[TensorId, str] = {}
 
     def tensor_id(self, tensor: torch.Tensor) -> TensorId:
         found = self.ids.get(id(tensor))
@@ -114,6 +135,7 @@ class _Recorder(TorchDispatchMode):
         if name is not None:
             self.parameter_names[new] = name
             self.parameter_requires_grad[new] = bool(tensor.requires_grad)
+            self.from_parameter[new] = name
         return new
 
     def _replace(self, value: Any) -> Any:
@@ -123,11 +145,50 @@ class _Recorder(TorchDispatchMode):
             return type(value)(self._replace(item) for item in value)
         return value
 
+    def origin(self, tensor: TensorId) -> str:
+        inputs = sorted(self.from_inputs.get(tensor, ()))
+        parameter = self.from_parameter.get(tensor)
+        parts = [f"example input [{index}]" for index in inputs]
+        if parameter is not None:
+            parts.append(f"parameter {parameter!r}")
+        return " and ".join(parts) if parts else "a tensor made in the forward"
+
+    def check_operands(self, func: Any, flat_in: list[torch.Tensor]) -> None:
+        """Refuses what the real kernel would refuse but the fake one lets through: fake matmuls accept operands
+        of different dtypes (a float32 batch into a float64 model), and a real CPU matmul raises."""
+        operands = [tensor for tensor in flat_in if tensor.dim() > 0]
+        devices = {tensor.device for tensor in operands}
+        if len(devices) > 1:
+            raise _OperandMismatch(func, "device", [(self.origin(self.tensor_id(t)), str(t.device)) for t in operands],
+                                   self._input_index(operands))
+        if func._overloadpacket in _SAME_DTYPE_OPS:
+            dtypes = {tensor.dtype for tensor in operands}
+            if len(dtypes) > 1:
+                described = [(self.origin(self.tensor_id(t)), str(t.dtype).removeprefix("torch.")) for t in operands]
+                raise _OperandMismatch(func, "dtype", described, self._input_index(operands))
+
+    def _input_index(self, operands: list[torch.Tensor]) -> int | None:
+        for tensor in operands:
+            inputs = self.from_inputs.get(self.tensor_id(tensor))
+            if inputs and len(inputs) == 1:
+                return next(iter(inputs))
+        return None
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         flat_in = [value for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.Tensor)]
+        self.check_operands(func, flat_in)
+        out = func(*args, **kwargs)
         flat_out = [value for value in tree_flatten(out)[0] if isinstance(value, torch.Tensor)]
+        input_ids = [self.tensor_id(value) for value in flat_in]
+        reached_inputs = frozenset().union(*(self.from_inputs.get(tensor, frozenset()) for tensor in input_ids))
+        parameter = next((self.from_parameter[t] for t in input_ids if t in self.from_parameter), None)
+        for value in flat_out:
+            written = self.tensor_id(value)
+            if reached_inputs:
+                self.from_inputs[written] = self.from_inputs.get(written, frozenset()) | reached_inputs
+            if parameter is not None:
+                self.from_parameter.setdefault(written, parameter)
         flops = 0
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
@@ -136,7 +197,7 @@ class _Recorder(TorchDispatchMode):
             TracedOp(
                 index=len(self.ops),
                 func=func,
-                inputs=tuple(self.tensor_id(value) for value in flat_in),
+                inputs=tuple(input_ids),
                 outputs=tuple(self.tensor_id(value) for value in flat_out),
                 args=tuple(self._replace(arg) for arg in args) + tuple(self._replace(v) for v in kwargs.values()),
                 call=self.call_stack[-1] if self.call_stack else None,
@@ -147,11 +208,16 @@ class _Recorder(TorchDispatchMode):
 
 
 def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTrace:
-    """Runs ``model(*example_inputs)`` once on fake tensors and returns what it did (see the module doc)."""
+    """Runs ``model(*example_inputs)`` once on fake tensors and returns what it did (see the module doc).
+
+    A forward that cannot be traced raises an ``AutoPlanError`` naming the module, the example inputs and
+    the line of the forward (``_auto_errors``); the model is left as it was (hooks removed, nothing written).
+    """
     if not isinstance(example_inputs, tuple):
         raise TypeError(
             f"example_inputs must be a tuple of the forward's positional arguments, got {type(example_inputs).__name__}"
         )
+    check_model_is_traceable(model)
     names: dict[int, str] = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(tensor), name)
@@ -193,7 +259,15 @@ def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTra
             fake_inputs = tuple(fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in example_inputs)
             with recorder:
                 model_inputs = tuple(recorder.tensor_id(value) for value in fake_inputs if isinstance(value, torch.Tensor))
-                model(*fake_inputs)
+                for index, value in enumerate(fake_inputs):
+                    if isinstance(value, torch.Tensor):
+                        recorder.from_inputs[recorder.tensor_id(value)] = frozenset({index})
+                with _quiet_fake_kernel_failures():
+                    model(*fake_inputs)
+    except AutoPlanError:
+        raise
+    except Exception as failure:
+        raise _explained(failure, model, example_inputs, fqn_of) from failure
     finally:
         for handle in handles:
             handle.remove()
@@ -215,4 +289,131 @@ def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTra
         model_inputs=model_inputs,
         producer=producer,
         consumers=consumers,
+    )
+
+
+# Ops whose real CPU kernels require every operand in one dtype, while their fake (meta) kernels do not check.
+_SAME_DTYPE_OPS = frozenset(
+    {
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        torch.ops.aten.baddbmm,
+        torch.ops.aten.mv,
+        torch.ops.aten.addmv,
+        torch.ops.aten.dot,
+        torch.ops.aten.matmul,
+        torch.ops.aten.linear,
+        torch.ops.aten.convolution,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+        torch.ops.aten._scaled_dot_product_attention_math,
+    }
+)
+
+
+class _OperandMismatch(RuntimeError):
+    """Raised inside the traced forward (an op's operands disagree); ``trace_forward`` turns it into the user's error."""
+
+    def __init__(self, func: Any, what: str, operands: list[tuple[str, str]], input_index: int | None) -> None:
+        described = ", ".join(f"{origin}: {value}" for origin, value in operands)
+        super().__init__(f"{func} got operands of different {what}s ({described})")
+        self.what = what
+        self.input_index = input_index
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernel_failures() -> Iterator[None]:
+    """Fake tensors log every failing meta kernel with its whole stack; the planner re-raises the failure
+    explained (module, input, line), so the log would only bury that explanation."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check_model_is_traceable(model: nn.Module) -> None:
+    """Refuses, before anything runs, the models the planner cannot trace or lay out."""
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(f"auto_plan: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            f"auto_plan: {type(model).__name__} is a TorchScript module, which forward hooks and fake tensors cannot "
+            "trace; pass the eager nn.Module it was scripted from",
+            module="", module_type=type(model).__name__,
+        )
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(original, nn.Module):
+        raise UnsupportedModelError(
+            f"auto_plan: the model is a torch.compile wrapper ({type(model).__name__}) of {type(original).__name__}; plan "
+            "and parallelize the eager module (model._orig_mod) and compile after auto_parallelize",
+            module="", module_type=type(model).__name__,
+        )
+    for module_path, module in model.named_modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if type(tensor) in (torch.Tensor, nn.Parameter):
+                continue
+            full_name = f"{module_path}.{name}" if module_path else name
+            owner = f"{full_name!r} of module {module_path or '<root>'!r} ({type(module).__name__})"
+            if isinstance(tensor, UninitializedTensorMixin):
+                reason = "not initialised yet (a lazy module): run one forward on a real batch first, then plan"
+            elif hasattr(tensor, "device_mesh") or hasattr(tensor, "_spec"):
+                reason = (
+                    f"a {type(tensor).__name__}: the model is already distributed (parallelize_module, fully_shard or "
+                    "distribute_module ran on it). auto_plan plans a model whose parameters are plain tensors, before "
+                    "any parallelization"
+                )
+            else:
+                reason = f"a {type(tensor).__name__} (a tensor subclass), which the planner does not trace or lay out"
+            raise UnsupportedModelError(
+                f"auto_plan: {owner} is {reason}", module=module_path, module_type=type(module).__name__
+            )
+
+
+def _explained(failure: Exception, model: nn.Module, example_inputs: tuple[Any, ...], fqn_of: dict[int, str]) -> AutoPlanError:
+    module_path, module_type, location, source = failure_site(failure.__traceback__, fqn_of)
+    where_in = f"module {module_path or '<root>'!r} ({module_type})" if module_type else type(model).__name__
+    at = (f" at {location}" + (f" (`{source}`)" if source else "")) if location else ""
+    reason = str(failure).strip().rstrip(".")
+    where: dict[str, Any] = {"module": module_path, "module_type": module_type, "location": location}
+    inputs = describe_inputs(example_inputs)
+    model_name = type(model).__name__
+    if isinstance(failure, DataDependentOutputException):
+        return DataDependentControlFlowError(
+            f"auto_plan: the forward of {model_name} reads a tensor's value in Python (data-dependent control flow "
+            f"such as `if x.mean() > 0:`, or .item()/.tolist()/bool(tensor)) in {where_in}{at}. The planner runs the "
+            "forward once on fake tensors, which have shapes but no values, so it cannot know which path a batch "
+            "takes. Make the path independent of values (torch.where, masks, or a flag passed to the module), or "
+            "write the plan by hand with parallelize_module",
+            **where,
+        )
+    if isinstance(failure, DynamicOutputShapeException):
+        return DataDependentControlFlowError(
+            f"auto_plan: the forward of {model_name} makes a tensor whose shape depends on tensor values "
+            f"({failure.func}) in {where_in}{at}; the planner traces shapes only, on fake tensors without values. "
+            "Keep shapes independent of values (masks instead of nonzero/masked_select), or write the plan by hand "
+            "with parallelize_module",
+            **where,
+        )
+    if isinstance(failure, UnsupportedOperatorException):
+        return UnsupportedModelError(
+            f"auto_plan: {where_in}{at} of {model_name} calls {failure.func}, which has no fake-tensor (meta) kernel, "
+            "so the planner cannot trace it; write the plan by hand with parallelize_module",
+            **where,
+        )
+    if isinstance(failure, _OperandMismatch):
+        return ExampleInputMismatchError(
+            f"auto_plan: the example inputs ({inputs}) do not fit {model_name}: in {where_in}{at}, {failure}; the "
+            f"model itself would refuse them. Pass example inputs as a real batch would come (same {failure.what} as "
+            "the model)",
+            input_index=failure.input_index,
+            **where,
+        )
+    return ExampleInputMismatchError(
+        f"auto_plan: the forward of {model_name} failed on the example inputs ({inputs}) in {where_in}{at}: "
+        f"{type(failure).__name__}: {reason}. The planner runs the forward once on fake tensors of these shapes "
+        "and dtypes; pass example inputs that the model accepts (a real batch's shapes, dtypes and device)",
+        **where,
     )

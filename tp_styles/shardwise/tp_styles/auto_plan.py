@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
 
+from ._auto_errors import AutoPlanError, DataDependentControlFlowError, ExampleInputMismatchError, UnsupportedModelError
 from ._auto_cost import ComputeProfile, Estimate, Ledger, default_compute_profile
 from ._auto_structure import ModelStructure, Region, analyse_structure
 from ._auto_trace import ModelTrace, trace_forward
@@ -50,7 +51,18 @@ from .style import (
     SequenceParallel,
 )
 
-__all__ = ["AutoPlan", "PlanChoice", "StyleSpec", "auto_parallelize", "auto_plan", "price_plan_choice"]
+__all__ = [
+    "AutoPlan",
+    "AutoPlanError",
+    "DataDependentControlFlowError",
+    "ExampleInputMismatchError",
+    "PlanChoice",
+    "StyleSpec",
+    "UnsupportedModelError",
+    "auto_parallelize",
+    "auto_plan",
+    "price_plan_choice",
+]
 
 # What planning reads from a mesh: shape, ndim, mesh_dim_names, device_type (a DeviceMesh, or shardwise.testing's
 # FakeMesh to plan for a mesh this process is not part of); applying a plan needs a DeviceMesh.
@@ -586,6 +598,7 @@ class AutoPlan:
             raise ValueError(
                 "AutoPlan.apply: the plan has FSDP units on the dp dim; pass fully_shard=shardwise.fsdp_ext.fully_shard"
             )
+        self._check_model_has_every_target(model)
         from .api import parallelize_module
 
         if self.parallelize_plan_specs:
@@ -615,6 +628,45 @@ class AutoPlan:
                 else:
                     fully_shard(model, mesh=dp_mesh)
         return model
+
+
+    def _check_model_has_every_target(self, model: nn.Module) -> None:
+        """Every module and parameter the plan names must exist in ``model``: checked before the first change, so
+        a plan applied to another model than the one it was made for fails with the model untouched."""
+        missing: list[str] = []
+        for unit in [*self.fsdp_units, *self.context_parallel_modules]:
+            try:
+                model.get_submodule(unit)
+            except AttributeError:
+                missing.append(f"module {unit!r}")
+        for names in self.tied_parameters:
+            for name in names:
+                try:
+                    model.get_parameter(name)
+                except AttributeError:
+                    missing.append(f"parameter {name!r}")
+        for path in self.parallelize_plan_specs:
+            if not _path_matches_a_module(model, path):
+                missing.append(f"module path {path!r}")
+        if missing:
+            raise ValueError(
+                f"AutoPlan.apply: the plan was made for {self.model_name}, and {type(model).__name__} has no "
+                f"{', '.join(missing)}; apply a plan to the model it was made for (nothing was changed)"
+            )
+
+
+def _path_matches_a_module(model: nn.Module, path: str) -> bool:
+    """Whether the plan path (dotted, each segment an fnmatch pattern over named_children) matches a module."""
+    import fnmatch
+
+    if not path:
+        return True
+    current = [model]
+    for segment in path.split("."):
+        current = [child for module in current for name, child in module.named_children() if fnmatch.fnmatchcase(name, segment)]
+        if not current:
+            return False
+    return True
 
 
 class _SequenceLengthCheck:
