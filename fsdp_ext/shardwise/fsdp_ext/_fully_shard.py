@@ -25,6 +25,7 @@ from shardwise.placement import DTensorSpec, Replicate, Shard
 from ._errors import FSDPError
 from ._mesh_info import FSDPMeshInfo, ShardPlacementFnResult, ShardPlacementResult, _check_dp_mesh_dims, _dp_mesh_of
 from ._param_group import FSDPParamGroup, FSDPParamGroups, ParamOwner, SpmdLayout
+from ._spmd_annotations import is_annotated, plain_layout
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -814,7 +815,7 @@ def _spmd_layouts(
     managed: list[tuple[str, nn.Parameter, list[ParamOwner]]], spmd_mesh: DeviceMesh, dims: DataParallelMeshDims
 ) -> list[SpmdLayout]:
     """Each parameter's layout over the full SPMD mesh, checked (no collective): a DTensor on that mesh,
-    Replicate on every data-parallel dim."""
+    Replicate on every data-parallel dim, or a plain piece annotated with per-axis types (spmd_types)."""
     _check_dp_mesh_dims(spmd_mesh, dims)
     names = spmd_mesh.mesh_dim_names
     assert names is not None
@@ -823,10 +824,15 @@ def _spmd_layouts(
     other = tuple(name for name in names if name not in dp_names)
     layouts: list[SpmdLayout] = []
     for fqn, param, _ in managed:
+        if not isinstance(param, DTensor) and is_annotated(param):
+            compute_spec, plain = plain_layout(fqn, param, spmd_mesh, dp_dims)
+            layouts.append(SpmdLayout(_tp_spec_of(compute_spec, spmd_mesh, other, dp_dims), compute_spec, dp_dims, plain))
+            continue
         if not isinstance(param, DTensor):
             raise FSDPError(
                 f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the full SPMD mesh "
-                f"{spmd_mesh!r} (e.g. via distribute_module); got a plain tensor for {fqn!r}"
+                f"{spmd_mesh!r} (e.g. via distribute_module) or a plain tensor annotated with per-mesh-axis types "
+                f"(spmd_types.assert_type); got a plain tensor without annotation for {fqn!r}"
             )
         if param.device_mesh != spmd_mesh:
             raise FSDPError(
@@ -840,9 +846,15 @@ def _spmd_layouts(
                     f"fully_shard: parameter {fqn!r} has {spec.placements[dim]} on the data-parallel mesh dim "
                     f"{names[dim]!r} (placements {spec.placements}); expected Replicate() on every dim of {dims!r}"
                 )
-        tp_spec = None
-        if other:
-            placements = tuple(p for dim, p in enumerate(spec.placements) if dim not in dp_dims)
-            tp_spec = DTensorSpec(spmd_mesh[other], placements, spec.tensor_meta)
-        layouts.append(SpmdLayout(tp_spec, spec, dp_dims))
+        layouts.append(SpmdLayout(_tp_spec_of(spec, spmd_mesh, other, dp_dims), spec, dp_dims))
     return layouts
+
+
+def _tp_spec_of(
+    spec: DTensorSpec[DeviceMesh], spmd_mesh: DeviceMesh, other: tuple[str, ...], dp_dims: frozenset[int]
+) -> DTensorSpec[DeviceMesh] | None:
+    """The layout over the full mesh's non data-parallel dims (None when it has none)."""
+    if not other:
+        return None
+    placements = tuple(p for dim, p in enumerate(spec.placements) if dim not in dp_dims)
+    return DTensorSpec(spmd_mesh[other], placements, spec.tensor_meta)

@@ -64,6 +64,7 @@ from shardwise.placement import (
 
 from ._errors import FSDPError
 from ._mesh_info import combine_meshes
+from ._spmd_annotations import PlainAnnotation
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "FSDPParamGroups", "ParamOwner", "SpmdLayout"]
 
@@ -81,6 +82,9 @@ class SpmdLayout:
     tp_spec: DTensorSpec[DeviceMesh] | None
     compute_spec: DTensorSpec[DeviceMesh]
     dp_dims: frozenset[int]
+    # A plain parameter annotated with spmd_types' per-axis types: the module computes with the plain piece,
+    # annotated again (``compute_spec`` then describes the piece, it is never built as a DTensor).
+    plain: PlainAnnotation | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +119,14 @@ class FSDPParam:
         # What the module computes with around the unsharded piece: TP's spec, or the full SPMD mesh's.
         self.compute_spec = self.tp_spec
         self.compute_dp_dims: frozenset[int] = frozenset()
+        self.plain: PlainAnnotation | None = None
+        self.global_shape = tuple(param.shape)
         if spmd is not None:
             self.tp_spec, self.compute_spec, self.compute_dp_dims = spmd.tp_spec, spmd.compute_spec, spmd.dp_dims
+            self.plain = spmd.plain
+            assert spmd.compute_spec.tensor_meta is not None
+            self.global_shape = tuple(spmd.compute_spec.tensor_meta.shape)
         local = param._local_tensor if isinstance(param, DTensor) else param.data
-        self.global_shape = tuple(param.shape)
         self.unsharded_shape = tuple(local.shape)  # the tensor-parallel piece (or the whole parameter)
         # The layout inside the flat buffers: the shard dim first, so that a rank's piece is contiguous.
         self.moved_shape = tuple(local.movedim(shard_dim, 0).shape)
@@ -235,7 +243,10 @@ class FSDPParam:
         _copy_rows(rows, pieces, self.padded_rows, self.rows, into_pieces=True)
 
     def unsharded_for_module(self, unsharded: torch.Tensor, group: FSDPParamGroup) -> torch.Tensor:
-        """What the module computes with: the plain tensor, or the tensor-parallel DTensor over it."""
+        """What the module computes with: the plain tensor (annotated again if it came annotated), or the
+        tensor-parallel DTensor over it."""
+        if self.plain is not None:
+            return self.plain.apply_to(unsharded)
         if self.compute_spec is None:
             return unsharded
         if unsharded.requires_grad:
@@ -284,6 +295,8 @@ class FSDPParam:
         ``from_local``'s backward all-reduces a gradient left Partial over tp (sequence parallelism's
         norms) for this parameter alone (eager batches them per unit).
         """
+        if self.plain is not None:
+            return self.plain.apply_to(unsharded)
         if self.compute_spec is None:
             return unsharded
         return self.tp_dtensor_around(unsharded)
@@ -863,13 +876,14 @@ class FSDPParamGroup:
     def _reduce_partial_grads(
         self, with_grad: list[FSDPParam], grads: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
-        """Sum the gradients left Partial over tp: one all-reduce per (tp mesh, mesh dims) in this unit."""
+        """Sum the gradients left Partial over tp (DTensors say so by their placements, annotated plain
+        parameters by their R types): one all-reduce per (tp mesh, mesh dims) in this unit."""
         pending = self.partial_grad_dims
         self.partial_grad_dims = {}
         result: list[torch.Tensor | None] = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
         batches: dict[tuple[DeviceMesh, tuple[int, ...]], list[int]] = {}
         for index, fsdp_param in enumerate(with_grad):
-            dims = pending.get(id(fsdp_param))
+            dims = pending.get(id(fsdp_param)) or (fsdp_param.plain.partial_grad_dims if fsdp_param.plain else None)
             if dims and result[index] is not None and fsdp_param.compute_spec is not None:
                 batches.setdefault((fsdp_param.compute_spec.mesh, dims), []).append(index)
         for (mesh, dims), indices in batches.items():
