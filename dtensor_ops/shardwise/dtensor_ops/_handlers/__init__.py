@@ -15,12 +15,15 @@ from .composite import COMPOSITE_HANDLERS
 from .conv_halo import CONV_HALO_HANDLERS
 from .foreach_norm import FOREACH_NORM_HANDLERS, norms_across_shards
 from .inplace_views import INPLACE_VIEW_HANDLERS
+from .lists_across_meshes import LIST_MESH_HANDLERS
 from .nll_loss import NLL_LOSS_HANDLERS
 from .value_sized import VALUE_SIZED_HANDLERS
 
 __all__ = ["BUILTIN_OP_HANDLERS", "norms_across_shards"]
 
 BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {
+    # First, so that an op with a handler of its own below (_foreach_norm groups meshes itself) keeps it.
+    **LIST_MESH_HANDLERS,
     **FOREACH_NORM_HANDLERS,
     **NLL_LOSS_HANDLERS,
     **INPLACE_VIEW_HANDLERS,
