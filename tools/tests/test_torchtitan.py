@@ -26,6 +26,9 @@ from shardwise.torch_switch import ENVIRONMENT_VARIABLE, switched_environment
 BACKENDS: dict[str, list[str]] = {
     "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2"],
     "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2"],
+    # torchtitan's default: plain typed tensors in compute, fully_shard(dp_mesh_dims=...) on annotated plain
+    # parameters (torch 2.13's fully_shard refuses them).
+    "spmd_types": ["tp4", "fsdp2_tp2", "hsdp2x2"],
 }
 
 
