@@ -275,10 +275,14 @@ def test_wrapper_metadata_and_copies() -> None:
     with pytest.raises(ValueError, match="tensor_meta"):
         DTensor(torch.zeros(1), DTensorSpec(mesh, (Replicate(),)), requires_grad=False)
 
-    # __tensor_flatten__ / __tensor_unflatten__ round trip.
+    # __tensor_flatten__ / __tensor_unflatten__ round trip, in PyTorch 2.13's contract (dynamo checks it by name
+    # under shardwise.torch_switch): the mesh is an inner attribute, the context (placements, meta, order, grad).
     names, context = leaf.__tensor_flatten__()
-    assert names == ["_local_tensor"] and context == (spec, True)
-    rebuilt = DTensor.__tensor_unflatten__({"_local_tensor": leaf._local_tensor}, context, leaf.shape, leaf.stride())
+    assert names == ["_local_tensor", "device_mesh"]
+    assert context == (spec.placements, spec.tensor_meta, spec.shard_order, True)
+    rebuilt = DTensor.__tensor_unflatten__(
+        {"_local_tensor": leaf._local_tensor, "device_mesh": mesh}, context, leaf.shape, leaf.stride()
+    )
     assert type(rebuilt) is DTensor and rebuilt._spec == spec and rebuilt.requires_grad
     assert rebuilt._local_tensor is leaf._local_tensor
 

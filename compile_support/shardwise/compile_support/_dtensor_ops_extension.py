@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardwise.dtensor_ops._random_draws import set_traced_random_runner
 
 from ._dynamo_hook import after_dynamo_import
+from ._mesh_in_graph import define_derived_mesh_op
 from ._random_in_graph import run_sharded_random_in_graph
 from ._registration import allow_conversions_in_graph, register_opaque_types
 
@@ -16,3 +17,4 @@ def install() -> None:
     register_opaque_types()
     set_traced_random_runner(run_sharded_random_in_graph)
     after_dynamo_import(allow_conversions_in_graph)
+    after_dynamo_import(define_derived_mesh_op)

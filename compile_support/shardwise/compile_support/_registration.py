@@ -2,9 +2,13 @@
 
 * Placements (``Shard``, ``Replicate``, ``Partial``, ``_StridedShard``) are opaque *value* types: dynamo
   treats them as constants, guards on ``__eq__`` and prints them in graphs with ``__fx_repr__``.
-* ``DeviceMesh`` is an opaque *value* type too: a mesh is fixed for the life of a compiled graph, so the
-  graph specialises on it (its shape, coordinate and group names become constants) and names it with
-  ``DeviceMesh.__fx_repr__``.
+* ``DeviceMesh`` is an opaque *reference* type, as torch 2.13's own mesh: a mesh owns communicators, so a
+  graph takes it as an input (never rebuilds it) and is guarded on what it is (layout, rank, group
+  names); what code reads from it while tracing (shape, coordinate, group names) is read from the real
+  mesh and baked in as constants. It has to be a reference type for DTensor: dynamo's handling of torch's
+  DTensor (which it applies to shardwise's under ``shardwise.torch_switch``) and AOTAutograd accept only
+  tensors and reference-type opaques among a subclass's flattened attributes, and a DTensor flattens to
+  its local tensor and its mesh (``DTensor.__tensor_flatten__``).
 * ``DTensor.from_local`` is written into the graph as a call (``torch.compiler.allow_in_graph``): dynamo
   cannot build a wrapper subclass itself, AOTAutograd then traces through the call.
 """
@@ -42,7 +46,7 @@ _PLACEMENT_MEMBERS: dict[type[Placement], dict[str, MemberType]] = {
 }
 
 # What user code inside a compiled function may read from a mesh; each is answered with the real mesh
-# at trace time and baked into the graph as a constant (the graph is specialised on the mesh).
+# at trace time and baked into the graph as a constant (the graph is guarded on the mesh: _mesh_guard).
 _MESH_MEMBERS = {
     name: MemberType.USE_REAL
     for name in (
@@ -55,16 +59,32 @@ _MESH_MEMBERS = {
         "get_coordinate",
         "get_local_rank",
         "get_group_name",
-        "__getitem__",
-        "_flatten",
         "__eq__",
         "__ne__",
         "__hash__",
         "__repr__",
         "_dim_group_names",
-        "_get_root_mesh",
     )
-} | {"get_group": MemberType.INLINED}
+} | {
+    # Traced: under dynamo they make the derived mesh a graph op's result (_mesh_in_graph), as a mesh
+    # in a graph must be a graph value; get_group reads the live group by name.
+    name: MemberType.INLINED
+    for name in ("get_group", "__getitem__", "_flatten", "_get_root_mesh")
+}
+
+
+def _mesh_guard(mesh: DeviceMesh) -> list[Any]:
+    """What a graph traced with ``mesh`` needs of the mesh it is called with: the same ranks in the same
+    layout, the same coordinate, and the same process groups (the graph's collectives name them: a mesh
+    rebuilt over new groups recompiles)."""
+    return [mesh._stable_digest, mesh._rank, mesh._dim_group_names]
+
+
+def _mesh_from_graph_inputs(mesh: Any, tracked_proxy: Callable[[Any], Any], tracer: Any) -> Any:
+    """The graph input that stands for ``mesh`` when AOTAutograd meets the real mesh (a DTensor output keeps
+    the real one, ``DTensor.__tensor_unflatten__``): the input carrying an equal mesh. None (torch then bakes
+    the mesh into the graph as an attribute) when no input carries it."""
+    return tracked_proxy(mesh)
 
 
 _registered = False
@@ -80,7 +100,13 @@ def register_opaque_types() -> None:
     try:
         for cls, members in _PLACEMENT_MEMBERS.items():
             register_opaque_type(cls, typ="value", members=members)
-        register_opaque_type(DeviceMesh, typ="value", members=_MESH_MEMBERS)
+        register_opaque_type(
+            DeviceMesh,
+            typ="reference",
+            guard_fn=_mesh_guard,
+            members=_MESH_MEMBERS,
+            reconstruct_fn=_mesh_from_graph_inputs,
+        )
     except TypeError as refusal:
         _refusal = str(refusal)
         # torch before 2.13 (2.11 on the GPU image) takes value types only as subclasses of its

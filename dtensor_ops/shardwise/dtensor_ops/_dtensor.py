@@ -20,8 +20,17 @@ from typing import Any, Sequence, cast
 import warnings
 
 import torch
-from shardwise.mesh import DeviceMesh
-from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
+from shardwise.mesh import DeviceMesh, unwrap_traced_mesh
+from shardwise.placement import (
+    DTensorSpec,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    ShardOrder,
+    TensorMeta,
+    _StridedShard,
+)
 
 from . import _checkpoint, _conversions
 from ._redistribution import gradient_placements
@@ -29,6 +38,8 @@ from ._wrapper import wrap_local_tensor
 
 __all__ = ["DTensor", "new_dtensor"]
 
+# DTensor.__tensor_flatten__'s context, PyTorch 2.13's: placements, global metadata, shard order, requires_grad.
+_FlattenContext = tuple[tuple[Placement, ...], TensorMeta | None, ShardOrder | None, bool]
 
 
 class DTensor(torch.Tensor):
@@ -95,47 +106,52 @@ class DTensor(torch.Tensor):
         )
 
     # -- torch.compile support: what tracing sees inside the wrapper -------------------
+    #
+    # The contract is PyTorch 2.13's for its own DTensor, because dynamo checks it by name: under
+    # shardwise.torch_switch, ``torch.distributed.tensor.DTensor`` is this class, and dynamo's builder then
+    # insists on the inner attributes ``["_local_tensor", "device_mesh"]`` and this context, and guards on
+    # ``_spec`` with ``DTensorSpec._check_equals(skip_shapes=True)`` and on ``requires_grad``. The mesh is
+    # an inner attribute (an opaque reference type, shardwise.compile_support): a graph input, guarded on
+    # its layout, rank and process groups.
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec[DeviceMesh], bool]]:
-        return ["_local_tensor"], (self._spec, self.requires_grad)
+    def __tensor_flatten__(self) -> tuple[list[str], _FlattenContext]:
+        spec = self._spec
+        return ["_local_tensor", "device_mesh"], (spec.placements, spec.tensor_meta, spec.shard_order, self.requires_grad)
 
     @staticmethod
     def __tensor_unflatten__(
-        inner_tensors: dict[str, torch.Tensor],
-        flatten_spec: tuple[DTensorSpec[DeviceMesh], bool],
+        inner_tensors: dict[str, Any],
+        flatten_spec: _FlattenContext,
         outer_size: Sequence[int],
         outer_stride: Sequence[int],
     ) -> DTensor:
-        spec, requires_grad = flatten_spec
+        placements, old_meta, shard_order, requires_grad = flatten_spec
         local_tensor = inner_tensors["_local_tensor"]
+        # While AOTAutograd traces, the mesh arrives as torch's stand-in for it: keep the real one.
+        mesh = unwrap_traced_mesh(inner_tensors["device_mesh"])
         # Tracing may hand back symbolic or restrided outer metadata: rebuild the spec around it.
-        old_meta = spec.tensor_meta
         dtype = old_meta.dtype if old_meta is not None else local_tensor.dtype
         meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), dtype)
-        return DTensor(local_tensor, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=requires_grad)
+        # _StridedShard placements spell their order themselves (the spec takes no second one).
+        strided = any(isinstance(p, _StridedShard) for p in placements)
+        spec = DTensorSpec(mesh, placements, meta, shard_order=None if strided else shard_order)
+        return DTensor(local_tensor, spec, requires_grad=requires_grad)
 
     @classmethod
-    def __metadata_guard__(
-        cls, traced: tuple[DTensorSpec[DeviceMesh], bool], current: tuple[DTensorSpec[DeviceMesh], bool]
-    ) -> bool:
-        """Whether a compiled graph traced for ``traced`` (flatten metadata) fits a DTensor with ``current``.
+    def __metadata_guard__(cls, traced: _FlattenContext, current: _FlattenContext) -> bool:
+        """Whether a compiled graph traced for ``traced`` (flatten context) fits a DTensor with ``current``.
 
-        Shapes and strides are left out: torch.compile guards them on the tensor itself (so dynamic shapes
-        do not recompile per shape).  The mesh's process-group names are compared besides the mesh: a
-        graph names the groups its collectives run on, and a mesh rebuilt over new groups must not reuse it.
+        Used where dynamo guards a DTensor as any traceable subclass (shardwise's DTensor without the
+        switch). Shapes and strides are left out: torch.compile guards them on the tensor itself (so
+        dynamic shapes do not recompile per shape); the mesh is an inner attribute with its own guard.
         """
-        traced_spec, traced_requires_grad = traced
-        spec, requires_grad = current
-        if traced_requires_grad != requires_grad or traced_spec.placements != spec.placements:
+        traced_placements, traced_meta, traced_order, traced_requires_grad = traced
+        placements, meta, order, requires_grad = current
+        if traced_requires_grad != requires_grad or traced_placements != placements or traced_order != order:
             return False
-        traced_meta, meta = traced_spec.tensor_meta, spec.tensor_meta
-        if traced_meta is None or meta is None or traced_meta.dtype != meta.dtype:
+        if traced_meta is None or meta is None:
             return traced_meta is meta
-        traced_mesh, mesh = traced_spec.mesh, spec.mesh
-        # getattr: a mesh-like object without process groups (a test's fake mesh) compares equal here.
-        return traced_mesh == mesh and getattr(traced_mesh, "_dim_group_names", None) == getattr(
-            mesh, "_dim_group_names", None
-        )
+        return bool(traced_meta.dtype == meta.dtype)
 
     def __coerce_tangent_metadata__(self) -> DTensor:
         """A tangent must not be Partial (compiled backward graphs expect reduced values)."""
@@ -145,13 +161,13 @@ class DTensor(torch.Tensor):
         return self.redistribute(device_mesh=self.device_mesh, placements=gradient_placements(placements))
 
     def __coerce_same_metadata_as_tangent__(
-        self, flatten_spec: tuple[DTensorSpec[DeviceMesh], bool], expected_type: type | None = None
+        self, flatten_spec: _FlattenContext, expected_type: type | None = None
     ) -> DTensor | None:
         """A tangent with other placements than the traced one is redistributed to them."""
         if expected_type is not None:
             return None
-        spec = flatten_spec[0]
-        return self.redistribute(device_mesh=self.device_mesh, placements=spec.placements)
+        placements = flatten_spec[0]
+        return self.redistribute(device_mesh=self.device_mesh, placements=placements)
 
     # -- copies ----------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh
+from shardwise.mesh import DeviceMesh, MeshError, get_current_mesh, unwrap_traced_mesh
 from shardwise.placement import Placement, Replicate, Shard
 
 __all__ = ["normalize_placements", "resolve_device_mesh"]
@@ -15,7 +15,8 @@ def resolve_device_mesh(device_mesh: DeviceMesh | None, where: str) -> DeviceMes
     if device_mesh is not None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"{where}: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
-        return device_mesh
+        # Under torch.compile a mesh is a graph input, handed to code as torch's stand-in while tracing.
+        return unwrap_traced_mesh(device_mesh)
     try:
         return get_current_mesh()
     except MeshError:

@@ -11,7 +11,12 @@ from shardwise.mesh._device_mesh import (
     _register_opaque_type_registration,
     get_current_mesh,
     init_device_mesh,
+    unwrap_traced_mesh,
 )
 from shardwise.mesh._errors import MeshDimError, MeshError
+
+# PyTorch 2.13's module exports its layout class under this name; torch.compile's guards import it from
+# torch.distributed.device_mesh (shardwise.mesh under shardwise.torch_switch).
+from shardwise.mesh._layout import MeshLayout as _MeshLayout
 
 __all__ = ["DeviceMesh", "MeshDimError", "MeshError", "get_current_mesh", "init_device_mesh"]

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
+from torch._opaque_base import OpaqueBaseMeta
 
 from shardwise.mesh import _process_groups as process_groups
 from shardwise.mesh import _simulation as simulation
@@ -20,7 +21,13 @@ from shardwise.mesh._errors import MeshDimError, MeshError
 from shardwise.mesh._layout import MeshLayout, Run
 from shardwise.mesh._world import ensure_default_process_group, world_generation, world_size_for_validation
 
-__all__ = ["DeviceMesh", "get_current_mesh", "init_device_mesh", "_register_distributed_opaque_types"]
+__all__ = [
+    "DeviceMesh",
+    "get_current_mesh",
+    "init_device_mesh",
+    "unwrap_traced_mesh",
+    "_register_distributed_opaque_types",
+]
 
 
 class _MeshStack(threading.local):
@@ -47,8 +54,13 @@ _METHODS_LOCAL_TENSOR_MODE_PATCHES = frozenset(
 )
 
 
-class _DeviceMeshClass(type):
-    """Keeps this class's own answers under torch's LocalTensorMode.
+class _DeviceMeshClass(OpaqueBaseMeta):
+    """Keeps this class's own answers under torch's LocalTensorMode; a torch.compile opaque class.
+
+    ``OpaqueBaseMeta`` is what torch.compile asks of a class it can take as an opaque *reference* type
+    (torch's own ``DeviceMesh`` is one): while AOTAutograd traces, a mesh travels as torch's stand-in
+    (``FakeScriptObject``), which is then still an instance of this class. shardwise.compile_support
+    does the registration.
 
     torch's replacements read torch's mesh internals (``_rank_map``, its layout's
     ``remap_to_tensor``) and ignore the rank that ``_simulation.as_simulated_rank`` pins, which
@@ -477,6 +489,8 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
     # ------------------------------------------------------------------------ slicing, flatten
 
     def _get_root_mesh(self) -> DeviceMesh:
+        if _traced_mesh_derivation is not None and torch.compiler.is_dynamo_compiling():
+            return _traced_mesh_derivation(self, "root", ())
         return self._root if self._root is not None else self
 
     def _get_mesh_dim_by_name(self, mesh_dim_name: str) -> int:
@@ -484,6 +498,12 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
 
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh over the named dims (in mesh order) that holds this rank."""
+        if _traced_mesh_derivation is not None and torch.compiler.is_dynamo_compiling():
+            names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+            return _traced_mesh_derivation(self, "slice", names)
+        return self._slice(mesh_dim_names)
+
+    def _slice(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         key = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else mesh_dim_names
         if isinstance(key, tuple) and all(isinstance(name, str) for name in key):
             cached = self._slices.get(key)
@@ -539,6 +559,13 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
         ``backend_override`` (a backend name, backend options, or both as a tuple; ``"fake"``: no
         communication over it) picks the backend of that group, as in ``_unflatten``.
         """
+        if _traced_mesh_derivation is not None and torch.compiler.is_dynamo_compiling():
+            if backend_override is not None:
+                raise MeshError("_flatten(backend_override=...) creates a process group: call it before torch.compile")
+            return _traced_mesh_derivation(self, "flatten", () if mesh_dim_name is None else (mesh_dim_name,))
+        return self._flatten_now(mesh_dim_name, backend_override)
+
+    def _flatten_now(self, mesh_dim_name: str | None = None, backend_override: object = None) -> DeviceMesh:
         choice = process_groups.backend_choice(backend_override, f"_flatten({mesh_dim_name!r}) backend_override")
         if self._mesh_dim_names is None:
             raise MeshError("cannot flatten a DeviceMesh that has no mesh_dim_names; create it with mesh_dim_names=(...)")
@@ -860,6 +887,47 @@ def _backend_choices(
             f"or indices in [0, {len(names)})"
         )
     return choices
+
+
+def unwrap_traced_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` itself, also when torch.compile hands its tracing stand-in for it.
+
+    As an opaque reference type (shardwise.compile_support), a mesh is a graph input, and while
+    AOTAutograd traces, code receives torch's ``FakeScriptObject`` wrapping it (still an instance of
+    this class, by its metaclass). What a DTensor keeps is the real mesh: every layout question is
+    answered from it, and AOTAutograd maps it back to the graph input it came in as.
+    """
+    if type(mesh) is DeviceMesh:
+        return mesh
+    from torch._library.fake_class_registry import maybe_unwrap_fake_script_object
+
+    real = maybe_unwrap_fake_script_object(mesh)
+    return real if isinstance(real, DeviceMesh) else mesh
+
+
+# How a mesh derived from another one (a slice, a flattened mesh, the root) is obtained in code dynamo traces
+# (``torch.compiler.is_dynamo_compiling()`` is true only there, not in code that runs while compiling, such as
+# dispatch on fake tensors); None: as in eager. As an opaque reference type (shardwise.compile_support) a mesh in a graph is a graph
+# value, and so must be one derived from it inside the graph: compile_support installs a function that
+# makes the derivation a graph op. Arguments: the mesh, "slice" / "flatten" / "root", the dim names.
+_traced_mesh_derivation: Callable[[DeviceMesh, str, tuple[str, ...]], DeviceMesh] | None = None
+
+
+def _set_traced_mesh_derivation(derive: Callable[[DeviceMesh, str, tuple[str, ...]], DeviceMesh] | None) -> None:
+    global _traced_mesh_derivation
+    _traced_mesh_derivation = derive
+
+
+def derive_mesh_now(mesh: DeviceMesh, how: str, names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh ``how`` ("slice", "flatten", "root") derives from ``mesh``, computed on the real mesh now."""
+    mesh = unwrap_traced_mesh(mesh)
+    if how == "slice":
+        return mesh._slice(names[0] if len(names) == 1 else names)
+    if how == "flatten":
+        return mesh._flatten_now(names[0] if names else None)
+    if how == "root":
+        return mesh._root if mesh._root is not None else mesh
+    raise ValueError(f"derive_mesh_now: unknown derivation {how!r}; expected 'slice', 'flatten' or 'root'")
 
 
 _opaque_type_registrations: list[Callable[[], None]] = []

@@ -188,6 +188,23 @@ class DTensorSpec(Generic[MeshT]):
             and self.mesh == other.mesh
         )
 
+    def _check_equals(self, other: object, skip_shapes: bool = False) -> bool:
+        """PyTorch 2.13's comparison: ``==``, or with ``skip_shapes`` the same but for global shape and stride.
+
+        torch.compile guards a DTensor input under ``shardwise.torch_switch`` with ``skip_shapes=True``
+        (dynamo's DTENSOR_SPEC_MATCH): shapes are guarded on the tensor itself, so dynamic shapes do not
+        recompile per shape.
+        """
+        if not skip_shapes:
+            return self == other
+        if not isinstance(other, DTensorSpec):
+            return False
+        if not (self.placements == other.placements and self.shard_order == other.shard_order and self.mesh == other.mesh):
+            return False
+        if self.tensor_meta is None or other.tensor_meta is None:
+            return self.tensor_meta is other.tensor_meta
+        return self.tensor_meta.dtype == other.tensor_meta.dtype
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta, self._shard_order))
 
