@@ -125,6 +125,28 @@ def skip_on_every_rank() -> None:
     pytest.skip("nothing to check on this configuration")
 
 
+def tensor_parallel_steps_where_one_rank_raises(failing_rank: int, failing_step: int) -> None:
+    """A toy Transformer trained with TP + SP; ``failing_rank`` raises between forward and backward of
+    ``failing_step`` while the others go on into the backward's collectives with it."""
+    from shardwise.testing import ModelArgs, Transformer
+    from shardwise.mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Transformer(ModelArgs(n_layers=1, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0))
+    model = Transformer.parallelize(model, mesh, True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, failing_step + 2):
+        tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(step))
+        output = model(tokens)
+        loss = output.to_local().sum() if hasattr(output, "to_local") else output.sum()
+        if dist.get_rank() == failing_rank and step == failing_step:
+            raise ValueError(f"rank {failing_rank} fails in step {step}, after its forward")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 # --- the tests ---
 
 
@@ -168,6 +190,24 @@ def test_raising_rank_fails_with_its_traceback() -> None:
     assert failure.value.errors[2].exception_type == "ValueError"
     assert 2 in failure.value.failed_ranks
     assert not isinstance(failure.value, MultiRankTimeout)
+
+
+def test_a_rank_failing_mid_step_fails_the_test_with_its_traceback_and_leaves_no_rank_hung() -> None:
+    # After a DTensor step a failed rank's process groups can outlive destroy_process_group (held below
+    # Python), keeping their connections open: the peers, blocked in the backward's collectives with it,
+    # used to wait until the grace period ran out and were killed as unfinished. Now the failed rank's
+    # process is ended as soon as it has reported, and every peer's collective fails and reports at once.
+    with pytest.raises(MultiRankError) as failure:
+        run_on_ranks(tensor_parallel_steps_where_one_rank_raises, 1, 2)
+    error = failure.value
+    assert not isinstance(error, MultiRankTimeout)
+    report = str(error)
+    assert report.splitlines()[2] == "rank 1 raised ValueError: rank 1 fails in step 2, after its forward"
+    assert report.index("rank 1 raised") < report.index("Traceback (most recent call last)") < report.index("also raised")
+    assert "in tensor_parallel_steps_where_one_rank_raises" in report
+    assert error.unfinished_ranks == ()  # no rank was left waiting in a collective
+    assert sorted(error.errors) == [0, 1, 2, 3]
+    assert run_on_ranks(rank_and_world_size)[3] == (3, 4)  # and the next test gets working ranks
 
 
 def test_dtensor_decisions_of_an_earlier_call_do_not_carry_its_dead_mesh() -> None:

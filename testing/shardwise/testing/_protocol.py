@@ -115,6 +115,11 @@ class TaskResult:
     # False when tearing down the process group failed: the rank's state is suspect, so the pool
     # is restarted before the next test.
     clean_teardown: bool
+    # True when a process group of this task was still alive in the rank after destroy_process_group
+    # (something in C++ still held it): its connections stay open, so a peer blocked in a collective
+    # with this rank cannot see it fail. After a failure the test process then ends this rank's process,
+    # which closes them (see RankPool._run_task).
+    groups_outlived_teardown: bool = False
 
 
 Message = WorkerReady | RunTask | BodyFinished | TearDown | Shutdown | TaskResult

@@ -492,6 +492,8 @@ class RankPool:
         last_cpu_ticks = _timeouts.process_tree_cpu_ticks([rank.process.pid for rank in self._ranks])
         first_failure_at: float | None = None
         stalled = False
+        failed_with_open_groups: list[_Rank] = []
+        ended_after_failure: list[_Rank] = []
         while pending:
             now = time.monotonic()
             if first_failure_at is None:
@@ -527,10 +529,21 @@ class RankPool:
                     results[rank.rank] = message
                     if message.error is not None:
                         failure_order.append(rank.rank)
+                        if message.groups_outlived_teardown:
+                            failed_with_open_groups.append(rank)
                 else:
                     raise RuntimeError(f"rank {rank.rank} answered {message!r} to task {task.task_id}")
             if failure_order and first_failure_at is None:
                 first_failure_at = time.monotonic()
+            if pending and failed_with_open_groups:
+                # A failed rank whose process groups outlived its teardown keeps their connections open, so
+                # peers blocked in a collective with it would wait for the collective timeout. It has reported
+                # its error; ending its process closes those connections and the peers' collectives fail at
+                # once (gloo: "Connection closed by peer"), so they report too. The pool is restarted after.
+                for failed in failed_with_open_groups:
+                    failed.process.kill()
+                ended_after_failure.extend(failed_with_open_groups)
+                failed_with_open_groups.clear()
             if failure_order or len(bodies_finished) == self.world_size:
                 teardown_released = True
             if teardown_released:
@@ -546,7 +559,9 @@ class RankPool:
         stacks = self._dump_stacks(unfinished) if unfinished else {}
         self.forward_output()
 
-        pool_is_usable = not pending and not exit_codes and all(r.clean_teardown for r in results.values())
+        pool_is_usable = (
+            not pending and not exit_codes and not ended_after_failure and all(r.clean_teardown for r in results.values())
+        )
         if not pool_is_usable:
             self.kill()
 

@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 import types
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -271,6 +272,7 @@ class _Worker:
         error: protocol.RemoteError | None = None
         skip_reason: str | None = None
         clean_teardown = True
+        groups_outlived_teardown = False
         try:
             body = resolve_function(task.function)
             args, kwargs = pickle.loads(task.call_payload)
@@ -292,7 +294,7 @@ class _Worker:
             self._wait_for_teardown(task.task_id)
         try:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                groups_outlived_teardown = self._destroy_every_group()
         except BaseException as teardown_error:  # noqa: BLE001
             clean_teardown = False
             if error is None:
@@ -304,7 +306,22 @@ class _Worker:
             error=error,
             skip_reason=skip_reason,
             clean_teardown=clean_teardown,
+            groups_outlived_teardown=groups_outlived_teardown,
         )
+
+    def _destroy_every_group(self) -> bool:
+        """``destroy_process_group()``; True when one of the groups it destroyed is still alive here afterwards.
+
+        A gloo group closes its connections when its C++ object goes away, not when c10d forgets it. After
+        a DTensor step something below Python can still hold a group (found after a failing tensor-parallel
+        step: no Python referrer, not freed by the garbage collector), and a peer blocked in a collective on
+        it then waits until the collective timeout instead of failing at once. Reported to the test process,
+        which ends this process when peers are still waiting.
+        """
+        dist = self.dist
+        groups = [weakref.ref(group) for group in list(dist.distributed_c10d._world.pg_names)]
+        dist.destroy_process_group()
+        return any(reference() is not None for reference in groups)
 
 
 def main() -> None:
