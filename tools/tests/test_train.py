@@ -89,6 +89,32 @@ def test_default_run_with_sequence_and_loss_parallel(tmp_path: pathlib.Path) -> 
     assert collectives["per_phase"]["optimizer"] == {"all_reduce": 2}
 
 
+def test_a_rank_failing_mid_step_ends_the_job_with_its_traceback_first(tmp_path: pathlib.Path) -> None:
+    """--fail-at-step 2 --fail-rank 1: rank 1 raises after its forward while the others run the backward's
+    collectives. The job ends (no rank left running: the launcher reports every rank's exit), exit status 1,
+    rank 1's traceback is the first one printed and the launcher names it first. Timing is not asserted
+    (a loaded machine); bench_fault_exit measures it."""
+    result = _run_trainer([*TINY_MODEL, "--steps", "4", "--fail-at-step", "2", "--fail-rank", "1"], tmp_path)
+    log = result.stdout + result.stderr
+    assert result.returncode == 1, log[-6000:]
+    first_traceback = re.search(r"\[rank(\d)\]: Traceback \(most recent call last\)", log)
+    assert first_traceback is not None and first_traceback.group(1) == "1", log[-6000:]
+    assert "InjectedFault: injected fault (--fail-at-step 2 --fail-rank 1): rank 1 raises in step 2" in log
+    summary_line = next(line for line in log.splitlines() if line.startswith("training failed: "))
+    assert summary_line.startswith("training failed: rank 1 exit code 1 (InjectedFault"), summary_line
+    assert all(f"rank {rank} exit code" in summary_line for rank in range(4)), summary_line
+    assert "step 3/4" not in log  # no rank trained past the failed step
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_fault_injection_flags_are_checked() -> None:
+    from shardwise.tools.train import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(["--fail-at-step", "2", "--fail-rank", "4"])  # 4 ranks: 0..3
+    assert parse_config(["--fail-at-step", "2", "--fail-rank", "3"]).fail_rank == 3
+
+
 def test_plain_tensor_parallel_on_two_ranks(tmp_path: pathlib.Path) -> None:
     result = _run_trainer([*TINY_MODEL, "--tp", "2", "--no-seq-parallel", "--no-loss-parallel"], tmp_path)
     summary = _check_outputs(result, tmp_path, steps=3)

@@ -20,6 +20,16 @@ def console_script() -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+    if status != 0:
+        # A failed job ends now: the launcher has reported and has nothing left to save, and Python's
+        # finalisation with torch imported takes seconds on a loaded machine (logging's handlers are
+        # flushed by hand, as its atexit hook would).
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     sys.exit(status)
 
 

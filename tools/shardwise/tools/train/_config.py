@@ -82,6 +82,8 @@ class TrainConfig:
     parity_atol: float | None = None
     compile: bool = False  # forward and loss under torch.compile(fullgraph=True)
     compile_backend: str = "inductor"
+    fail_at_step: int = 0  # fault injection: --fail-rank raises in this step, after the forward (0: never)
+    fail_rank: int = 0
 
     @property
     def training_dtype(self) -> str:
@@ -192,6 +194,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} must be a multiple of --dp {self.dp}: each data-parallel rank "
                 "trains on an equal share of every batch"
+            )
+        if self.fail_at_step < 0 or not 0 <= self.fail_rank < self.world_size:
+            raise ConfigError(
+                f"--fail-at-step {self.fail_at_step} --fail-rank {self.fail_rank}: expected a step >= 0 (0: no fault) and "
+                f"a rank in [0, {self.world_size})"
             )
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir DIR, the checkpoint to continue from")
@@ -379,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameter, activation and loss dtype; auto: float64 on cpu (the parity check is then strict), "
         "float32 on cuda (needs loose tolerances with AdamW; the fused CUDA attention kernels take no float64)",
     )
+
+    faults = parser.add_argument_group("fault injection (how a failed rank ends the job)")
+    faults.add_argument(
+        "--fail-at-step", type=int, default=defaults.fail_at_step,
+        help="rank --fail-rank raises an InjectedFault in this step, between its forward and its backward, while "
+        "the other ranks go on into the backward's collectives; the job must end promptly with that traceback "
+        "first and exit status 1 (0: no fault)",
+    )
+    faults.add_argument("--fail-rank", type=int, default=defaults.fail_rank, help="the rank that raises with --fail-at-step")
 
     launch = parser.add_argument_group("launcher (passed to torch.distributed.run)")
     launch.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines taking part")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -56,6 +57,34 @@ def _export_import_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(entries + ([existing] if existing else []))
 
 
+# What a rank's error says when it only lost a peer: gloo's and NCCL's words for a closed connection.
+_LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _describe_failures(failures: dict[int, Any]) -> str:
+    """The failed ranks, the likely cause first: a rank that raised its own error, then ranks that lost a peer,
+    then ranks the launcher stopped (killed by a signal)."""
+
+    def message(failure: Any) -> str:
+        text = getattr(failure, "message", "")
+        if isinstance(text, dict):  # an error file's record: {"message": "Type: text", "extraInfo": {...}}
+            text = text.get("message", "")
+        return text if isinstance(text, str) else str(text)
+
+    def kind(failure: Any) -> int:
+        if failure.exitcode < 0:
+            return 2
+        return 1 if any(marker in message(failure) for marker in _LOST_PEER_MARKERS) else 0
+
+    ordered = sorted(failures.items(), key=lambda item: (kind(item[1]), getattr(item[1], "timestamp", 0), item[0]))
+    parts = []
+    for rank, failure in ordered:
+        text = message(failure).splitlines()[0] if message(failure) else ""
+        shown = f" ({text[:160]})" if text and not text.startswith(("To enable traceback", "Signal ")) else ""
+        parts.append(f"rank {rank} exit code {failure.exitcode}{shown}")
+    return ", ".join(parts)
+
+
 def launch(config: TrainConfig) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -80,8 +109,7 @@ def launch(config: TrainConfig) -> int:
                 file=sys.stderr,
             )
             return 1
-        described = ", ".join(f"rank {rank} exit code {failure.exitcode}" for rank, failure in sorted(failures.items()))
-        print(f"training failed: {described}; the workers' tracebacks are above", file=sys.stderr)
+        print(f"training failed: {_describe_failures(failures)}; the workers' tracebacks are above", file=sys.stderr)
         return 1
     if config.node_rank != 0:
         print(

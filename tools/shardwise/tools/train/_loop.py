@@ -165,6 +165,7 @@ def train_loop(
     first_step: int = 1,
     compile_backend: str | None = None,
     context_parallel_mesh: Any = None,
+    after_forward: Callable[[int], None] = lambda step: None,
 ) -> list[StepRecord]:
     """Trains ``steps`` steps on ``corpus.batch(step, ...)`` and returns one record per step.
 
@@ -186,6 +187,8 @@ def train_loop(
     so the cp ranks' gradients add up to the gradient: they are summed over cp in one all-reduce
     before the optimizer, and the recorded loss is the sum of the cp ranks' losses (so each
     token is counted once, in the loss and in tokens/s).
+    ``after_forward(step)``: called between a step's forward and its backward (the trainer's fault
+    injection raises there, while the other ranks are inside the step's collectives).
     """
     model.train()
 
@@ -227,6 +230,7 @@ def train_loop(
         with received, sharding, loss_context():
             with _phase_counter("forward", collectives):
                 loss = step_loss(inputs, targets, positions, denominator)
+            after_forward(step)
             with _phase_counter("backward", collectives):
                 loss.backward()
         with received, _phase_counter("optimizer", collectives):
