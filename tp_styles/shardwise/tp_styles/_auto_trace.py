@@ -305,10 +305,8 @@ _SAME_DTYPE_OPS = frozenset(
         torch.ops.aten.matmul,
         torch.ops.aten.linear,
         torch.ops.aten.convolution,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-        torch.ops.aten._scaled_dot_product_attention_math,
     }
-)
+)  # not the attention kernels: they take boolean masks beside floating queries
 
 
 class _OperandMismatch(RuntimeError):
