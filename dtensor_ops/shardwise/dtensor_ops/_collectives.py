@@ -49,6 +49,7 @@ __all__ = [
     "launch_reduce_scatter_one_round",
     "one_round_collectives",
     "reduce_received_blocks",
+    "reduce_in_dtype",
     "ONE_ROUND_SWITCH",
     "mark_arrived",
     "wait",
@@ -234,13 +235,25 @@ def launch_reduce_scatter_one_round(tensor: torch.Tensor, group_size: int, group
 
 def reduce_received_blocks(received: torch.Tensor, reduce_op: str, group_size: int) -> torch.Tensor:
     """The reduce-scatter result from :func:`launch_reduce_scatter_one_round`'s blocks, reduced in member order."""
-    blocks = received.unflatten(0, (group_size, -1))
-    kind = c10d_reduce_op(reduce_op)
+    return reduce_in_dtype(received.unflatten(0, (group_size, -1)), 0, c10d_reduce_op(reduce_op))
+
+
+def reduce_in_dtype(values: torch.Tensor, dim: int, kind: str) -> torch.Tensor:
+    """``values`` reduced over ``dim`` by the c10d reduce op ``kind``, in their own dtype, as a collective does.
+
+    torch's ``sum``/``prod`` promote bool and small integers to int64; a collective keeps the dtype
+    (a bool sum is a logical or, integers wrap), and a result reduced locally must agree with one reduced
+    by the backend: same values, same dtype.
+    """
     if kind == "sum":
-        return blocks.sum(0)
+        return values.sum(dim, dtype=values.dtype)
     if kind == "product":
-        return blocks.prod(0)
-    return blocks.amax(0) if kind == "max" else blocks.amin(0)
+        return values.prod(dim, dtype=values.dtype)
+    if kind == "max":
+        return values.amax(dim)
+    if kind == "min":
+        return values.amin(dim)
+    raise ValueError(f"cannot reduce with c10d reduce op {kind!r}; expected one of sum, product, max, min")
 
 
 def launch_all_gather_one_round(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

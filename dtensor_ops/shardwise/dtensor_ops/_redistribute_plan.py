@@ -1306,7 +1306,31 @@ def check_redistribute_specs(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> tu
             f"cannot redistribute a tensor of global shape {src_shape} ({src}) to global shape {dst_shape} "
             f"({dst}); redistribute keeps the global shape"
         )
+    _check_complex_reductions(src, dst)
     return src_shape
+
+
+# Reductions that are not elementwise on a complex number's (real, imag) pair, the form in which complex
+# tensors travel (gloo has no complex types), and that c10d refuses for complex tensors: max and min (no
+# order), product ((a + bi)(c + di) is not (ac) + (bd)i).
+_NOT_COMPLEX_REDUCTIONS = frozenset({"product", "max", "min"})
+
+
+def _check_complex_reductions(src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> None:
+    """Refuse, before any collective, a plan that would reduce complex contributions by product, max or min."""
+    meta = src.tensor_meta
+    if meta is None or not meta.dtype.is_complex:
+        return
+    mesh_shape = tuple(src.mesh.shape)
+    for mesh_dim, (before, after) in enumerate(zip(src.placements, dst.placements)):
+        reduce_op = getattr(before, "reduce_op", None) if isinstance(before, Partial) else None
+        if reduce_op in _NOT_COMPLEX_REDUCTIONS and before != after and mesh_shape[mesh_dim] > 1:
+            raise ValueError(
+                f"cannot redistribute {src} -> {dst}: mesh dim {mesh_dim} is Partial({reduce_op!r}) of a "
+                f"{meta.dtype} tensor, and {reduce_op} is not a reduction defined for complex values here "
+                "(collectives move complex numbers as (real, imag) pairs; c10d refuses it too); expected "
+                "Partial('sum') or Partial('avg') for complex tensors"
+            )
 
 
 def mesh_supports_joint_steps(mesh: Any) -> bool:

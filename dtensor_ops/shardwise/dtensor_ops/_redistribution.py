@@ -72,6 +72,7 @@ except ImportError:  # a torch without DebugMode records nothing
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._collectives import (
     AsyncCollectiveTensor,
+    c10d_reduce_op,
     launch_all_gather,
     launch_all_reduce,
     launch_all_to_all,
@@ -79,6 +80,7 @@ from ._collectives import (
     launch_all_gather_one_round,
     launch_reduce_scatter_one_round,
     one_round_collectives,
+    reduce_in_dtype,
     reduce_received_blocks,
     from_reduced,
     to_reducible,
@@ -716,18 +718,10 @@ def _reduce_contributions(received: torch.Tensor, step: _ExecStep, layout: _Join
     value = contributions.view(*layout.slot_shape, *step.shape_after)
     for axis in reversed(range(len(layout.slot_shape))):
         reduce_op = layout.slot_ops[axis]
-        if norm_order_of(reduce_op) is not None:
-            value = from_reduced(to_reducible(value, reduce_op).sum(axis), reduce_op)
-        elif reduce_op in ("sum", "avg"):
-            value = value.sum(axis)
-            if reduce_op == "avg":
-                value = _divide(value, layout.slot_shape[axis])
-        elif reduce_op == "product":
-            value = value.prod(axis)
-        elif reduce_op == "max":
-            value = value.amax(axis)
-        else:
-            value = value.amin(axis)
+        # Reduced in the tensor's dtype, as the one-dim steps' collectives reduce (a bool sum stays bool).
+        value = from_reduced(reduce_in_dtype(to_reducible(value, reduce_op), axis, c10d_reduce_op(reduce_op)), reduce_op)
+        if reduce_op == "avg":
+            value = _divide(value, layout.slot_shape[axis])
     return value.contiguous()
 
 
