@@ -24,8 +24,10 @@ from shardwise.torch_switch import ENVIRONMENT_VARIABLE, switched_environment
 
 # backend -> the configurations (torchtitan_run.CONFIGS) that train on shardwise in it.
 BACKENDS: dict[str, list[str]] = {
-    "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2"],
-    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2"],
+    # moe_ep2_fsdp4: deepseek_v3's debug MoE, expert parallel 2 inside FSDP 4 (spmd_types' own uneven all_to_all
+    # is a list all_to_all of unequal tensors, which gloo refuses, so that backend's MoE needs NCCL).
+    "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "moe_ep2_fsdp4"],
+    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2", "moe_ep2_fsdp4"],
     # torchtitan's default: plain typed tensors in compute, fully_shard(dp_mesh_dims=...) on annotated plain
     # parameters (torch 2.13's fully_shard refuses them).
     "spmd_types": ["tp4", "fsdp2_tp2", "hsdp2x2"],
@@ -65,18 +67,19 @@ def _launch(
     return results
 
 
-REFERENCES = ["single", "single_x2", "single_x4"]
+REFERENCES = ["single", "single_x2", "single_x4", "moe_single_x4"]
+SEEDS = {"single": "seed", "moe_single_x4": "moe_seed"}  # the launch that writes a model's seed checkpoint
 
 
 @pytest.fixture(scope="module")
 def one_process(python: str, run_dir: pathlib.Path) -> dict[str, list[float]]:
-    """Writes the seed checkpoint and trains it on one process (torch's own modules, the switch off) on the global
+    """Writes the seed checkpoints (Llama 3, deepseek_v3) and trains them on one process (torch's own modules, the switch off) on the global
     batch of 1, 2 and 4 data-parallel ranks: the losses each configuration must give."""
     # One launch each: PyTorch's DeviceMesh keeps state across process groups that makes a second Trainer in
     # the same process fail ("Expected param's DTensor mesh to be the same mesh passed to fully_shard").
     references = {}
     for name in REFERENCES:
-        results = _launch(python, run_dir, 1, "full_dtensor", ["seed", name] if name == "single" else [name],
+        results = _launch(python, run_dir, 1, "full_dtensor", [SEEDS[name], name] if name in SEEDS else [name],
                           switch=False, tag=name)
         references[name] = results[name]["losses"]
     for losses in references.values():

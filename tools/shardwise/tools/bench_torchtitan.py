@@ -5,7 +5,8 @@
 Runs ``shardwise.tools.torchtitan_run`` under torchrun (4 gloo CPU ranks) in a virtual environment with the
 switch's ``.pth`` (``shardwise.torch_switch.switched_environment``): once with ``SHARDWISE_AS_TORCH`` unset
 (PyTorch's own DTensor, mesh and FSDP2) and once with it set (shardwise), alternating per backend, on the
-configurations both stacks train on CPU. Prints each configuration's median step time (the first step,
+configurations both stacks train on CPU (``--configs`` names others, e.g. ``spmd_types/fsdp2_tp2`` or
+``partial_dtensor/moe_ep2_fsdp4``, which PyTorch cannot run here: their shardwise times are printed alone). Prints each configuration's median step time (the first step,
 which includes one-time work, left out) on both and the ratio shardwise/PyTorch, and whether the losses
 agree. Configurations PyTorch cannot run on CPU are reported with its error, not timed.
 """
@@ -72,6 +73,8 @@ def main() -> None:
     chosen = [tuple(pair.split("/")) for pair in args.configs] if args.configs else [
         (backend, name) for backend, names in TIMED.items() for name in names
     ]
+    if any(name.startswith("moe_") for _, name in chosen):  # deepseek_v3's seed checkpoint
+        _launch(python, out_dir, 1, "full_dtensor", ["moe_seed"], shardwise=False, steps=args.steps)
     for backend, name in chosen:
         # One launch per configuration and stack: PyTorch's DeviceMesh keeps state across process groups
         # that makes a second Trainer in one process fail.
@@ -79,6 +82,10 @@ def main() -> None:
         ours = _launch(python, out_dir, 4, backend, [name], shardwise=True, steps=args.steps)
         their_step, our_step = _median_step(theirs.get(name, {})), _median_step(ours.get(name, {}))
         label = f"{backend}/{name}"
+        if their_step is None and our_step is not None:
+            print(f"{label:28s} {'-':>10s} {our_step:12.3f} {'-':>7s}  "
+                  f"PyTorch: {theirs.get(name, {}).get('error', 'ran')[:90]}")
+            continue
         if their_step is None or our_step is None:
             print(f"{label:28s} {'-' if their_step is None else f'{their_step:.3f}':>10s} "
                   f"{'-' if our_step is None else f'{our_step:.3f}':>12s} {'-':>7s}  "

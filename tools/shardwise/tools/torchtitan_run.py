@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's own trainer on CPU ranks: what the torchtitan test and benchmark launch under torchrun.
 
 ``python -m shardwise.tools.torchtitan_run OUT_JSON BACKEND CONFIG [CONFIG ...]`` (under torchrun) trains torchtitan's Llama 3 debug model (shrunk to
-2 layers, float32) through torchtitan's ``Trainer`` (its ``ParallelDims``, parallelize code and
+2 layers, float32; the ``moe_*`` configurations: its deepseek_v3 debug MoE, one dense and one MoE layer) through torchtitan's ``Trainer`` (its ``ParallelDims``, parallelize code and
 ``train_step``) once per named configuration, in this one process per rank, and rank 0 writes the losses
 per configuration to OUT_JSON. With ``SHARDWISE_AS_TORCH=1`` (and the switch's .pth installed), every
 DTensor, mesh and FSDP2 object torchtitan touches is shardwise's; without it, PyTorch's own.
@@ -28,6 +28,7 @@ from typing import Any
 CONFIGS: dict[str, dict[str, Any]] = {
     # name: ParallelismConfig fields (and "compile": True for per-block compile)
     "seed": {},  # one process: writes the seed checkpoint every other configuration starts from
+    "moe_seed": {"model": "deepseek_v3"},
     # One process on the global batch of 1, 2 or 4 data-parallel ranks: the references.
     "single": {},
     "single_x2": {"batch_multiplier": 2},
@@ -37,6 +38,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hsdp2x2": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 2},
     "cp2_tp2": {"context_parallel_degree": 2, "tensor_parallel_degree": 2},
     "tp4_compile": {"tensor_parallel_degree": 4, "compile": True},
+    # deepseek_v3's debug MoE (2 layers: one dense, one MoE), expert parallel over 2 ranks inside FSDP over 4.
+    "moe_single_x4": {"model": "deepseek_v3", "batch_multiplier": 4},
+    "moe_ep2_fsdp4": {"model": "deepseek_v3", "data_parallel_shard_degree": 4, "expert_parallel_degree": 2},
 }
 
 SEQ_LEN = 32
@@ -48,7 +52,8 @@ def reference_for(name: str) -> str:
     """The one-process configuration whose global batch (hence losses) a configuration must reproduce."""
     settings = CONFIGS[name]
     data_parallel = settings.get("data_parallel_replicate_degree", 1) * settings.get("data_parallel_shard_degree", 1)
-    return {1: "single", 2: "single_x2", 4: "single_x4"}[data_parallel]
+    prefix = "moe_" if settings.get("model") == "deepseek_v3" else ""
+    return prefix + {1: "single", 2: "single_x2", 4: "single_x4"}[data_parallel]
 STEPS = int(os.environ.get("SHARDWISE_TITAN_STEPS", "3"))
 VOCAB = 2048
 
@@ -198,12 +203,21 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
     settings = dict(CONFIGS[name])
     compile_blocks = settings.pop("compile", False)
     batch_multiplier = settings.pop("batch_multiplier", 1)
-    config = llama3_debugmodel()
-    spec = model_registry("debugmodel")
-    spec.model.layers = spec.model.layers[:2]
+    model = settings.pop("model", "llama3")
     # FlexAttention has no CPU backward; torchtitan's own SDPA module (causal) takes its place.
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
+    if model == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import model_registry as deepseek_registry
+        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+        config = deepseek_v3_debugmodel()
+        spec = deepseek_registry("debugmodel")
+        config.activation_checkpoint = None
+    else:
+        config = llama3_debugmodel()
+        spec = model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:2]
     for layer in spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config.model_spec = spec
@@ -216,22 +230,26 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
     config.training.steps = STEPS
     config.training.dtype = "float32"
     config.training.mixed_precision_param = "float32"
+    # CUDA graphs are a GPU feature (torchtitan falls back to eager on CPU, but first refuses expert parallel's
+    # all-to-all dispatcher, which synchronises with the host, under them).
+    config.training.disable_cuda_graphs = True
     config.metrics.log_freq = 1
     config.metrics.enable_tensorboard = False
     # Every configuration starts from the same weights: the seed checkpoint one process wrote (torchtitan's
     # own way to give runs of different parallelisms equal initial states), loaded through DCP.
     config.checkpoint.enable = True
     config.checkpoint.folder = "checkpoint"
-    if name == "seed":
+    if name in ("seed", "moe_seed"):
         config.checkpoint.create_seed_checkpoint = True
     else:
+        seed = "moe_seed" if model == "deepseek_v3" else "seed"
         config.checkpoint.load_only = True
-        config.checkpoint.initial_load_path = os.path.join(out_dir, "seed", "checkpoint", "step-0")
+        config.checkpoint.initial_load_path = os.path.join(out_dir, seed, "checkpoint", "step-0")
     config.debug.seed = 0
     config.lr_scheduler.warmup_steps = 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
     parallelism = ParallelismConfig(spmd_backend=backend, **settings)
-    if name == "seed" or name.startswith("single"):
+    if name in ("seed", "moe_seed") or "single" in name:
         parallelism.data_parallel_shard_degree = 1
     elif "data_parallel_shard_degree" not in settings:
         parallelism.data_parallel_shard_degree = world // (
@@ -268,7 +286,7 @@ def train(name: str, out_dir: str, backend: str, index: int, step_seconds: list[
 
     trainer.metrics_processor.log = record_loss
     try:
-        if name == "seed":
+        if name in ("seed", "moe_seed"):
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             # Trainer.train() less what torch 2.13 lacks (it ends step 1 with torch.distributed.set_timeout,
