@@ -196,7 +196,8 @@ def test_a_rank_failing_mid_step_fails_the_test_with_its_traceback_and_leaves_no
     # After a DTensor step a failed rank's process groups can outlive destroy_process_group (held below
     # Python), keeping their connections open: the peers, blocked in the backward's collectives with it,
     # used to wait until the grace period ran out and were killed as unfinished. Now the failed rank's
-    # process is ended as soon as it has reported, and every peer's collective fails and reports at once.
+    # process is ended once it has reported (and peers have not, 0.5 s later): every peer's collective fails
+    # and reports at once.
     with pytest.raises(MultiRankError) as failure:
         run_on_ranks(tensor_parallel_steps_where_one_rank_raises, 1, 2)
     error = failure.value

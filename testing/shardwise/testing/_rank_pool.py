@@ -36,6 +36,11 @@ from shardwise.testing._rank_zygote import RankPlan
 # assertion report within milliseconds, and ranks blocked in a gloo collective with a failed peer
 # error out as soon as that peer tears its process group down (which it does at once).
 GRACE_AFTER_FAILURE_S = 5.0
+# How long peers get to report on their own before a failed rank whose process groups outlived its
+# teardown is ended (which closes their connections, and costs the pool a restart): ranks failing the
+# same assertion report within milliseconds and keep the pool; a peer blocked in a collective with the
+# failed rank waits this long instead of the whole grace.
+OPEN_GROUPS_WAIT_S = 0.5
 # How long a rank gets to write its stacks after SIGUSR1.
 STACK_DUMP_WAIT_S = 2.0
 # Idle pools kept alive at once (each rank holds a few hundred MB with torch imported).
@@ -493,6 +498,7 @@ class RankPool:
         first_failure_at: float | None = None
         stalled = False
         failed_with_open_groups: list[_Rank] = []
+        open_groups_seen_at: float | None = None
         ended_after_failure: list[_Rank] = []
         while pending:
             now = time.monotonic()
@@ -510,6 +516,8 @@ class RankPool:
                 if now >= limit:
                     break
                 wait_s = limit - now
+                if open_groups_seen_at is not None:
+                    wait_s = max(min(wait_s, open_groups_seen_at + OPEN_GROUPS_WAIT_S - now), 0.0)
             for connection in wait_for_readable(list(pending), timeout=wait_s):
                 assert isinstance(connection, socket.socket)
                 rank = pending[connection]
@@ -535,7 +543,14 @@ class RankPool:
                     raise RuntimeError(f"rank {rank.rank} answered {message!r} to task {task.task_id}")
             if failure_order and first_failure_at is None:
                 first_failure_at = time.monotonic()
-            if pending and failed_with_open_groups:
+            if failed_with_open_groups and open_groups_seen_at is None:
+                open_groups_seen_at = time.monotonic()
+            if (
+                pending
+                and failed_with_open_groups
+                and open_groups_seen_at is not None
+                and time.monotonic() >= open_groups_seen_at + OPEN_GROUPS_WAIT_S
+            ):
                 # A failed rank whose process groups outlived its teardown keeps their connections open, so
                 # peers blocked in a collective with it would wait for the collective timeout. It has reported
                 # its error; ending its process closes those connections and the peers' collectives fail at
@@ -544,6 +559,7 @@ class RankPool:
                     failed.process.kill()
                 ended_after_failure.extend(failed_with_open_groups)
                 failed_with_open_groups.clear()
+                open_groups_seen_at = None
             if failure_order or len(bodies_finished) == self.world_size:
                 teardown_released = True
             if teardown_released:
