@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, Iterable, NamedTuple, NoReturn, Sequence, TypeVar
+from typing import Any, Generic, Iterable, NamedTuple, NoReturn, Sequence, TypeVar, cast
 
 import torch
 
@@ -52,6 +52,10 @@ def _check_dtype_can_average(
     )
 
 
+# DTensorSpec._derived_shard_order before shard_order was first asked for.
+_NOT_DERIVED = object()
+
+
 class DTensorSpec(Generic[MeshT]):
     """How a tensor of (optionally known) global metadata is laid out over ``mesh``.
 
@@ -74,6 +78,7 @@ class DTensorSpec(Generic[MeshT]):
         "_partial_mesh_dims",
         "_num_shards_per_dim",
         "_shard_order",
+        "_derived_shard_order",
     )
     mesh: MeshT
     placements: tuple[Placement, ...]
@@ -83,6 +88,9 @@ class DTensorSpec(Generic[MeshT]):
     _partial_mesh_dims: tuple[int, ...]
     _num_shards_per_dim: tuple[int, ...] | None
     _shard_order: ShardOrder | None
+    # What ``shard_order`` derives from the placements, once asked (_NOT_DERIVED until then): torch.compile
+    # reads it on every call of a compiled function, per DTensor input (``DTensor.__tensor_flatten__``).
+    _derived_shard_order: ShardOrder | None | object
 
     def __init__(
         self,
@@ -154,6 +162,7 @@ class DTensorSpec(Generic[MeshT]):
         object.__setattr__(self, "_partial_mesh_dims", tuple(partial_mesh_dims))
         object.__setattr__(self, "_num_shards_per_dim", None)
         object.__setattr__(self, "_shard_order", shard_order)
+        object.__setattr__(self, "_derived_shard_order", _NOT_DERIVED)
 
     # -- immutability, hashing, pickling -------------------------------------
 
@@ -243,7 +252,11 @@ class DTensorSpec(Generic[MeshT]):
         """
         if self._shard_order is not None:
             return self._shard_order
-        return strided_placements_to_shard_order(self.placements, tuple(self.mesh.shape))
+        derived = self._derived_shard_order
+        if derived is _NOT_DERIVED:
+            derived = strided_placements_to_shard_order(self.placements, tuple(self.mesh.shape))
+            object.__setattr__(self, "_derived_shard_order", derived)
+        return cast("ShardOrder | None", derived)
 
     @property
     def has_explicit_shard_order(self) -> bool:
