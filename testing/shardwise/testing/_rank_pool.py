@@ -545,11 +545,13 @@ class RankPool:
                 first_failure_at = time.monotonic()
             if failed_with_open_groups and open_groups_seen_at is None:
                 open_groups_seen_at = time.monotonic()
+            # Once one rank was ended the pool restarts anyway: later ones (peers that failed on the lost
+            # connection, with their groups open too) are ended without waiting again.
             if (
                 pending
                 and failed_with_open_groups
                 and open_groups_seen_at is not None
-                and time.monotonic() >= open_groups_seen_at + OPEN_GROUPS_WAIT_S
+                and (ended_after_failure or time.monotonic() >= open_groups_seen_at + OPEN_GROUPS_WAIT_S)
             ):
                 # A failed rank whose process groups outlived its teardown keeps their connections open, so
                 # peers blocked in a collective with it would wait for the collective timeout. It has reported
