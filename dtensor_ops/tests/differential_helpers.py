@@ -547,6 +547,23 @@ def check_redistribute_case(world: SimulatedWorld, case: RedistributeCase, *, ba
             return f"refused: {type(ours.error).__name__}"
         _check_dtensor(ours.value, case, case.dst, layout, oracle_pieces, f"{case}: redistribute")
 
+        # The same move asynchronously: the pending result must finish to the same tensor.
+        pending = attempt(lambda: source.redistribute(mesh, case.dst, async_op=True))
+        assert pending.ran, f"{case}: redistribute(async_op=True) raised {pending.error!r} where the synchronous one ran"
+        _check_dtensor(pending.value, case, case.dst, layout, oracle_pieces, f"{case}: redistribute(async_op=True)")
+
+        # from_local(run_check=True) infers the global shape from every rank's piece (uneven ones too).
+        if not any(isinstance(p, _StridedShard) for p in case.src):
+            checked = attempt(lambda: DTensor.from_local(local, mesh, case.src, run_check=True))
+            if checked.ran:
+                assert tuple(checked.value.shape) == case.shape, (
+                    f"{case}: from_local(run_check=True) inferred shape {tuple(checked.value.shape)}"
+                )
+                assert_every_rank(checked.value.full_tensor(), layout.full, world_size, f"{case}: from_local(run_check=True)")
+            else:
+                assert checked.error is not None
+                assert_clear_refusal(checked.error, f"{case}: from_local(run_check=True)")
+
         # distribute_tensor of the whole value to the target (its own refusals: Partial targets are allowed)
         direct = attempt(lambda: _distribute(layout.full, mesh, case.dst))
         if direct.ran:

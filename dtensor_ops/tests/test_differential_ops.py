@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import random
 from collections import Counter
 from typing import Any, Callable, cast
 
@@ -41,7 +42,7 @@ from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute
 from shardwise.mesh._simulation import mode_disabled
 from shardwise.placement import Placement
 
-CI_SECONDS = 15.0
+CI_SECONDS = 12.0
 
 # One or more ops per family: pointwise (unary, binary, ternary, comparisons), reductions, matmuls,
 # views and shapes, concatenation, indexing, normalisation, scans.
@@ -82,13 +83,23 @@ def _dtypes_of(name: str) -> tuple[torch.dtype, ...]:
 
 @functools.cache
 def _samples(name: str, dtype: torch.dtype) -> tuple[Any, ...]:
-    """The op's first OpInfo samples for ``dtype`` (made once; drawn again with a fixed seed)."""
-    torch.manual_seed(0)
-    samples = []
-    for sample in _opinfos()[name].sample_inputs("cpu", dtype, requires_grad=False):
-        samples.append(sample)
-        if len(samples) == SAMPLES_PER_OP:
-            break
+    """The op's first OpInfo samples for ``dtype`` (made once, from a fixed seed).
+
+    Asked while hypothesis draws a case, so Python's ``random`` state is put back afterwards (hypothesis
+    requires strategies to leave it alone; some sample generators use it).
+    """
+    python_random_state = random.getstate()
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            random.seed(0)
+            samples = []
+            for sample in _opinfos()[name].sample_inputs("cpu", dtype, requires_grad=False):
+                samples.append(sample)
+                if len(samples) == SAMPLES_PER_OP:
+                    break
+    finally:
+        random.setstate(python_random_state)
     return tuple(samples)
 
 
@@ -120,7 +131,9 @@ def _layout_for(draw: st.DrawFn, tensor: torch.Tensor, mesh_shape: tuple[int, ..
     choices: list[Placement] = [Replicate()]
     if tensor.dim() > 0:
         choices += [Shard(dim) for dim in range(-tensor.dim(), tensor.dim())]
-    if allow_partial and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+    # Not for half types: making a Partial input splits each value into n parts in its dtype (as PyTorch's),
+    # an error of the input's magnitude that a difference like x - y leaves larger than the output's tolerance.
+    if allow_partial and tensor.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128):
         choices += [Partial("sum"), Partial("avg")]
     return tuple(draw(st.sampled_from(choices)) for _ in mesh_shape)
 
@@ -201,7 +214,9 @@ def _compare_outputs(case: OpCase, ours: Any, theirs: Any | None, expected: Any,
         assert actual.dtype == want.dtype and tuple(actual.shape) == tuple(want.shape), (
             f"{what}: {actual.dtype} {tuple(actual.shape)}, expected {want.dtype} {tuple(want.shape)}"
         )
-        if isinstance(oracle, torch_dtensor.DTensor):
+        # PyTorch's DTensor as the stride oracle only where its own metadata is right: for matmul of a vector
+        # by a matrix it reports stride (5, 1) for a result of shape (5,).
+        if isinstance(oracle, torch_dtensor.DTensor) and oracle.shape == want.shape and len(oracle.stride()) == want.dim():
             assert actual.stride() == oracle.stride(), f"{what}: stride {actual.stride()}, PyTorch's DTensor {oracle.stride()}"
         for rank, piece in pieces_of(actual.full_tensor(), world_size).items():
             assert_same_tensor(piece, want, f"{what}, simulated rank {rank}")
@@ -246,6 +261,9 @@ def check_op_case(world: SimulatedWorld, case: OpCase) -> str:
 
 def test_opinfo_ops_match_plain_torch_on_random_layouts() -> None:
     outcomes: Counter[str] = Counter()
+    # Loaded before hypothesis runs: importing torch's test utilities registers hypothesis settings profiles,
+    # which hypothesis deprecates inside a running test.
+    _opinfos()
     with simulated_world() as world:
 
         def make_property(out_of_time: Callable[[], bool]) -> Callable[..., None]:

@@ -37,7 +37,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.testing import run_on_ranks
 
 WORLD_SIZE = 4
-CI_SECONDS = 10.0
+CI_SECONDS = 6.0
 MESH_SHAPES_OF_4: tuple[tuple[int, ...], ...] = ((4,), (2, 2), (1, 4), (4, 1), (2, 1, 2), (1, 2, 2))
 CASES_PER_CALL = 4
 

@@ -21,7 +21,7 @@ from differential_helpers import (
 )
 from hypothesis import given
 
-CI_SECONDS = 20.0
+CI_SECONDS = 16.0
 
 
 def test_redistribute_matches_plain_torch_and_pytorch_dtensor() -> None:
