@@ -314,7 +314,9 @@ class _Worker:
 
         A gloo group closes its connections when its C++ object goes away, not when c10d forgets it. After
         a DTensor step something below Python can still hold a group (found after a failing tensor-parallel
-        step: no Python referrer, not freed by the garbage collector), and a peer blocked in a collective on
+        step: no Python referrer, not freed by the garbage collector; torch's functional-collective work
+        registry still held 2 works issued in the forward and never waited, since the rank raised before
+        the backward that would have waited them), and a peer blocked in a collective on
         it then waits until the collective timeout instead of failing at once. Reported to the test process,
         which ends this process when peers are still waiting.
         """
