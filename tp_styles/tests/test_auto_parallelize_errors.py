@@ -182,6 +182,28 @@ def test_the_model_really_refuses_what_the_planner_refuses() -> None:
     plan_quietly(Stack().double(), (torch.randn(4, 8, dtype=torch.float64),))
 
 
+class MaskedAttention(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.out(attended.transpose(1, 2).flatten(2))
+
+
+def test_operands_of_different_dtypes_that_the_model_accepts_are_not_refused() -> None:
+    """A boolean attention mask beside float64 queries, an int64 index beside float64 values: valid."""
+    model = MaskedAttention().double()
+    model(torch.randn(2, 4, 8, dtype=torch.float64))  # the real forward accepts it
+    plan_quietly(model, (torch.randn(2, 4, 8, dtype=torch.float64),))
+    embedding = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8)).double()
+    plan_quietly(embedding, (torch.randint(0, 16, (2, 4)),))
+
+
 def test_a_wrong_shape_names_the_module_and_the_input_shapes() -> None:
     model = Stack()
     with pytest.raises(ExampleInputMismatchError, match=r"\[0\] float32 \(4, 7\) on cpu.*module 'layers\.0\.up' \(Linear\)") as raised:
