@@ -151,6 +151,11 @@ def run_worker(config: TrainConfig) -> int:
         # The other ranks wait for rank 0's reference run: no rank tears the group down while
         # another may still use it (see also __main__.py on leaving without teardown).
         dist.barrier()
+    except ConfigError:
+        # A flag the run cannot honour (--resume past the checkpoint): every rank refuses alike, and main()
+        # prints the message without a traceback and exits 2.
+        dist.destroy_process_group()
+        raise
     except Exception as failure:
         leave_at_once_after_failure(rank, failure)
     dist.destroy_process_group()
