@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor
 from shardwise.mesh._simulation import mode_disabled
-from shardwise.placement import Placement
+from shardwise.placement import Placement, _StridedShard
 
 CI_SECONDS = 12.0
 
@@ -57,7 +57,7 @@ OP_NAMES: tuple[str, ...] = (
     "softmax", "nn.functional.layer_norm", "cumsum", "tril",
 )  # fmt: skip
 
-MESH_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (2,), (3,), (4,), (2, 2), (3, 2), (2, 1, 2))
+MESH_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (2,), (3,), (4,), (8,), (2, 2), (3, 2), (2, 1, 2), (2, 2, 2))
 OP_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
     torch.float64, torch.complex64,
@@ -131,10 +131,13 @@ def _layout_for(draw: st.DrawFn, tensor: torch.Tensor, mesh_shape: tuple[int, ..
     choices: list[Placement] = [Replicate()]
     if tensor.dim() > 0:
         choices += [Shard(dim) for dim in range(-tensor.dim(), tensor.dim())]
+        choices.append(_StridedShard(draw(st.integers(0, tensor.dim() - 1)), split_factor=2))
     # Not for half types: making a Partial input splits each value into n parts in its dtype (as PyTorch's),
     # an error of the input's magnitude that a difference like x - y leaves larger than the output's tolerance.
     if allow_partial and tensor.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128):
         choices += [Partial("sum"), Partial("avg")]
+        if not tensor.dtype.is_complex:
+            choices += [Partial("max"), Partial("min")]
     return tuple(draw(st.sampled_from(choices)) for _ in mesh_shape)
 
 

@@ -367,6 +367,11 @@ def _priced_combination(
     memoises the redistribution price per (input, target) across the combinations of one decision."""
     inputs_nd = tuple(tuple(strategy.inputs[index] for strategy in combo) for index in range(len(rule_specs)))
     outputs_nd = tuple(_placements_of_output(combo, index) for index in range(len(call.output_metas)))
+    # A tensor laid out with both a _StridedShard and a Partial mesh dim is never a candidate: the
+    # redistribution planner refuses such layouts, so an output in one could not even be gathered (a sharded
+    # contraction of strided inputs gave bmm a (P(sum), S(1), _S(1, 2)) output whose full_tensor() raised).
+    if any(placements and _mixes_strided_and_partial(placements) for placements in (*inputs_nd, *outputs_nd)):
+        return None
     if rule.is_valid is not None and not _is_valid(rule, call, inputs_nd, outputs_nd):
         return None
     moved = 0
@@ -523,6 +528,10 @@ def _is_valid(
         equivalents.append(plain)
     equivalent_inputs = cast(tuple[tuple[Placement, ...], ...], tuple(equivalents[: len(inputs)]))
     return rule.is_valid(call, equivalent_inputs, tuple(equivalents[len(inputs) :]))  # type: ignore[misc]
+
+
+def _mixes_strided_and_partial(placements: tuple[Placement, ...]) -> bool:
+    return any(isinstance(p, _StridedShard) for p in placements) and any(isinstance(p, Partial) for p in placements)
 
 
 def _same_piece_sizes(
