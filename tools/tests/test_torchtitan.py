@@ -26,8 +26,9 @@ from shardwise.torch_switch import ENVIRONMENT_VARIABLE, switched_environment
 BACKENDS: dict[str, list[str]] = {
     # moe_ep2_fsdp4: deepseek_v3's debug MoE, expert parallel 2 inside FSDP 4 (spmd_types' own uneven all_to_all
     # is a list all_to_all of unequal tensors, which gloo refuses, so that backend's MoE needs NCCL).
-    "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "moe_ep2_fsdp4"],
-    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2", "moe_ep2_fsdp4"],
+    # tp4_compile: torchtitan's per-block compile (aot_eager) of TP blocks, each also an FSDP unit.
+    "full_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "moe_ep2_fsdp4", "tp4_compile"],
+    "partial_dtensor": ["tp4", "fsdp2_tp2", "hsdp2x2", "cp2_tp2", "moe_ep2_fsdp4", "tp4_compile"],
     # torchtitan's default: plain typed tensors in compute, fully_shard(dp_mesh_dims=...) on annotated plain
     # parameters (torch 2.13's fully_shard refuses them).
     "spmd_types": ["tp4", "fsdp2_tp2", "hsdp2x2"],

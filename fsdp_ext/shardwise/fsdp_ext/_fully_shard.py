@@ -354,6 +354,12 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 class FSDPModule:
     """Mixed into the class of every module given to ``fully_shard`` (as PyTorch's ``FSDPModule``)."""
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile``; the unit's hooks then stay eager around the compiled forward (see
+        ``_register_unit_hooks``)."""
+        nn.Module.compile(self, *args, **kwargs)  # type: ignore[arg-type]
+        _register_unit_hooks(self, self._fsdp_state())  # type: ignore[arg-type]
+
     def _fsdp_state(self) -> _FSDPState:
         state = _state_of(self)  # type: ignore[arg-type]
         if state is None:
@@ -706,10 +712,33 @@ def fully_shard(
     state = _FSDPState(modules, mesh, unit_group, reshard, mp_policy)
     for each in modules:
         each.__dict__[_STATE_ATTR] = state
-        each.register_forward_pre_hook(state.module_pre_forward, prepend=True, with_kwargs=True)
-        each.register_forward_hook(state.module_post_forward)
+        _register_unit_hooks(each, state)
         each.__class__ = _fsdp_class(type(each))
     return module
+
+
+_HOOKS_ATTR = "_shardwise_fsdp_hook_handles"
+
+
+def _register_unit_hooks(module: nn.Module, state: _FSDPState) -> None:
+    """The unit's forward hooks on ``module`` (replacing any it had).
+
+    A module whose own call is compiled (``module.compile()``, torchtitan's per-block compile, before or after
+    ``fully_shard``) gets the eager hooks, which dynamo runs outside the module's graph, as PyTorch's FSDP2
+    runs its hooks: the graph is the block's forward, FSDP's gathering and bookkeeping stay eager (with every
+    option). Otherwise hooks that take the traced path while dynamo traces a larger region (the whole model
+    compiled: FSDP's collectives become graph ops) and the eager one otherwise.
+    """
+    for handle in module.__dict__.pop(_HOOKS_ATTR, ()):
+        handle.remove()
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        pre, post = state._eager_module_pre_forward, state._eager_module_post_forward
+    else:
+        pre, post = state.module_pre_forward, state.module_post_forward
+    module.__dict__[_HOOKS_ATTR] = (
+        module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+        module.register_forward_hook(post),
+    )
 
 
 def _shard_placement(

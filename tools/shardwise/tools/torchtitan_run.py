@@ -258,6 +258,10 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
         )
     config.parallelism = parallelism
     if compile_blocks:
+        # torch 2.13's AOTAutograd misplaces a saved mesh next to a saved RNG state when activation checkpointing
+        # recomputes SDPA in a compiled block ("expected all tensors_saved_with_vc_check to be Tensors"), on
+        # PyTorch's DTensor as on shardwise's: per-block compile is run without it.
+        config.activation_checkpoint = None
         config.compile.enable = True
         config.compile.components = ["model"]
         config.compile.backend = "aot_eager"
