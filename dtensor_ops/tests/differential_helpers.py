@@ -300,6 +300,11 @@ def assert_same_tensor(actual: torch.Tensor, expected: torch.Tensor, what: str) 
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
     assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     rtol, atol = tolerances(expected.dtype)
+    if expected.dtype in (torch.float16, torch.bfloat16) and expected.numel():
+        # Partial pieces (a sharded contraction, an R -> P split) are rounded to the dtype before they are
+        # summed, up to 8 of them: an error of up to ~8 ulps of the largest value, whatever the element's size.
+        largest = float(expected.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).max())
+        atol = max(atol, 8 * torch.finfo(expected.dtype).eps * largest)
     torch.testing.assert_close(
         actual, expected, rtol=rtol, atol=atol, equal_nan=True, msg=lambda message: f"{what}: {message}"
     )
@@ -551,6 +556,14 @@ def check_redistribute_case(world: SimulatedWorld, case: RedistributeCase, *, ba
         pending = attempt(lambda: source.redistribute(mesh, case.dst, async_op=True))
         assert pending.ran, f"{case}: redistribute(async_op=True) raised {pending.error!r} where the synchronous one ran"
         _check_dtensor(pending.value, case, case.dst, layout, oracle_pieces, f"{case}: redistribute(async_op=True)")
+
+        # forward_dtype: the collectives and the result in another floating dtype, the same value.
+        if case.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            wider = attempt(lambda: source.redistribute(mesh, case.dst, forward_dtype=torch.float64))
+            assert wider.ran, f"{case}: redistribute(forward_dtype=float64) raised {wider.error!r}"
+            assert wider.value.dtype == torch.float64, f"{case}: forward_dtype=float64 gave {wider.value.dtype}"
+            narrowed = wider.value.full_tensor().to(case.dtype)
+            assert_every_rank(narrowed, layout.full, world_size, f"{case}: redistribute(forward_dtype=float64)")
 
         # from_local(run_check=True) infers the global shape from every rank's piece (uneven ones too).
         if not any(isinstance(p, _StridedShard) for p in case.src):

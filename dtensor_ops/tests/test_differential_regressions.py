@@ -6,6 +6,8 @@ travels, on 4 gloo ranks too. The comments say what was wrong and why.
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,12 +108,12 @@ def test_bmm_of_strided_inputs_gives_an_output_that_can_be_gathered() -> None:
             left_dt, right_dt = (
                 distribute_tensor(t.clone().requires_grad_(True), mesh, list(STRIDED_BATCH_LAYOUT)) for t in (left, right)
             )
-            result = torch.bmm(left_dt, right_dt)
+            result = cast(DTensor, torch.bmm(left_dt, right_dt))
             placements = tuple(result.placements)
             assert not (any(isinstance(p, _StridedShard) for p in placements) and any(isinstance(p, Partial) for p in placements)), placements
             for piece in result.full_tensor()._local_tensors.values():  # type: ignore[attr-defined]
                 torch.testing.assert_close(piece, torch.bmm(left, right))
             result.full_tensor().sum().backward()
             assert left_dt.grad is not None
-            for piece in left_dt.grad.full_tensor()._local_tensors.values():  # type: ignore[attr-defined]
+            for piece in cast(DTensor, left_dt.grad).full_tensor()._local_tensors.values():  # type: ignore[attr-defined]
                 torch.testing.assert_close(piece, torch.ones(10, 5, 5, dtype=torch.float64) @ right.transpose(1, 2))
