@@ -49,6 +49,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# One table of each stack's public names for both fault benchmarks (the job is the same code on both).
+from shardwise.tools.bench_exit_stress import _stack_api
+
 VARIANTS = ("shardwise", "pytorch", "shardwise-plain-exit", "pytorch-fast-exit", "trainer")
 _RAISE_LINE = re.compile(r"fault-exit: rank (\d+) raises in step (\d+) at (\d+\.\d+)")
 _TRAINER_RAISE_LINE = re.compile(r"injected fault: rank (\d+) raises in step (\d+) at (\d+\.\d+)")
@@ -62,27 +65,6 @@ _TRACEBACK_LINE = re.compile(r"\[rank(\d+)\]:\s*Traceback \(most recent call las
 
 class FaultInjected(RuntimeError):
     """What the failing rank raises."""
-
-
-def _stack_api(stack: str) -> dict[str, Any]:
-    if stack == "shardwise":
-        from shardwise.dtensor_ops import init_device_mesh
-        from shardwise.tp_styles import ColwiseParallel, RowwiseParallel, parallelize_module
-    elif stack == "pytorch":
-        from torch.distributed.device_mesh import init_device_mesh  # type: ignore[assignment]
-        from torch.distributed.tensor.parallel import (  # type: ignore[assignment]
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-    else:
-        raise ValueError(f"unknown stack {stack!r}")
-    return {
-        "init_device_mesh": init_device_mesh,
-        "ColwiseParallel": ColwiseParallel,
-        "RowwiseParallel": RowwiseParallel,
-        "parallelize_module": parallelize_module,
-    }
 
 
 def _training_job(stack: str, steps: int, fail_step: int, fail_rank: int) -> None:
