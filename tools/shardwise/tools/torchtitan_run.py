@@ -268,17 +268,57 @@ def _trainer_config(name: str, out_dir: str, backend: str) -> Any:
     return config
 
 
-def train(name: str, out_dir: str, backend: str, index: int, step_seconds: list[float]) -> list[float]:
+class _RendezvousStores:
+    """A fresh rendezvous store for each configuration, on a port no other process can take.
+
+    Each Trainer initialises (and ``train`` then destroys) the default process group from the environment. A
+    fresh store per configuration keeps one configuration's rendezvous keys from meeting the next's. Rank 0
+    binds it to a port the OS picks and holds it for the whole configuration; every rank, rank 0 too, reaches
+    it as a client (``TORCHELASTIC_USE_AGENT_STORE``), learning the port from torchrun's agent store. A port
+    guessed next to torchrun's (MASTER_PORT + 1 + i) can be taken by any other process on the machine between
+    the launch and the configuration's start: tests run side by side hit that (EADDRINUSE)."""
+
+    def __init__(self) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise RuntimeError("torchtitan_run runs under torchrun (its agent's store is where ranks meet)")
+        self._timeout = timedelta(minutes=10)
+        self._host = os.environ["MASTER_ADDR"]
+        self._agent = TCPStore(
+            self._host, int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False,
+            timeout=self._timeout,
+        )
+        self._rank = int(os.environ["RANK"])
+        self._held: list[Any] = []  # every store rank 0 started, alive to the end: a slow rank may still use one
+
+    def enter(self, index: int) -> None:
+        """Points the environment at configuration ``index``'s store (rank 0 starts it first)."""
+        from torch.distributed import TCPStore
+
+        key = f"shardwise_titan_store_port_{index}"
+        if self._rank == 0:
+            store = TCPStore(
+                self._host, 0, int(os.environ["WORLD_SIZE"]), is_master=True, timeout=self._timeout,
+                wait_for_workers=False,
+            )
+            self._held.append(store)
+            self._agent.set(key, str(store.port))
+        os.environ["MASTER_PORT"] = self._agent.get(key).decode()
+
+
+def train(
+    name: str, out_dir: str, backend: str, index: int, step_seconds: list[float], stores: _RendezvousStores
+) -> list[float]:
     """One configuration through torchtitan's Trainer (its train() less set_timeout); the loss of every step.
 
     Appends each step's wall time to ``step_seconds``."""
     import torch
     from torchtitan.trainer import Trainer
 
-    # Each Trainer initialises (and this function then destroys) the default process group; a fresh
-    # TCPStore per configuration keeps one configuration's rendezvous keys from meeting the next's.
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-    os.environ["MASTER_PORT"] = str(int(os.environ["SHARDWISE_TITAN_BASE_PORT"]) + index)
+    stores.enter(index)
     config = _trainer_config(name, out_dir, backend)
     trainer = Trainer(config)
     losses: list[float] = []
@@ -317,12 +357,12 @@ def main() -> None:
 
     results: dict[str, Any] = {}
     rank0 = os.environ.get("RANK", "0") == "0"
-    os.environ.setdefault("SHARDWISE_TITAN_BASE_PORT", str(int(os.environ["MASTER_PORT"]) + 1))
+    stores = _RendezvousStores()
     for index, name in enumerate(names):
         started = time.perf_counter()
         try:
             step_seconds: list[float] = []
-            losses = train(name, os.path.dirname(out_json), backend, index, step_seconds)
+            losses = train(name, os.path.dirname(out_json), backend, index, step_seconds, stores)
         except Exception as error:  # one configuration's failure is a result, not the end of the run
             import traceback
 
