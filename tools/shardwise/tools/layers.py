@@ -60,7 +60,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("planner", ("_cost_model", "_redistribute_plan")),
     ("rules", ("_ops",)),
-    ("propagation", ("_propagation", "_decision_pipeline")),
+    ("propagation", ("_propagation", "_decision_pipeline", "_pricing")),
     ("collectives", ("_collectives",)),
     ("redistribution", ("_redistribution", "_src_data")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),

@@ -53,6 +53,21 @@ class TracedOp:
     args: tuple[Any, ...]  # the arguments with every tensor replaced by its TensorId (dims, sizes, ...)
     call: int | None  # index of the innermost module call running it (None: the root's own forward)
     flops: int
+    kwarg_names: tuple[str, ...] = ()  # the last len(kwarg_names) entries of ``args`` are these keyword arguments
+
+    def call_arguments(self, value_of: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The op's positional and keyword arguments with each tensor ``("tensor", id)`` replaced by ``value_of(id)``."""
+
+        def replace(value: Any) -> Any:
+            if isinstance(value, tuple) and len(value) == 2 and value[0] == "tensor" and isinstance(value[1], int):
+                return value_of(value[1])
+            if isinstance(value, (list, tuple)):
+                return type(value)(replace(item) for item in value)
+            return value
+
+        split = len(self.args) - len(self.kwarg_names)
+        positional = tuple(replace(arg) for arg in self.args[:split])
+        return positional, {name: replace(arg) for name, arg in zip(self.kwarg_names, self.args[split:])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +95,8 @@ class ModelTrace:
     model_inputs: tuple[TensorId, ...]
     producer: dict[TensorId, int]  # op index
     consumers: dict[TensorId, list[int]]  # op indices
+    dtypes: dict[TensorId, torch.dtype] = dataclasses.field(default_factory=dict)
+    strides: dict[TensorId, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def nbytes(self, tensor: TensorId) -> int:
         numel = 1
@@ -112,6 +129,8 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # ids of live objects stay unique
         self.shapes: dict[TensorId, tuple[int, ...]] = {}
         self.itemsize: dict[TensorId, int] = {}
+        self.dtypes: dict[TensorId, torch.dtype] = {}
+        self.strides: dict[TensorId, tuple[int, ...]] = {}
         self.parameter_names: dict[TensorId, str] = {}
         self.parameter_requires_grad: dict[TensorId, bool] = {}
         self.names = names
@@ -131,6 +150,8 @@ class _Recorder(TorchDispatchMode):
         self.alive.append(tensor)
         self.shapes[new] = tuple(int(size) for size in tensor.shape)
         self.itemsize[new] = tensor.element_size()
+        self.dtypes[new] = tensor.dtype
+        self.strides[new] = tuple(int(step) for step in tensor.stride())
         name = self.names.get(id(tensor))
         if name is not None:
             self.parameter_names[new] = name
@@ -202,6 +223,7 @@ class _Recorder(TorchDispatchMode):
                 args=tuple(self._replace(arg) for arg in args) + tuple(self._replace(v) for v in kwargs.values()),
                 call=self.call_stack[-1] if self.call_stack else None,
                 flops=flops,
+                kwarg_names=tuple(kwargs),
             )
         )
         return out
@@ -289,6 +311,8 @@ def trace_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> ModelTra
         model_inputs=model_inputs,
         producer=producer,
         consumers=consumers,
+        dtypes=recorder.dtypes,
+        strides=recorder.strides,
     )
 
 

@@ -40,9 +40,12 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, Replicate, Shard
 
 from ._auto_errors import AutoPlanError, DataDependentControlFlowError, ExampleInputMismatchError, UnsupportedModelError
-from ._auto_cost import ComputeProfile, Estimate, Ledger, default_compute_profile
+from shardwise.dtensor_ops._pricing import NO_MOVEMENT, Movement, decide
+from shardwise.placement import DTensorSpec, Partial
+
+from ._auto_cost import ComputeProfile, Estimate, LayoutPricer, Ledger, default_compute_profile
 from ._auto_structure import ModelStructure, Region, analyse_structure
-from ._auto_trace import ModelTrace, trace_forward
+from ._auto_trace import ModelTrace, TensorId, TracedCall, trace_forward
 from .style import (
     ColwiseParallel,
     ParallelStyle,
@@ -75,7 +78,6 @@ _STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
     "PrepareModuleInput": PrepareModuleInput,
 }
 _SEQUENCE_DIM = 1
-_LOSS_PARALLEL_FORWARD_ALL_REDUCES = 3  # loss_parallel's cross-entropy: max, sum of exponentials, target logits
 _LOSS_PARALLEL_OPS = 12  # its forward ops on DTensors (log-softmax pieces, gather, mean)
 _OPTIMIZER_STATES = 2
 # Cross-entropy forward and backward per logit (max, exp, sum, log, subtract, its gradient): not in the traced
@@ -215,6 +217,10 @@ class _Problem:
     cost_profile: Any
     parameter_itemsize: int
     attention_key_value_bytes: tuple[tuple[str, int], ...]  # per attention module: its first call's key + value bytes
+    pricer: LayoutPricer
+    parameter_dtype: torch.dtype
+    # What a styled layer moves depends on the layer and a few choices only: priced once per planning.
+    memo: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def tp_size(self) -> int:
@@ -305,6 +311,191 @@ def _tying_holds(structure: ModelStructure, embedding_modes: Sequence[str], head
     return True
 
 
+def _parameters_read(trace: ModelTrace, call: TracedCall) -> tuple[TensorId | None, TensorId | None]:
+    """The (weight, bias) a linear or embedding call reads: the 2-D and the 1-D parameter among its ops' inputs."""
+    weight = bias = None
+    for op in trace.ops_within(call):
+        for tensor in op.inputs:
+            if tensor in trace.parameter_names:
+                if len(trace.shapes[tensor]) == 2 and weight is None:
+                    weight = tensor
+                elif len(trace.shapes[tensor]) == 1 and bias is None:
+                    bias = tensor
+    return weight, bias
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """What a styled layer moves, as the engine prices it: forward and backward, once per call."""
+
+    movement: Movement
+    output: DTensorSpec[Any] | None = None
+
+
+def _memo(problem: _Problem, key: tuple[Any, ...], compute: Callable[[], _Layer]) -> _Layer:
+    found = problem.memo.get(key)
+    if found is None:
+        found = problem.memo[key] = compute()
+    return found
+
+
+def _styled_linear(problem: _Problem, name: str, specs: dict[TensorId, DTensorSpec[Any]], weight_tp: Placement,
+                   bias_tp: Placement) -> tuple[Movement, DTensorSpec[Any], DTensorSpec[Any] | None]:
+    """Replays one styled linear (or embedding) call on specs: its parameters laid out as the style lays them out,
+    its input as ``specs`` says. Returns the moves its ops' decisions plan, its output's spec and its weight's."""
+    pricer, trace = problem.pricer, problem.trace
+    call = trace.calls_of(name)[0]
+    weight, bias = _parameters_read(trace, call)
+    weight_spec = None
+    if weight is not None:
+        weight_spec = specs[weight] = pricer.whole(weight, weight_tp)
+    if bias is not None:
+        specs[bias] = pricer.whole(bias, bias_tp)
+    moves = pricer.replay(trace.ops_within(call), specs)
+    return moves, specs[call.outputs[0]], weight_spec
+
+
+def _region_layer(problem: _Problem, region: Region, sequence_parallel: bool, prepared: bool) -> _Layer:
+    """A tensor-parallel region, per call: its input laid out replicated (once at the parent, or per entry), the
+    entries column-wise, the exit row-wise, its output laid out as the stream; and the gradients back."""
+
+    def compute() -> _Layer:
+        pricer, trace = problem.pricer, problem.trace
+        stream: Placement = Shard(_SEQUENCE_DIM) if sequence_parallel else Replicate()
+        arriving = pricer.activation(region.input, stream)
+        wanted = pricer.on_tp(arriving, Replicate())
+        layouts = len(region.entries) if not prepared else 1
+        total = pricer.move(arriving, wanted).times(layouts)
+        specs: dict[TensorId, DTensorSpec[Any]] = {region.input: wanted}
+        entry_gradients: list[Movement] = []
+        for entry in region.entries:
+            moves, output, weight = _styled_linear(problem, entry, specs, Shard(0), Shard(0))
+            total = total + moves
+            if weight is not None:
+                entry_gradients.append(pricer.linear_input_gradient(output, weight, arriving))
+        if region.input_takes_gradient and entry_gradients:
+            # Laid out at the parent, the entries' input gradients (one layout) add up before the one change back.
+            for gradient in entry_gradients if not prepared else entry_gradients[-1:]:
+                total = total + gradient
+        exit_call = trace.calls_of(region.exit)[0]
+        if region.needs_global_views:
+            first = trace.calls_of(region.entries[0])[0].end_op
+            total = total + pricer.replay(trace.ops[first : exit_call.first_op], specs)
+        else:
+            # Between the entries and the exit the pieces are plain local tensors; the exit takes its input as
+            # declared (cut on the features).
+            specs[exit_call.inputs[0]] = pricer.activation(exit_call.inputs[0], Shard(-1))
+        exit_input = specs[exit_call.inputs[0]]
+        moves, produced, weight = _styled_linear(problem, region.exit, specs, Shard(1), Replicate())
+        laid_out = pricer.on_tp(produced, stream)
+        total = total + moves + pricer.round_trip(produced, laid_out)
+        if weight is not None:
+            total = total + pricer.linear_input_gradient(pricer.on_tp(produced, Replicate()), weight, exit_input)
+        return _Layer(total, laid_out)
+
+    return _memo(problem, ("region", region.exit, sequence_parallel, prepared), compute)
+
+
+def _embedding_layer(problem: _Problem, name: str, mode: str, layout: Placement) -> _Layer:
+    """An embedding cut by vocabulary (row-wise) or by feature (column-wise), its output laid out ``layout``."""
+
+    def compute() -> _Layer:
+        pricer, trace = problem.pricer, problem.trace
+        call = trace.calls_of(name)[0]
+        specs = {call.inputs[0]: pricer.activation(call.inputs[0], Replicate())}
+        cut = Shard(0) if mode == "vocabulary" else Shard(1)
+        moves, produced, _ = _styled_linear(problem, name, specs, cut, Replicate())
+        return _Layer(moves + pricer.round_trip(produced, pricer.on_tp(produced, layout)), produced)
+
+    return _memo(problem, ("embedding", name, mode, str(layout)), compute)
+
+
+def _head_layer(problem: _Problem, mode: str, sequence_parallel: bool) -> _Layer:
+    """The head: its input gathered from the stream; cut by vocabulary (column-wise) with the logits gathered or
+    left cut for loss parallel (whose cross-entropy reduces over the classes: a max, a sum and the target's
+    logit, each as the engine decides the reduction of a class-cut tensor), or whole."""
+
+    def compute() -> _Layer:
+        pricer, trace = problem.pricer, problem.trace
+        assert problem.structure.head is not None
+        call = trace.calls_of(problem.structure.head)[0]
+        stream: Placement = Shard(_SEQUENCE_DIM) if sequence_parallel else Replicate()
+        arriving = pricer.activation(call.inputs[0], stream)
+        wanted = pricer.on_tp(arriving, Replicate())
+        if mode not in ("loss_parallel", "gathered"):
+            return _Layer(pricer.round_trip(arriving, wanted))
+        total = pricer.move(arriving, wanted)
+        specs = {call.inputs[0]: wanted}
+        moves, logits, weight = _styled_linear(problem, problem.structure.head, specs, Shard(0), Shard(0))
+        total = total + moves
+        if weight is not None:
+            total = total + pricer.linear_input_gradient(logits, weight, arriving)
+        if mode == "gathered":
+            return _Layer(total + pricer.round_trip(logits, pricer.on_tp(logits, Replicate())))
+        assert logits.tensor_meta is not None
+        shape = logits.tensor_meta.shape
+        rows = 1
+        for extent in shape[:-1]:
+            rows *= int(extent)
+        flat = pricer.activation_of((rows, int(shape[-1])), logits.tensor_meta.dtype, Shard(1))
+        targets = pricer.activation_of((rows, 1), torch.int64, Replicate())
+        aten = torch.ops.aten
+        for op, args in (
+            (aten.amax.default, (flat, [-1], True)),
+            (aten.sum.dim_IntList, (flat, [-1], True)),
+            (aten.gather.default, (flat, 1, targets)),
+        ):
+            decision, moves = pricer.decided(op, args)
+            reduced = decision.output_specs
+            assert isinstance(reduced, DTensorSpec)
+            total = total + moves + pricer.move(reduced, pricer.on_tp(reduced, Replicate()))
+        return _Layer(total)
+
+    return _memo(problem, ("head", mode, sequence_parallel), compute)
+
+
+def _partial_sum_over(problem: _Problem, spec: DTensorSpec[Any], dims: list[int]) -> Placement:
+    """The tp placement the engine gives a sum of ``spec`` over ``dims`` (a parameter's gradient summed over the
+    positions it was applied to, a norm's partial sums)."""
+    decision = decide(torch.ops.aten.sum.dim_IntList, (spec, dims), {})
+    produced = decision.output_specs
+    assert isinstance(produced, DTensorSpec)
+    return problem.pricer.tp_placement(produced)
+
+
+def _reduced_bucket(problem: _Problem, numel: float, dtype: torch.dtype, mesh_dim: int | None, placement: Placement) -> Movement:
+    """A flat bucket of ``numel`` elements laid out ``placement`` on ``mesh_dim``, made whole there."""
+    if mesh_dim is None or problem.dims.size(mesh_dim) <= 1 or numel <= 0:
+        return NO_MOVEMENT
+    pricer = problem.pricer
+    return pricer.move(pricer.flat(int(numel), dtype, {mesh_dim: placement}), pricer.flat(int(numel), dtype, {}))
+
+
+def _norm_reduction(problem: _Problem, mesh_dim: int | None) -> Movement:
+    """Clipping's gradient norm over ``mesh_dim``: each rank's partial sum of squares made whole."""
+    if mesh_dim is None or problem.dims.size(mesh_dim) <= 1:
+        return NO_MOVEMENT
+
+    def compute() -> _Layer:
+        pricer = problem.pricer
+        pieces = pricer.flat(problem.dims.size(mesh_dim), torch.float64, {mesh_dim: Shard(0)})
+        decision, moves = pricer.decided(torch.ops.aten.sum.dim_IntList, (pieces, [0], True))
+        produced = decision.output_specs
+        assert isinstance(produced, DTensorSpec)
+        return _Layer(moves + pricer.move(produced, pricer.flat(1, torch.float64, {})))
+
+    return _memo(problem, ("norm", mesh_dim), compute).movement
+
+
+def _fsdp_unit(problem: _Problem, unit_bytes: float) -> tuple[Movement, Movement]:
+    """One FSDP unit's parameters gathered over dp (sharded -> whole) and its gradients reduced back to the
+    shards (partial -> sharded)."""
+    pricer, dp, dtype = problem.pricer, problem.dims.dp, problem.parameter_dtype
+    numel = max(1, int(unit_bytes // problem.parameter_itemsize))
+    sharded, whole = pricer.flat(numel, dtype, {dp: Shard(0)}), pricer.flat(numel, dtype, {})
+    return pricer.move(sharded, whole), pricer.move(pricer.flat(numel, dtype, {dp: Partial()}), sharded)
+
+
 def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     trace, structure, dims = problem.trace, problem.structure, problem.dims
     ledger = Ledger(dims.mesh, problem.compute, problem.cost_profile)
@@ -331,18 +522,16 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
         region, count = regions[0], len(regions)
         outputs = sum(trace.nbytes(t) for op in trace.ops[trace.calls_of(region.entries[0])[0].first_op : trace.calls_of(region.exit)[0].end_op] for t in op.outputs)
         if modes[kind] == "tensor_parallel":
-            entries = 1 if _prepared_at_parent(choice, region) else len(region.entries)
-            # Backward reduces the input's gradient only where one flows (not into a model input).
+            prepared = _prepared_at_parent(choice, region)
+            entries = 1 if prepared else len(region.entries)
+            # Blocks of one kind move the same; only whether the region's input takes a gradient differs.
             with_gradient = sum(1 for r in regions if r.input_takes_gradient)
-            x, y = act(region.input), act(region.output)
-            if sp:
-                ledger.collective("all_gather", x, tp, count * entries)
-                ledger.collective("reduce_scatter", y, tp, count)
-                ledger.collective("reduce_scatter", x, tp, with_gradient * entries)
-                ledger.collective("all_gather", y, tp, count)
-            else:
-                ledger.collective("all_reduce", y, tp, count)
-                ledger.collective("all_reduce", x, tp, with_gradient * entries)
+            taking = next((r for r in regions if r.input_takes_gradient), None)
+            not_taking = next((r for r in regions if not r.input_takes_gradient), None)
+            if taking is not None:
+                ledger.move(_region_layer(problem, taking, sp, prepared).movement, with_gradient)
+            if not_taking is not None:
+                ledger.move(_region_layer(problem, not_taking, sp, prepared).movement, count - with_gradient)
             ledger.flops(count * region.flops / (T * data_split))
             sharded_numel += count * region.parameter_numel
             linear_ops = sum(call_ops(name) for name in (*region.entries, region.exit))
@@ -355,68 +544,52 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     # The stream: per-position modules (norms) and everything outside regions, embeddings and head.
     head_flops = trace.flops_within(trace.calls_of(structure.head)[0]) if structure.head is not None else 0
     stream_flops = sum(op.flops for op in trace.ops) - sum(r.flops for r in structure.regions) - head_flops
-    if sp:
+    if sp and structure.stream_modules:
         stream_params = sum(structure.parameter_numel[name] for name in structure.stream_modules)
+        norm_call = trace.calls_of(structure.stream_modules[0])[0]
+        partial = _partial_sum_over(problem, problem.pricer.activation(norm_call.outputs[0], Shard(_SEQUENCE_DIM)), [0, 1])
+        bucket = _reduced_bucket(problem, stream_params, problem.parameter_dtype, tp, partial)
         if choice.fsdp_units == "none":
-            # Their partial gradients, reduced together after backward (one all-reduce).
-            ledger.collective("all_reduce", stream_params * itemsize, tp, optimizer=True)
+            # Their partial gradients, reduced together after backward.
+            ledger.move(bucket, optimizer=True)
         else:
-            # FSDP reduces them in backward, one all-reduce per unit that holds any.
-            ledger.collective("all_reduce", stream_params * itemsize, tp, _units_holding(structure, choice, structure.stream_modules))
+            # FSDP reduces them in backward, once per unit that holds any.
+            ledger.move(bucket, _units_holding(structure, choice, structure.stream_modules))
         dtensor_ops += sum(call_ops(name) for name in structure.stream_modules)
     ledger.flops(stream_flops / (stream_cut * data_split))
 
     for name, mode in choice.embedding_modes:
         output = trace.calls_of(name)[0].outputs[0]
         e = act(output)
-        if mode == "vocabulary":
-            if sp:
-                ledger.collective("reduce_scatter", e, tp)
-                ledger.collective("all_gather", e, tp)
-            else:
-                ledger.collective("all_reduce", e, tp)
-        elif mode == "feature":
-            if sp:
-                ledger.collective("all_to_all", e / T, tp, 2)
-            else:
-                ledger.collective("all_gather", e, tp)
         if mode != "replicate":
+            ledger.move(_embedding_layer(problem, name, mode, _embedding_layout(problem, name, choice)).movement)
             sharded_numel += structure.parameter_numel[name]
             dtensor_ops += call_ops(name) + 3
         activations += e / (stream_cut if mode != "replicate" or sp else 1)
 
     if structure.head is not None and choice.head_mode != "none":
         head_call = trace.calls_of(structure.head)[0]
-        h, logits = act(head_call.inputs[0]), act(head_call.outputs[0])
+        logits = act(head_call.outputs[0])
         # Cross-entropy over the logits, not in the traced forward: cut by tp only under loss parallel.
         loss_flops = _LOSS_FLOPS_PER_LOGIT * logits / trace.itemsize[head_call.outputs[0]] / 3
+        ledger.move(_head_layer(problem, choice.head_mode, sp).movement)
         if choice.head_mode in ("loss_parallel", "gathered"):
-            if sp:
-                ledger.collective("all_gather", h, tp)
-                ledger.collective("reduce_scatter", h, tp)
-            else:
-                ledger.collective("all_reduce", h, tp)
             ledger.flops(trace.flops_within(head_call) / (T * data_split))
             sharded_numel += structure.parameter_numel[structure.head]  # 0 when tied: counted at the embedding
             dtensor_ops += call_ops(structure.head)
             if choice.head_mode == "gathered":
-                ledger.collective("all_gather", logits, tp)
                 ledger.flops(loss_flops)
                 activations += logits
             else:
                 ledger.flops(loss_flops / T)
-                rows = logits / max(1, trace.shapes[head_call.outputs[0]][-1])
-                ledger.collective("all_reduce", rows, tp, _LOSS_PARALLEL_FORWARD_ALL_REDUCES)
                 dtensor_ops += _LOSS_PARALLEL_OPS
                 activations += logits / T
         else:
-            if sp:
-                ledger.collective("all_gather", h, tp)
             ledger.flops(trace.flops_within(head_call) / data_split)
             ledger.flops(loss_flops)
             activations += logits
 
-    # Clipping's gradient norm, per mesh of DTensor gradients: on tp one all-reduce; under FSDP, on dp one for
+    # Clipping's gradient norm, per mesh of DTensor gradients: on tp one reduction; under FSDP, on dp one for
     # the parameters no style cut, on (dp, tp) one per dim, and one more when tp-cut gradients share that mesh
     # with tp-replicated ones (row-wise biases, SP norms), whose norms are summed differently.
     whole_on_tp = sum(
@@ -427,36 +600,42 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
     on_tp_mesh = sharded_numel > 0 or whole_on_tp > 0
     if choice.fsdp_units != "none":
         if total_numel - sharded_numel - whole_on_tp > 0:
-            ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
+            ledger.move(_norm_reduction(problem, dp), optimizer=True)
         if on_tp_mesh:
-            ledger.collective("all_reduce", 8, dp, 1, optimizer=True)
-            ledger.collective("all_reduce", 8, tp, 1 + int(sharded_numel > 0 and whole_on_tp > 0), optimizer=True)
+            ledger.move(_norm_reduction(problem, dp), optimizer=True)
+            ledger.move(_norm_reduction(problem, tp), 1 + int(sharded_numel > 0 and whole_on_tp > 0), optimizer=True)
     elif on_tp_mesh:
-        ledger.collective("all_reduce", 8, tp, optimizer=True)
+        ledger.move(_norm_reduction(problem, tp), optimizer=True)
 
     replicated_numel = total_numel - sharded_numel
     per_rank_params = (sharded_numel / T + replicated_numel) * itemsize
     fsdp_extra = 0.0
-    if choice.fsdp_units != "none":
+    if choice.fsdp_units != "none" and dp is not None and D > 1:
         units = _fsdp_unit_bytes(problem, choice, sharded_numel_total=sharded_numel)
         for index, unit_bytes in enumerate(units):
             is_root = index == len(units) - 1
-            ledger.collective("all_gather", unit_bytes, dp)
+            gather, reduce = _fsdp_unit(problem, unit_bytes)
+            ledger.move(gather)
             if choice.reshard_after_forward and not is_root:
-                ledger.collective("all_gather", unit_bytes, dp)
-            ledger.collective("reduce_scatter", unit_bytes, dp)
+                ledger.move(gather)
+            ledger.move(reduce)
         if choice.reshard_after_forward and len(units) > 1:
             fsdp_extra = units[-1] + 2 * max(units[:-1])
         else:
             fsdp_extra = sum(units)
         per_rank_params /= D
-    if choice.context_parallel:
+    if choice.context_parallel and cp is not None:
+        pricer, dtype = problem.pricer, problem.parameter_dtype
         for name, key_value_bytes in problem.attention_key_value_bytes:
             cut = T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else 1
-            kv = key_value_bytes / (D * cut)
-            ledger.collective("all_gather", kv, cp, 2)  # key and value gathered together, forward and backward
-            ledger.collective("all_to_all", kv / 2, cp, 2)  # their gradients handed back, one each
-        ledger.collective("all_reduce", per_rank_params, cp, optimizer=True)  # the gradients' sum over cp
+            numel = int(key_value_bytes / (D * cut) // itemsize)
+            # Key and value gathered together along the sequence, in forward and again in backward ...
+            ledger.move(pricer.move(pricer.flat(numel, dtype, {cp: Shard(0)}), pricer.flat(numel, dtype, {})), 2)
+            # ... and each one's gradient, summed over the ranks that attended to it, handed back to its owner.
+            half = numel // 2
+            ledger.move(pricer.move(pricer.flat(half, dtype, {cp: Partial()}), pricer.flat(half, dtype, {cp: Shard(0)})), 2)
+        # The gradients' sum over cp.
+        ledger.move(_reduced_bucket(problem, per_rank_params / itemsize, problem.parameter_dtype, cp, Partial()), optimizer=True)
     ledger.ops(plain_ops, on_dtensors=False)
     ledger.ops(dtensor_ops, on_dtensors=True)
     ledger.memory(per_rank_params * (2 + _OPTIMIZER_STATES) + activations)
@@ -755,6 +934,7 @@ def _build_problem(
         raise ValueError(f"auto_plan: the mesh has a 'cp' dim but context parallelism cannot apply: {structure.context_parallel_refused}")
     parameters = list(model.parameters())
     itemsize = parameters[0].element_size() if parameters else 4
+    parameter_dtype = parameters[0].dtype if parameters else torch.float32
     key_value: dict[str, int] = {}
     for op in trace.ops:
         if "scaled_dot_product" in str(op.func) and op.call is not None:
@@ -769,6 +949,8 @@ def _build_problem(
         cost_profile=cost_profile,
         parameter_itemsize=itemsize,
         attention_key_value_bytes=tuple(key_value.items()),
+        pricer=LayoutPricer(mesh, dims.tp, dims.dp, dims.cp, trace, cost_profile),
+        parameter_dtype=parameter_dtype,
     )
 
 
@@ -836,7 +1018,7 @@ def auto_plan(
     fitting.sort(key=rank)
     best_choice, best_estimate = fitting[0]
     runner_up = fitting[1] if len(fitting) > 1 else None
-    notes = _notes(problem, best_choice) + _against_megatron(problem, priced, best_choice, best_estimate)
+    notes = _notes(problem, best_choice, best_estimate, priced) + _against_megatron(problem, priced, best_choice, best_estimate)
     dims = problem.dims
     names = tuple(mesh.mesh_dim_names or ())
     dim_name = (lambda dim: names[dim] if dim is not None and names and mesh.ndim > 1 else None)
@@ -868,7 +1050,11 @@ def _tie_needs_restoring(choice: PlanChoice) -> bool:
     return choice.head_mode in ("loss_parallel", "gathered")
 
 
-def _notes(problem: _Problem, choice: PlanChoice) -> tuple[str, ...]:
+def _kinds(estimate: Estimate) -> str:
+    return ", ".join(f"{kind} x{count}" for kind, count in sorted(estimate.by_kind.items())) or "none"
+
+
+def _notes(problem: _Problem, choice: PlanChoice, estimate: Estimate, priced: list[tuple[PlanChoice, Estimate]]) -> tuple[str, ...]:
     structure = problem.structure
     notes = [
         f"regions found (entries column-wise -> exit row-wise): "
@@ -878,10 +1064,14 @@ def _notes(problem: _Problem, choice: PlanChoice) -> tuple[str, ...]:
     if structure.sequence_parallel_refused:
         notes.append(f"sequence parallelism not a candidate: {structure.sequence_parallel_refused}")
     elif not choice.sequence_parallel and problem.tp_size > 1:
-        notes.append(
-            "sequence parallelism priced and not chosen: it turns each region's all-reduce into an all-gather plus a "
-            "reduce-scatter (twice the collectives) and runs the norms on DTensors"
-        )
+        with_sp = [item for item in priced if item[0].sequence_parallel]
+        if with_sp:
+            sp_choice, sp_estimate = min(with_sp, key=lambda item: item[1].seconds)
+            notes.append(
+                f"sequence parallelism priced and not chosen: its best plan is estimated at {sp_estimate.seconds * 1e3:.2f} ms "
+                f"with {sp_estimate.collectives} collectives ({_kinds(sp_estimate)}) against this plan's "
+                f"{estimate.seconds * 1e3:.2f} ms with {estimate.collectives} ({_kinds(estimate)}), and runs the norms on DTensors"
+            )
     if any(r.parent is not None and len(r.entries) > 1 for r in structure.regions):
         notes.append("each region's input is laid out once at its parent module: one gradient reduction per region, not one per entry")
     if structure.context_parallel_refused and problem.dims.cp is None:
