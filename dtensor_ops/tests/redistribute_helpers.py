@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.dtensor_ops._redistribute_plan import StepKind
+from shardwise.dtensor_ops._planner import StepKind
 from shardwise.placement import Partial, Placement, Replicate, Shard, select_local_shard
 from shardwise.testing import priced_by as priced_by  # re-exported for the tests that import it here
 

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._options import current_options, use_options
-from shardwise.dtensor_ops._redistribute_plan import StepKind, find_cheapest_plan, plan_bytes_per_rank, plan_redistribute
+from shardwise.dtensor_ops._planner import StepKind, find_cheapest_plan, plan_bytes_per_rank, plan_redistribute
 from shardwise.dtensor_ops._torch_compat.collective_utils import redistribute_cost
 from shardwise.mesh._cost_profile import BUILTIN_PROFILES, COLLECTIVE_KINDS, COST_PROFILE_ENV_VAR, CollectiveCost, CostProfile
 from shardwise.placement import DTensorSpec, Partial, Replicate, Shard, TensorMeta
@@ -78,7 +78,7 @@ def test_step_kinds_are_priced_as_the_collective_that_runs_them() -> None:
 
 
 def test_plans_from_the_planner_are_priced_step_by_step() -> None:
-    from shardwise.dtensor_ops._redistribute_plan import find_cheapest_plan
+    from shardwise.dtensor_ops._planner import find_cheapest_plan
 
     plan = find_cheapest_plan((64, 64), (2, 4), (Shard(0), Partial()), (Replicate(), Replicate()), 4)
     profile = _profile(alpha=50e-6, beta=2e9)

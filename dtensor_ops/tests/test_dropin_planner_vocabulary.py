@@ -90,7 +90,7 @@ def test_transform_infos_are_our_plan_and_flattening_needs_a_flattened_mesh() ->
 
 
 def test_joint_all_reduce_is_planned_where_it_moves_fewest_bytes() -> None:
-    from shardwise.dtensor_ops._redistribute_plan import StepKind, find_cheapest_plan
+    from shardwise.dtensor_ops._planner import StepKind, find_cheapest_plan
     from shardwise.placement import Partial, Replicate
 
     partials, replicated = (Partial(), Partial()), (Replicate(), Replicate())

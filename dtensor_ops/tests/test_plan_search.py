@@ -22,25 +22,25 @@ from typing import Any, Callable, Sequence
 import pytest
 
 from shardwise.dtensor_ops._cost_model import StepPricer
-from shardwise.dtensor_ops._redistribute_plan import (
+from shardwise.dtensor_ops._planner.joint_steps import (
     _JOINT_SEARCH_MAX_RANKS,
+    _all_boxes,
+    _Box,
+    _joint_dim_sets,
+    _joint_elements,
+    _joint_moves,
+    joint_transition_kind,
+)
+from shardwise.dtensor_ops._planner.search import _candidates, _search_in_python, find_cheapest_plan
+from shardwise.dtensor_ops._planner.steps import (
     Placements,
     RedistributeStep,
     StepKind,
     StepPrice,
-    _all_boxes,
-    _Box,
-    _candidates,
     _check_problem,
     _fmt,
-    _joint_dim_sets,
-    _joint_elements,
-    _joint_moves,
     _kind_bytes,
     _largest_local_shape,
-    _search_in_python,
-    find_cheapest_plan,
-    joint_transition_kind,
     local_copy_bytes,
     transition_kind,
 )
@@ -313,7 +313,8 @@ def test_symbolic_shapes_are_planned_once_per_example_shape(monkeypatch: pytest.
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from shardwise.dtensor_ops import _redistribute_plan as planner
+    from shardwise.dtensor_ops import _planner
+    from shardwise.dtensor_ops._planner import search as planner
     from shardwise.dtensor_ops._caches import clear_all_caches
     from shardwise.placement import DTensorSpec, TensorMeta
     from shardwise.testing import FakeMesh
@@ -335,9 +336,9 @@ def test_symbolic_shapes_are_planned_once_per_example_shape(monkeypatch: pytest.
         meta = TensorMeta(torch.Size([size, 8]), (8, 1), torch.float32)
         return DTensorSpec(mesh, (Shard(0),), meta), DTensorSpec(mesh, (Shard(1),), meta)
 
-    symbolic = planner.plan_redistribute(*specs(rows))
-    assert planner.plan_redistribute(*specs(rows)) == symbolic  # retraced: no new search
-    assert planner.plan_redistribute(*specs(66)) == symbolic  # the concrete example: the same problem
+    symbolic = _planner.plan_redistribute(*specs(rows))
+    assert _planner.plan_redistribute(*specs(rows)) == symbolic  # retraced: no new search
+    assert _planner.plan_redistribute(*specs(66)) == symbolic  # the concrete example: the same problem
     assert len(searches) == 1
     assert [step.kind for step in symbolic] == [StepKind.ALL_TO_ALL]
     clear_all_caches()

@@ -44,7 +44,7 @@ from shardwise.dtensor_ops._redistribution import (
     redistribute_local_tensor,
     redistribute_lower_bound_bytes,
 )
-from shardwise.dtensor_ops._redistribute_plan import (
+from shardwise.dtensor_ops._planner import (
     RedistributeStep,
     StepKind,
     find_cheapest_plan,

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from redistribute_helpers import PLACEMENTS_1D, check_locals, describe, full_tensor, source_locals
-from shardwise.dtensor_ops import _redistribute_plan as planner
+from shardwise.dtensor_ops._planner import search as planner  # where plan_redistribute finds its search
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._cost_model import pricer_for_mesh
 from shardwise.dtensor_ops._options import use_options
-from shardwise.dtensor_ops._redistribute_plan import (
+from shardwise.dtensor_ops._planner import (
     RedistributeStep,
     StepKind,
     find_cheapest_plan,

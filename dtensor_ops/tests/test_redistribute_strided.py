@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardwise.dtensor_ops import distribute_tensor
-from shardwise.dtensor_ops._redistribute_plan import (
+from shardwise.dtensor_ops._planner import (
     StepKind,
     plan_redistribute,
     redistribute_cost_picoseconds,

@@ -154,7 +154,7 @@ def test_the_installed_planner_searches_in_cpp(tmp_path: pathlib.Path) -> None:
     probe = f"""
 import sys
 sys.path.insert(0, {str(target)!r})
-from shardwise.dtensor_ops._redistribute_plan import _plan_search_extension
+from shardwise.dtensor_ops._planner.native_search import _plan_search_extension
 extension = _plan_search_extension()
 assert extension is not None and extension.__file__.startswith({str(target)!r}), extension
 print("searches in", extension.__file__)

@@ -20,21 +20,17 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from shardwise.dtensor_ops import _redistribute_plan as planner
 from shardwise.dtensor_ops._cost_model import StepPricer
 from shardwise.dtensor_ops._options import use_options
-from shardwise.dtensor_ops._redistribute_plan import (
+from shardwise.dtensor_ops._planner import native_search, search as planner
+from shardwise.dtensor_ops._planner.native_search import (
     PLAN_SEARCH_ENV_VAR,
     PLAN_SEARCH_EXT_ENV_VAR,
-    Placements,
-    RedistributeStep,
-    StepKind,
-    _candidates,
     _plan_search_extension,
     _search_in_cpp,
-    _search_in_python,
-    find_cheapest_plan,
 )
+from shardwise.dtensor_ops._planner.search import _candidates, _search_in_python, find_cheapest_plan
+from shardwise.dtensor_ops._planner.steps import Placements, RedistributeStep, StepKind
 from shardwise.mesh._cost_profile import BUILTIN_PROFILES, COLLECTIVE_KINDS, CollectiveCost, CostProfile
 from shardwise.placement import Partial, Placement, Replicate, Shard, _MaskPartial
 
@@ -217,10 +213,10 @@ def test_price_terms_are_the_pricers_picoseconds_to_the_last_one() -> None:
     for _ in range(200):
         size = rng.choice((1, 2, 3, 4, 8))
         pricer = StepPricer(ShapeMesh((size,)), rng.choice((_UNEVEN, BUILTIN_PROFILES["nccl"], BUILTIN_PROFILES["gloo-loopback"])))
-        row = pricer.one_dim_price_terms(planner._CPP_PRICED_KINDS)[0]
-        copy_term = row[len(planner._CPP_STEP_KINDS)]
+        row = pricer.one_dim_price_terms(native_search._CPP_PRICED_KINDS)[0]
+        copy_term = row[len(native_search._CPP_STEP_KINDS)]
         assert copy_term is not None
-        for code, kind in enumerate(planner._CPP_STEP_KINDS):
+        for code, kind in enumerate(native_search._CPP_STEP_KINDS):
             nbytes = 0 if not kind.is_collective else rng.randrange(0, 2 ** rng.randrange(1, 50))
             copied = rng.choice((0, rng.randrange(1, 2 ** rng.randrange(1, 40))))
             term = row[code]

@@ -15,10 +15,10 @@ for gloo, ``nccl`` for NCCL: intra-node figures, inter-node ones for groups that
 Where it is used
 ----------------
 
-* **Planner**: ``_redistribute_plan.plan_redistribute`` searches with ``pricer_for_mesh(mesh)``
+* **Planner**: ``_planner.plan_redistribute`` searches with ``pricer_for_mesh(mesh)``
   (``step_picoseconds``) as the edge weight and ranks plans by (time, collectives, joint steps,
   bytes, steps); the pricer's ``cache_key`` is part of the cached problem's key. A one-dim step is
-  priced with the local copies the executor makes around it (``_redistribute_plan.local_copy_bytes``:
+  priced with the local copies the executor makes around it (``_planner.local_copy_bytes``:
   padding uneven pieces, regrouping when the collective's tensor dim is not the outermost, trimming,
   non-leading chunks, a sum's split, a shard's zero-filled parent) as ``local_copy`` time; joint
   steps by their collective alone. The C++ search prices from ``one_dim_price_terms``, the same

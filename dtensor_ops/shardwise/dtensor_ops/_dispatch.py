@@ -33,7 +33,7 @@ from ._implicit_replication import is_implicit_replication_enabled
 from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
 from ._random_draws import run_random_op
 from . import _explicit_redistribution as explicit_redistribution
-from ._redistribute_plan import redistribute_cost_bytes
+from ._planner import redistribute_cost_bytes
 from ._redistribution import redistribute_local_tensor
 from ._wrapper import wrap_local_tensor
 

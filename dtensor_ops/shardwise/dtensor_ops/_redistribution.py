@@ -2,7 +2,7 @@
 
 Three layers:
 
-1. ``_redistribute_plan.plan_redistribute`` — the cheapest plan, plain data, cached by
+1. ``_planner.plan_redistribute`` — the cheapest plan, plain data, cached by
    ``(source spec, target spec)`` and by the underlying problem
    ``(mesh shape, global shape, item size, placements)``.
 2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
@@ -90,7 +90,7 @@ from ._collectives import (
     wait,
     wait_local_tensor,
 )
-from ._redistribute_plan import (
+from ._planner import (
     Placements,
     RedistributeStep,
     StepKind,
@@ -118,7 +118,7 @@ __all__ = [
     "redistribute_lower_bound_bytes",
 ]
 
-# Programs hold this rank's offsets and sizes: rank-local.  Cleared when full (see _redistribute_plan).
+# Programs hold this rank's offsets and sizes: rank-local.  Cleared when full (see _planner).
 _MAX_PROGRAMS = 8192
 
 # -- autograd ------------------------------------------------------------------------------

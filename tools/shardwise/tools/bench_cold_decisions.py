@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.dtensor_ops import DTensor
 from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._redistribute_plan import find_cheapest_plan
+from shardwise.dtensor_ops._planner import find_cheapest_plan
 from shardwise.placement import Partial, Placement, Replicate, Shard
 
 MESH_SHAPE_2D = (2, 2)

@@ -189,7 +189,7 @@ def measure_planning(shape: tuple[int, ...], repeats: int) -> PlanResult:
     from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 
     from shardwise.dtensor_ops._caches import clear_all_caches
-    from shardwise.dtensor_ops._redistribute_plan import plan_redistribute
+    from shardwise.dtensor_ops._planner import plan_redistribute
     from shardwise.placement import DTensorSpec, Shard, TensorMeta
 
     ndim = len(shape)

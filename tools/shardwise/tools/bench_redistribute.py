@@ -185,7 +185,7 @@ def rank_body(shape: tuple[int, ...], partial_targets: bool, repeat: int) -> lis
         redistribute_local_tensor,
         redistribute_lower_bound_bytes,
     )
-    from shardwise.dtensor_ops._redistribute_plan import plan_bytes_per_rank
+    from shardwise.dtensor_ops._planner import plan_bytes_per_rank
     from shardwise.mesh import init_device_mesh
 
     rows: list[dict[str, Any]] = []

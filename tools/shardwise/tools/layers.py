@@ -58,7 +58,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_options",
         ),
     ),
-    ("planner", ("_cost_model", "_redistribute_plan")),
+    ("planner", ("_cost_model", "_planner")),
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline", "_pricing")),
     ("collectives", ("_collectives",)),

@@ -25,7 +25,7 @@ from shardwise.placement import DTensorSpec, Replicate
 
 from .._caches import RANK_CACHES
 from .._options import current_options
-from .._redistribute_plan import redistribute_cost_bytes
+from .._planner import redistribute_cost_bytes
 from .._rules import ShardingRule, rule_for
 from .replicated import REPLICATED_RULE
 

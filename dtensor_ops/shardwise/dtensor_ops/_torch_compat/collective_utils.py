@@ -10,7 +10,7 @@ from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec
 
 from .._collectives import launch_all_to_all, mesh_dim_group_name, wait
-from .._redistribute_plan import redistribute_cost_picoseconds
+from .._planner import redistribute_cost_picoseconds
 
 __all__ = ["pad_tensor", "redistribute_cost", "shard_dim_alltoall", "unpad_tensor"]
 

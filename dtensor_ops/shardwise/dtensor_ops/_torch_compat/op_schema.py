@@ -40,7 +40,7 @@ from shardwise.mesh import MeshError
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, _StridedShard
 
 from .._caches import clear_all_caches
-from .._redistribute_plan import redistribute_cost_picoseconds
+from .._planner import redistribute_cost_picoseconds
 from .._rules import CombinedDecision, OpCall, ShardingPropagationError, ShardingRule, override_rule, restore_rule, rule_for
 
 __all__ = [

@@ -29,7 +29,7 @@ import torch
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, _StridedShard
 
 from .._conversions import redistribute as redistribute_dtensor
-from .._redistribute_plan import plan_states
+from .._planner import plan_states
 from .._redistribution import (
     RedistributeStep,
     StepKind,
