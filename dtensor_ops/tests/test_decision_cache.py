@@ -14,7 +14,7 @@ import torch
 import shardwise.dtensor_ops._dispatch as dispatch
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
 from shardwise.dtensor_ops._caches import RANK_CACHES, SHARED_CACHES, RankCaches, SharedCaches, clear_all_caches
-from shardwise.dtensor_ops._decision_cache import call_key, decision_cache_size
+from shardwise.dtensor_ops._decision_pipeline import call_key, decision_cache_size
 from shardwise.dtensor_ops._op_handlers import custom_op_handlers, handlers_for, register_op_handler, unregister_op_handler
 from shardwise.dtensor_ops._schema import schema_facts
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
@@ -34,15 +34,13 @@ def recorded_misses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Hashable, Any
     """Every cache miss of dispatch: (the key it built, the op, the spec args, the spec kwargs)."""
     clear_all_caches()
     misses: list[tuple[Hashable, Any, tuple[Any, ...], dict[str, Any]]] = []
-    real = dispatch.decide_on_miss
+    real = dispatch.decide
 
-    def recording(
-        op: Any, key: tuple[Any, ...], args: Any, kwargs: Any, spec_args: tuple[Any, ...], spec_kwargs: dict[str, Any]
-    ) -> Any:
-        misses.append((key, op, spec_args, spec_kwargs))
-        return real(op, key, args, kwargs, spec_args, spec_kwargs)
+    def recording(call: Any) -> Any:
+        misses.append((call.key, call.op, call.spec_args, call.spec_kwargs))
+        return real(call)
 
-    monkeypatch.setattr(dispatch, "decide_on_miss", recording)
+    monkeypatch.setattr(dispatch, "decide", recording)
     return misses
 
 

@@ -17,8 +17,14 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
 from shardwise.dtensor_ops._caches import RANK_CACHES, SYMBOLIC, clear_all_caches, lookup, store
 from shardwise.dtensor_ops._decision import OpDecision
-from shardwise.dtensor_ops._decision_cache import call_key
-from shardwise.dtensor_ops._decision_pipeline import DECIDERS, decide_from_specs, propagate_op_sharding
+from shardwise.dtensor_ops._decision_pipeline import call_key
+from shardwise.dtensor_ops._decision_pipeline import (
+    DECIDERS,
+    DISPATCH_LOOKUPS,
+    Algorithm,
+    decide_from_specs,
+    propagate_op_sharding,
+)
 from shardwise.dtensor_ops._op_handlers import custom_op_handlers, register_op_handler, unregister_op_handler
 from shardwise.dtensor_ops._options import ENVIRONMENT_OVERRIDES, Options, current_options, use_options
 from shardwise.dtensor_ops.experimental import replicate_fallback
@@ -39,14 +45,53 @@ def local_of(value: object) -> torch.Tensor:
     return value.to_local()
 
 
-def test_the_deciders_are_stated_in_order_with_when_they_are_asked() -> None:
-    assert [(d.name, d.asked, d.from_specs) for d in DECIDERS] == [
-        ("user handlers", "every call", False),
-        ("built-in handlers", "on a miss", False),
-        ("decomposition", "on a miss", False),
-        ("the op's rule", "on a miss", True),
-        ("replicate fallback", "on a miss", True),
+def test_the_deciders_are_stated_in_their_real_priority_with_what_can_be_cached() -> None:
+    assert [(d.name, d.cacheable) for d in DECIDERS] == [
+        ("user handlers", False),
+        ("built-in handlers", True),
+        ("the op's rule", True),
+        ("decomposition", True),
+        ("replicate fallback", True),
     ]
+
+
+def test_a_handler_that_takes_a_call_is_memoised_as_an_algorithm_and_a_hit_runs_it() -> None:
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(4.0))
+    asked: list[int] = []
+
+    def doubled(op: Any, args: Any, kwargs: Any) -> Any:
+        asked.append(1)
+        return on_fake_mesh(args[0].to_local() * 2)
+
+    register_op_handler(aten.abs.default, doubled, declines_by_key=True)
+    try:
+        misses_before = DISPATCH_LOOKUPS[1]
+        for _ in range(3):
+            assert torch.equal(local_of(torch.abs(x)), torch.arange(4.0) * 2)
+        assert DISPATCH_LOOKUPS[1] - misses_before == 1  # one miss, then hits of the memoised algorithm
+        (answer,) = RANK_CACHES.decisions.values()
+        assert isinstance(answer, Algorithm) and len(asked) == 3
+        # Propagation asks for specs only: the algorithm's key is decided afresh by the rule, not stored over.
+        decision = propagate_op_sharding(aten.abs.default, (x._spec,), {})
+        assert isinstance(decision, OpDecision)
+        assert isinstance(RANK_CACHES.decisions[call_key(aten.abs.default, (x._spec,))], Algorithm)
+    finally:
+        unregister_op_handler(aten.abs.default, doubled)
+    assert not RANK_CACHES.decisions  # removing a handler forgets what was memoised with it
+    assert torch.equal(local_of(torch.abs(x)), torch.arange(4.0))
+
+
+def test_matmul_arriving_whole_under_inference_mode_runs_as_its_decomposition() -> None:
+    clear_all_caches()
+    x_full, w_full = torch.arange(12.0).reshape(3, 4), torch.arange(8.0).reshape(4, 2)
+    x, w, w_t = on_fake_mesh(x_full, Shard(0)), on_fake_mesh(w_full), on_fake_mesh(w_full.t().contiguous())
+    with torch.inference_mode():
+        out = torch.matmul(x, w)
+        assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+        assert torch.equal(out.to_local(), x_full @ w_full)
+        linear = torch.nn.functional.linear(x, w_t)
+        assert torch.equal(local_of(linear), x_full @ w_full)
 
 
 def test_a_user_handler_is_asked_on_every_call_before_the_cache_and_caches_nothing() -> None:
@@ -61,9 +106,9 @@ def test_a_user_handler_is_asked_on_every_call_before_the_cache_and_caches_nothi
     with custom_op_handlers({aten.neg.default: count_then_decline}):
         for _ in range(3):
             assert torch.equal(local_of(torch.neg(x)), -torch.arange(4.0))
-    # Asked on all three calls although the rule's decision was cached after the first.
-    assert len(asked) == 3
-    assert len(RANK_CACHES.decisions) == 1
+        # Asked on all three calls although the rule's decision was cached after the first.
+        assert len(asked) == 3
+        assert len(RANK_CACHES.decisions) == 1
 
 
 def test_a_handler_declining_by_key_is_asked_on_a_miss_only() -> None:

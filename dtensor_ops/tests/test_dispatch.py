@@ -10,6 +10,7 @@ the real sharding rules against plain torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -21,7 +22,7 @@ import shardwise.dtensor_ops._dispatch as dispatch
 import shardwise.dtensor_ops._decision_pipeline as pipeline
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._decision_cache import call_key, decision_cache_size
+from shardwise.dtensor_ops._decision_pipeline import call_key, decision_cache_size
 from shardwise.dtensor_ops._decision import OpDecision
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
@@ -39,21 +40,25 @@ def as_dtensor(value: object) -> DTensor:
 
 @contextlib.contextmanager
 def scripted_rules(rules: dict[Any, Rule], calls: list[Any]) -> Iterator[None]:
-    """Replace the spec deciders: ``rules[op](spec_args, spec_kwargs)`` decides; every call is recorded."""
-    real = pipeline.decide_from_specs
+    """Replace the rule decider: ``rules[op](spec_args, spec_kwargs)`` decides; every call is recorded."""
+    real = pipeline.DECIDERS
+    rule_index = [decider.name for decider in real].index("the op's rule")
 
-    def scripted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpDecision:
-        calls.append((op, args, kwargs))
-        if op in rules:
-            return rules[op](args, kwargs).for_op(op)
-        return real(op, args, kwargs)
+    def scripted(call: Any) -> Any:
+        args, kwargs = tuple(call.spec_args), dict(call.spec_kwargs)
+        calls.append((call.op, args, kwargs))
+        if call.op in rules:
+            return rules[call.op](args, kwargs)
+        return real[rule_index].decide(call)
 
     clear_all_caches()
-    pipeline.decide_from_specs = scripted  # type: ignore[assignment]
+    table = list(real)
+    table[rule_index] = dataclasses.replace(real[rule_index], decide=scripted)
+    pipeline.DECIDERS = tuple(table)  # type: ignore[misc]
     try:
         yield
     finally:
-        pipeline.decide_from_specs = real
+        pipeline.DECIDERS = real  # type: ignore[misc]
         clear_all_caches()
 
 
@@ -121,26 +126,26 @@ def test_a_miss_builds_its_key_once_and_propagation_gets_the_same_key() -> None:
     built: list[Any] = []
     handed: list[Any] = []
     real_call_key = pipeline.call_key
-    real_decide_on_miss = dispatch.decide_on_miss
+    real_decide = dispatch.decide
 
     def counting_call_key(*args: Any, **kwargs: Any) -> Any:
         key = real_call_key(*args, **kwargs)
         built.append(key)
         return key
 
-    def recording(op: Any, key: Any, *rest: Any) -> Any:
-        handed.append(key)
-        return real_decide_on_miss(op, key, *rest)
+    def recording(call: Any) -> Any:
+        handed.append(call._key)
+        return real_decide(call)
 
     clear_all_caches()
     pipeline.call_key = counting_call_key  # type: ignore[assignment]
-    dispatch.decide_on_miss = recording  # type: ignore[assignment]
+    dispatch.decide = recording  # type: ignore[assignment]
     try:
         flat = as_dtensor(x * 3.0)  # the flat reader
         general = as_dtensor(torch.add(x, x, alpha=2))  # kwargs: the nested reader
     finally:
         pipeline.call_key = real_call_key  # type: ignore[assignment]
-        dispatch.decide_on_miss = real_decide_on_miss
+        dispatch.decide = real_decide
     # Two misses: each handed its own key on, and the pipeline built none.
     assert built == []
     assert handed == [

@@ -64,7 +64,7 @@ def test_registrations_stack_and_restore() -> None:
 
 @multi_rank(world_size=2)
 def test_float_arguments_of_value_blind_ops_share_one_cached_decision() -> None:
-    from shardwise.dtensor_ops._decision_cache import decision_cache_size as dispatch_cache_size
+    from shardwise.dtensor_ops._decision_pipeline import decision_cache_size as dispatch_cache_size
 
     mesh = init_device_mesh("cpu", (2,))
     full = torch.arange(8.0).reshape(4, 2)

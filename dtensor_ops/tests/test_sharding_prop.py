@@ -15,7 +15,7 @@ import torch
 
 from shardwise.dtensor_ops._ops import OneDimStrategy, OpCall, rule_for
 from shardwise.dtensor_ops._caches import clear_all_caches
-from shardwise.dtensor_ops._decision_cache import KWARGS_MARK
+from shardwise.dtensor_ops._decision_pipeline import KWARGS_MARK
 from shardwise.dtensor_ops._decision import OpDecision
 from shardwise.dtensor_ops._decision_pipeline import decide_from_specs as decide_op_sharding
 from shardwise.dtensor_ops._decision_pipeline import propagate_op_sharding

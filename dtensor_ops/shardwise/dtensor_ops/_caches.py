@@ -42,7 +42,7 @@ class RankCaches:
     __slots__ = ("decisions", "propagation_counts", "programs")
 
     def __init__(self) -> None:
-        # (op, key parts...) -> OpDecision: the one decision cache (``_decision_cache``).
+        # (op, key parts...) -> OpDecision or Algorithm: the one memo of decisions (``_decision_pipeline``).
         self.decisions: dict[Hashable, Any] = {}
         # {"hits", "misses"} of the decision pipeline's entries (``_decision_pipeline``).
         self.propagation_counts: dict[str, int] = {}
@@ -76,7 +76,7 @@ class SharedCaches:
     def __init__(self) -> None:
         # op -> SchemaFacts (``_schema``).
         self.schema_facts: dict[Any, Any] = {}
-        # op -> whether its decision reads float argument values (``_decision_cache``).
+        # op -> whether its decision reads float argument values (``_decision_pipeline``).
         self.float_values_matter: dict[Any, bool] = {}
         # (mesh, dtype) -> replicated spec of a 0-dim tensor (``_dispatch``).
         self.scalar_specs: dict[Any, Any] = {}

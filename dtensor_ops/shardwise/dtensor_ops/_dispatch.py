@@ -1,14 +1,14 @@
 """``__torch_dispatch__`` for DTensor: one path, in three separate stages.
 
 (a) **Read.**  The op, the input specs (DTensors replaced by their ``_spec``) and the non-tensor
-    arguments form a hashable key (``_decision_cache.call_key``'s); the local tensors are collected
+    arguments form a hashable key (``_decision_pipeline.call_key``'s); the local tensors are collected
     alongside.  A flat loop reads the common call (positional DTensors, Python scalars, ints,
     strings, dtypes, floats, bools, int lists: no pytree, no recursion, no per-call closure);
     :func:`_read_nested` reads the rest (kwargs such as ``out=``, tensor lists, plain tensors: 0-dim
     ones always, others under ``implicit_replication``).
-(b) **Decision.**  One lookup in the one decision cache; on a miss the decision pipeline
-    (``_decision_pipeline.decide_on_miss``) asks its deciders in order and stores the plain-data
-    :class:`OpDecision` once.  Handlers (``_op_handlers``) answer with the op's result instead.
+(b) **Decision.**  One lookup in the one memo; on a miss the reader's values become one
+    ``_decision_pipeline.Call`` and the pipeline's walk (``decide``) stores its answer once: a plain-data
+    :class:`OpDecision`, or an ``Algorithm`` ("run this": a handler, a decomposition) run on the DTensors.
 (c) **Execution.**  A simple decision runs the op on the locals and wraps one tensor (inline: nearly
     every op of a training step); any other goes through :func:`_execute` (redistribution of the
     inputs whose target differs, argument overrides, the random plan, wrapping).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Sequence, cast
+from typing import Any, Hashable, Sequence, cast
 
 import torch
 from shardwise.mesh import DeviceMesh
@@ -26,11 +26,21 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 
 from ._caches import RANK_CACHES, SHARED_CACHES
 from ._decision import WRAP_INPLACE, WRAP_NESTED, WRAP_OUT, WRAP_PASSTHROUGH, WRAP_TENSOR, OpDecision
-from ._decision_cache import DISPATCH_LOOKUPS, KWARGS_MARK, SELF_KEYED_TYPES, float_values_matter, key_part
-from ._decision_pipeline import Handled, ask_before_cache, decide_on_miss, propagate_op_sharding
+from ._decision_pipeline import (
+    ASKED_EVERY_CALL,
+    DISPATCH_LOOKUPS,
+    SELF_KEYED_TYPES,
+    Algorithm,
+    Call,
+    Handled,
+    ask_every_call,
+    call_key,
+    decide,
+    propagate_op_sharding,
+    run_algorithm,
+)
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
-from ._op_handlers import UNKEYED_HANDLERS_BY_OP_ID
 from ._random_draws import run_random_op
 from . import _explicit_redistribution as explicit_redistribution
 from ._planner import redistribute_cost_bytes
@@ -224,11 +234,11 @@ def torch_dispatch(
     Read the call (key, specs, local tensors), look the decision up once, on a miss ask the decision
     pipeline, then execute.  Reading has a flat loop for the common call (positional DTensors, 0-dim
     plain tensors, ints, strings, dtypes, floats, bools, lists of ints) and :func:`_read_nested` for
-    the rest; both give the key ``_decision_cache.call_key`` defines.
+    the rest; both give the key ``_decision_pipeline.call_key`` defines.
     """
-    if UNKEYED_HANDLERS_BY_OP_ID:  # decider 1 has handlers for some op: asked before the cache
-        handled = ask_before_cache(func, args, kwargs or {})
-        if handled is not NotImplemented:
+    if ASKED_EVERY_CALL and id(func) in ASKED_EVERY_CALL:  # a handler of this op is not cacheable
+        handled = ask_every_call(Call(func, args, kwargs or {}, (), {}))
+        if handled is not None:
             return handled.result
     spec_kwargs: dict[str, Any] = _NO_KWARGS
     local_kwargs: dict[str, Any] = _NO_KWARGS
@@ -278,14 +288,11 @@ def torch_dispatch(
                 for position in scalar_positions:
                     spec_args[position] = _replicated_spec_for_plain_tensor(func, args[position], mesh)
             if tagged_positions is not None:
-                keep_floats = float_values_matter(func)
-                key_parts = spec_args.copy()
-                for position in tagged_positions:
-                    key_parts[position] = key_part(spec_args[position], keep_floats)
-                key = (func, *key_parts)
+                key = call_key(func, spec_args)
             else:
-                # Every other part is its own key part (specs, self-keyed values): the key key_part would build.
+                # Every part is its own key part (specs, self-keyed values): call_key's value, built inline.
                 key = (func, *spec_args)
+    prepared: Any  # an OpDecision, or a memoised Algorithm (not simple)
     try:
         found = RANK_CACHES.decisions.get(key)
     except TypeError:
@@ -297,8 +304,8 @@ def torch_dispatch(
         if mesh is not None and mesh.get_coordinate() is None:
             # Never cached, so every call of a rank outside the mesh comes here (and only those).
             return _outside_mesh(func, mesh, args, kwargs or {}, spec_args, spec_kwargs)
-        decided = decide_on_miss(func, key, args, kwargs or {}, tuple(spec_args), spec_kwargs)
-        if isinstance(decided, Handled):
+        decided = decide(Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key))
+        if type(decided) is Handled:
             return decided.result
         prepared = decided
     else:
@@ -307,10 +314,10 @@ def torch_dispatch(
     if prepared.simple and not local_kwargs:
         # The common hit: run and wrap one tensor (wrap_result's WRAP_TENSOR branch, inlined: it runs for
         # nearly every op of a training step and the call costs ~0.2 µs, bench_dispatch_overhead).
-        result = prepared.call(*local_args)  # type: ignore[misc]
+        result = prepared.call(*local_args)
         wrapped = _make_wrapper_subclass(
             DTensor,
-            prepared.output_shape,  # type: ignore[arg-type]
+            prepared.output_shape,
             prepared.output_stride,
             None,
             None,
@@ -319,10 +326,17 @@ def torch_dispatch(
             result.device,
         )
         wrapped._local_tensor = result
-        wrapped._spec = prepared.output_spec  # type: ignore[assignment]
+        wrapped._spec = prepared.output_spec
         if _moved_view_copies and prepared.views_first_argument and _is_moved_view(args[0]):
             _mark_moved_view(wrapped)
         return wrapped
+    if type(prepared) is Algorithm:  # "run this algorithm", memoised: a handler, a decomposition
+        ran = run_algorithm(
+            prepared, Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key)
+        )
+        if type(ran) is Handled:
+            return ran.result
+        prepared = ran
     return _execute(prepared, args, kwargs or _NO_KWARGS, spec_args, local_args, spec_kwargs, local_kwargs)
 
 
@@ -374,33 +388,29 @@ def _execute(
 class _ArgConverter:
     """The general path's view of one call: DTensors and accepted plain tensors become specs."""
 
-    __slots__ = ("mesh", "op", "keep_float_values")
+    __slots__ = ("mesh", "op")
 
     def __init__(self, op: torch._ops.OpOverload, mesh: DeviceMesh) -> None:
         self.op = op
         self.mesh = mesh
-        self.keep_float_values = float_values_matter(op)
 
-    def convert(self, value: Any) -> tuple[Any, Any, Any]:
-        """(value for the rules, value for the local op, key part)."""
+    def convert(self, value: Any) -> tuple[Any, Any]:
+        """(value for the rules, value for the local op)."""
         if isinstance(value, DTensor):
-            spec = value._spec
-            return spec, value._local_tensor, spec
+            return value._spec, value._local_tensor
         if isinstance(value, _Tensor):
-            spec = _replicated_spec_for_plain_tensor(self.op, value, self.mesh)
-            return spec, value, spec
+            return _replicated_spec_for_plain_tensor(self.op, value, self.mesh), value
         value_type = type(value)
         if value_type is list or value_type is tuple:
             spec_items = []
             local_items = []
             for item in value:
-                spec_item, local_item, _ = self.convert(item)
+                spec_item, local_item = self.convert(item)
                 spec_items.append(spec_item)
                 local_items.append(local_item)
             # Locals are always a list so that redistribution can replace items in place.
-            spec_value = tuple(spec_items) if value_type is tuple else spec_items
-            return spec_value, local_items, key_part(spec_value, self.keep_float_values)
-        return value, value, key_part(value, self.keep_float_values)
+            return (tuple(spec_items) if value_type is tuple else spec_items), local_items
+        return value, value
 
 
 def _outside_mesh(
@@ -486,31 +496,25 @@ def _collect_slots(
 
 def _read_nested(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], list[Any], list[Any], dict[str, Any], dict[str, Any]]:
-    """The call read whatever its arguments hold (kwargs, tensor lists, plain tensors): its key, specs
-    and local values, positional then keyword (``_decision_cache.call_key``'s key)."""
+) -> tuple[Hashable, list[Any], list[Any], dict[str, Any], dict[str, Any]]:
+    """The call read whatever its arguments hold (kwargs, tensor lists, plain tensors): its key
+    (``call_key``'s), specs and local values, positional then keyword."""
     mesh = _find_mesh(args)
     if mesh is None:
         mesh = _find_mesh(kwargs.values())
     if mesh is None:
         raise RuntimeError(f"{func}: DTensor dispatch was called without any DTensor argument")
     converter = _ArgConverter(func, mesh)
-    key_parts: list[Any] = [func]
     spec_args: list[Any] = []
     local_args: list[Any] = []
     for arg in args:
-        spec_value, local_value, key_value = converter.convert(arg)
+        spec_value, local_value = converter.convert(arg)
         spec_args.append(spec_value)
         local_args.append(local_value)
-        key_parts.append(key_value)
     spec_kwargs: dict[str, Any] = {}
     local_kwargs: dict[str, Any] = {}
-    if kwargs:
-        key_parts.append(KWARGS_MARK)
     for name, value in kwargs.items():
-        spec_value, local_value, key_value = converter.convert(value)
+        spec_value, local_value = converter.convert(value)
         spec_kwargs[name] = spec_value
         local_kwargs[name] = local_value
-        key_parts.append(name)
-        key_parts.append(key_value)
-    return tuple(key_parts), spec_args, local_args, spec_kwargs, local_kwargs
+    return call_key(func, spec_args, spec_kwargs), spec_args, local_args, spec_kwargs, local_kwargs

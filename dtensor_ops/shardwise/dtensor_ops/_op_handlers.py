@@ -10,11 +10,14 @@ Several handlers may be registered for one op; the most recent is asked first.  
 handlers are installed by the package ``__init__``; users and upper layers (``tp_styles``) add
 theirs with :func:`register_op_handler` or for a block with :func:`custom_op_handlers`.
 
-Cost: a handler registered with ``declines_by_key=True`` promises that whether it declines depends
-only on what the decision cache keys a call by (the op, the input specs, the non-tensor arguments).
-Dispatch then asks it only on a cache miss and caches the rule's decision when it declines, so
-every other op pays nothing for it.  While any other handler is registered, dispatch asks on every
-call (one dict lookup per op).
+Cacheable or not: a handler registered with ``declines_by_key=True`` promises that whether it
+declines depends only on what the decision memo keys a call by (the op, the input specs, the
+non-tensor arguments).  Its answer is then cacheable: the decision pipeline asks it on a miss and
+memoises what follows ("run these handlers" when one took the call, the rule's decision when all
+declined), so every other op pays nothing for it.  Any other handler says it is not cacheable: its
+op goes into :data:`ASKED_EVERY_CALL`, and while that is not empty dispatch asks the op's handlers on
+every call before its lookup (one dict lookup per op).  Registering or removing a handler forgets
+this rank's memoised answers for its op.
 """
 
 from __future__ import annotations
@@ -44,26 +47,30 @@ class _Registration(NamedTuple):
 
 # op -> its registrations, most recent first.
 _REGISTRATIONS: dict[torch._ops.OpOverload, tuple[_Registration, ...]] = {}
-# What dispatch reads, keyed by id(op): OpOverload's hash is a Python function (about 0.1 µs), an int's
-# is not, and overloads live as long as the process.  Every handler of ops that have any ...
-HANDLERS_BY_OP_ID: dict[int, tuple[OpHandler, ...]] = {}
-# ... and the same for ops with at least one handler that may decline differently for equal keys
-# (empty unless a user handler is registered: dispatch then looks here before the cache on every op).
-UNKEYED_HANDLERS_BY_OP_ID: dict[int, tuple[OpHandler, ...]] = {}
+# What the decision pipeline reads, keyed by id(op): OpOverload's hash is a Python function (about 0.1 µs),
+# an int's is not, and overloads live as long as the process.  Every handler of ops that have any ...
+CACHEABLE_HANDLERS: dict[int, tuple[OpHandler, ...]] = {}
+# ... and the same for ops with at least one handler that is not cacheable (empty unless a user handler is
+# registered: dispatch then looks here before its lookup on every op).
+ASKED_EVERY_CALL: dict[int, tuple[OpHandler, ...]] = {}
 
 
 def _store(op: torch._ops.OpOverload, registrations: tuple[_Registration, ...]) -> None:
     handlers = tuple(registration.handler for registration in registrations)
     if registrations:
         _REGISTRATIONS[op] = registrations
-        HANDLERS_BY_OP_ID[id(op)] = handlers
+        CACHEABLE_HANDLERS[id(op)] = handlers
     else:
         _REGISTRATIONS.pop(op, None)
-        HANDLERS_BY_OP_ID.pop(id(op), None)
+        CACHEABLE_HANDLERS.pop(id(op), None)
     if any(not registration.declines_by_key for registration in registrations):
-        UNKEYED_HANDLERS_BY_OP_ID[id(op)] = handlers
+        ASKED_EVERY_CALL[id(op)] = handlers
     else:
-        UNKEYED_HANDLERS_BY_OP_ID.pop(id(op), None)
+        ASKED_EVERY_CALL.pop(id(op), None)
+    # Answers memoised for this op were made with the handlers it had (an algorithm names them).
+    decisions = RANK_CACHES.decisions
+    for key in [key for key in decisions if isinstance(key, tuple) and key and key[0] is op]:
+        del decisions[key]
 
 
 def handlers_for(op: torch._ops.OpOverload) -> tuple[OpHandler, ...]:
@@ -81,11 +88,6 @@ def register_op_handler(op: torch._ops.OpOverload, handler: OpHandler, *, declin
         raise TypeError(f"register_op_handler expects an aten OpOverload, got {type(op).__name__} {op!r}")
     if not callable(handler):
         raise TypeError(f"register_op_handler({op}): the handler must be callable, got {handler!r}")
-    if declines_by_key:
-        # Decisions cached for this op before now were never shown to the handler.
-        decisions = RANK_CACHES.decisions
-        for key in [key for key in decisions if isinstance(key, tuple) and key and key[0] is op]:
-            del decisions[key]
     _store(op, (_Registration(handler, declines_by_key), *_REGISTRATIONS.get(op, ())))
 
 

@@ -11,7 +11,6 @@ import torch
 
 from .._op_handlers import OpHandler
 from .as_strided import AS_STRIDED_HANDLERS
-from .composite import COMPOSITE_HANDLERS
 from .conv_halo import CONV_HALO_HANDLERS
 from .foreach_norm import FOREACH_NORM_HANDLERS, norms_across_shards
 from .inplace_views import INPLACE_VIEW_HANDLERS
@@ -30,5 +29,4 @@ BUILTIN_OP_HANDLERS: dict[torch._ops.OpOverload, OpHandler] = {
     **VALUE_SIZED_HANDLERS,
     **AS_STRIDED_HANDLERS,
     **CONV_HALO_HANDLERS,
-    **COMPOSITE_HANDLERS,
 }

@@ -17,7 +17,7 @@ from shardwise.placement import DTensorSpec, TensorMeta
 
 from .._caches import clear_all_caches
 from .._decision import OpDecision
-from .._decision_cache import PropagationCacheInfo, call_key, clear_decisions, decision_cache_size, propagation_cache_info
+from .._decision_pipeline import PropagationCacheInfo, call_key, clear_decisions, decision_cache_size, propagation_cache_info
 from .._decision_pipeline import decide_from_specs, propagate_op_sharding
 from .._ops import ShardingRule, rule_for
 from .._propagation import STRUCTURE_SEQUENCE, STRUCTURE_SINGLE, ShardingPropagationError, run_on_meta

@@ -21,14 +21,14 @@ def _get_python_sharding_prop_cache_info() -> Any:
     Dispatch consults the propagator only when its own lookup misses, so these count propagator
     calls, not dispatch's fast path (as in PyTorch).
     """
-    from .._decision_cache import propagation_cache_info
+    from .._decision_pipeline import propagation_cache_info
 
     return propagation_cache_info()
 
 
 def _clear_python_sharding_prop_cache() -> None:
     """Forget every cached sharding decision (the propagator and dispatch share one cache here)."""
-    from .._decision_cache import clear_decisions
+    from .._decision_pipeline import clear_decisions
 
     clear_decisions()
 
@@ -42,7 +42,7 @@ def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
     :func:`_get_python_sharding_prop_cache_info`).  Reset by :func:`_clear_fast_path_sharding_prop_cache`
     and :func:`_clear_sharding_prop_cache`.  Counted per process: ranks run as threads share them.
     """
-    from .._decision_cache import DISPATCH_LOOKUPS
+    from .._decision_pipeline import DISPATCH_LOOKUPS
 
     return DISPATCH_LOOKUPS[0], DISPATCH_LOOKUPS[1]
 
@@ -51,7 +51,7 @@ def _clear_fast_path_sharding_prop_cache() -> None:
     """Forget every cached sharding decision (one cache serves dispatch and the propagator here) and
     start :func:`_get_fast_path_sharding_prop_cache_stats` from (0, 0)."""
     from .._caches import RANK_CACHES
-    from .._decision_cache import DISPATCH_LOOKUPS
+    from .._decision_pipeline import DISPATCH_LOOKUPS
 
     RANK_CACHES.decisions.clear()
     DISPATCH_LOOKUPS[0] = DISPATCH_LOOKUPS[1] = 0
