@@ -284,8 +284,8 @@ def _einsum_candidates(name: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]
 
 @pytest.mark.parametrize("mesh_shape", [(WORLD,), (2, 2)])
 def test_einsum_and_matrix_strategies_list_pytorchs_candidates(mesh_shape: tuple[int, ...]) -> None:
-    # PyTorch-path modules rebind themselves in sys.modules on first import; import them before the
-    # rank threads do (two threads importing one at once can see the module half-bound).
+    # PyTorch's paths are served by the alias table's finder on first import; import them here, once,
+    # rather than in each rank thread.
     import shardwise.dtensor_ops._ops._einsum_strategy  # noqa: F401
     import shardwise.dtensor_ops._ops._matrix_ops  # noqa: F401
 

@@ -10,7 +10,6 @@ on it run shard by shard with the communication their sharding rules require.
 (from ``shardwise.placement``) are re-exported, as PyTorch does.
 """
 
-import sys
 from typing import Any
 
 import shardwise.placement as placement_types
@@ -40,6 +39,7 @@ from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
 from ._redistribution import gather_along_mesh_dim
 from ._torch_compat.op_dispatch import op_dispatcher
+from ._torch_compat.pytorch_paths import install_finder
 
 
 _SAVED_DTENSOR_CLASSES: list[Any] = [
@@ -67,6 +67,9 @@ def _wire() -> None:
     frame on every op.
     """
     DTensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment]
+    # PyTorch's module paths here (``_op_schema``, ``_ops.utils``, ``placement_types``, ...) are no files:
+    # the alias table's finder serves each with the module that holds its names.
+    install_finder()
     for op, handler in BUILTIN_OP_HANDLERS.items():
         # Each declines (hands the call to the rule) by the op's arguments and specs alone: dispatch asks
         # it on a decision-cache miss only, so no other op pays for it.
@@ -87,8 +90,7 @@ def _wire() -> None:
 
 _wire()
 # PyTorch's torch.distributed.tensor.placement_types is shardwise.placement: reachable from here as an
-# attribute (`from torch.distributed.tensor import placement_types`) and under this package's name.
-sys.modules.setdefault(f"{__name__}.placement_types", placement_types)
+# attribute (`from torch.distributed.tensor import placement_types`); its path is the alias table's.
 # Packages above this one that hook in when installed (shardwise.compile_support): found, not named.
 load_extensions()
 
