@@ -52,7 +52,6 @@ for name in ("shardwise.mesh", "shardwise.placement", "shardwise.dtensor_ops", "
     importlib.import_module(name)
     print("imported", name)
 '
-step "build the planner's C++ search" machine.txt "$python" dtensor_ops/csrc/build.py
 
 gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 backend=()

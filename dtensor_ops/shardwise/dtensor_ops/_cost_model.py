@@ -21,8 +21,7 @@ Where it is used
   priced with the local copies the executor makes around it (``_planner.local_copy_bytes``:
   padding uneven pieces, regrouping when the collective's tensor dim is not the outermost, trimming,
   non-leading chunks, a sum's split, a shard's zero-filled parent) as ``local_copy`` time; joint
-  steps by their collective alone. The C++ search prices from ``one_dim_price_terms``, the same
-  arithmetic.
+  steps by their collective alone.
 * **Strategy choice**: ``_propagation`` ranks a rule's candidate input placements by
   ``redistribute_cost_picoseconds`` (the fastest plan's time), not by bytes.
 * Byte figures (``plan_bytes_per_rank``, ``redistribute_cost_bytes``, the lower bound) are kept for
@@ -200,8 +199,7 @@ class StepPricer:
     """Prices planner steps on one mesh under one profile (built once per mesh and reused).
 
     Called as ``pricer(kind, mesh_dims, bytes_per_rank, local_copy_bytes)`` it is ``step_picoseconds``: the
-    ``step_price`` the planner's search takes. ``one_dim_price_terms`` hands the C++ search the same
-    prices as numbers, so it prices one-dim steps itself with the same arithmetic.
+    ``step_price`` the planner's search takes.
     """
 
     mesh: Any
@@ -210,10 +208,6 @@ class StepPricer:
     setting: str | None = None
     # (priced kind, mesh dims) -> (the cost that applies, group size): the profile's lookup, done once.
     _costs: dict[tuple[str, tuple[int, ...]], tuple[Any, int]] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
-    )
-    # priced kinds -> one_dim_price_terms of them.
-    _terms: dict[tuple[str | None, ...], list[list[tuple[float, float] | None]]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
 
@@ -269,28 +263,10 @@ class StepPricer:
 
     __call__ = step_picoseconds
 
-    def one_dim_price_terms(self, priced_kinds: Sequence[str | None]) -> list[list[tuple[float, float] | None]]:
-        """Per mesh dim, per entry of ``priced_kinds`` (``priced_kind`` of a step kind): (alpha seconds,
-        beta bytes/s), or None for a free step; then the dim's local-copy term.
-
-        ``step_picoseconds(kind, (dim,), b, c)`` is, with (a, B) the kind's entry and (ac, Bc) the
-        local-copy term: ``round((a + b / B + (ac + c / Bc if c else 0)) * 1e12)`` for a collective,
-        ``round((a + (b + c) / B) * 1e12)`` for a local step (its kind is priced as a local copy), 0
-        where None. The C++ search computes exactly that, in the same double operations.
-        """
-        key = tuple(priced_kinds)
-        terms = self._terms.get(key)
-        if terms is None:
-            terms = [
-                [None if priced is None else per_kind[priced] for priced in key] + [per_kind["local_copy"]]
-                for per_kind in self._one_dim_terms
-            ]
-            self._terms[key] = terms
-        return terms
-
     @functools.cached_property
     def _one_dim_terms(self) -> tuple[dict[str, tuple[float, float] | None], ...]:
-        """Per mesh dim, per collective kind: (alpha, beta) there, or None where it moves nothing (one rank)."""
+        """Per mesh dim, per collective kind: (alpha, beta) there, or None where it moves nothing (one rank):
+        what a plan priced on this mesh depends on (``cache_key``)."""
         # Dims that share a cost table (one_dim_costs gives equal dims one object) share their terms.
         by_table: dict[int, dict[str, tuple[float, float] | None]] = {}
         rows = []

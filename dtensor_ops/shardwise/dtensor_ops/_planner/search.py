@@ -25,7 +25,6 @@ from .joint_steps import (
     _joint_moves,
     joint_transition_kind,
 )
-from .native_search import _plan_search_extension, _search_in_cpp
 from .steps import (
     _COLLECTIVE_KINDS,
     Placements,
@@ -89,8 +88,8 @@ def find_cheapest_plan(
     ``allow_joint_steps``: also consider steps changing several mesh dims with one collective over
     their joint group (the mesh must have those groups).
 
-    ``step_price`` must be a pure function: the C++ search (used where no joint step is searched and
-    the module is built) calls it once per distinct (kind, mesh dims, bytes, copied bytes).
+    ``step_price`` must be a pure function: the search calls it once per distinct (kind, mesh dims,
+    bytes, copied bytes).
     """
     src, dst = tuple(src), tuple(dst)
     _check_problem(global_shape, mesh_shape, src, dst, itemsize)
@@ -102,16 +101,10 @@ def find_cheapest_plan(
         if allow_joint_steps and math.prod(mesh_shape) <= _JOINT_SEARCH_MAX_RANKS
         else []
     )
-    if not joint_dim_sets:
-        extension = _plan_search_extension()
-        if extension is not None:
-            plan = _search_in_cpp(extension, global_shape, mesh_shape, src, dst, itemsize, candidates, step_price)
-            if plan is not None:
-                return plan
-    return _search_in_python(global_shape, mesh_shape, src, dst, itemsize, candidates, joint_dim_sets, step_price)
+    return _uniform_cost_search(global_shape, mesh_shape, src, dst, itemsize, candidates, joint_dim_sets, step_price)
 
 
-def _search_in_python(
+def _uniform_cost_search(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
     src: Placements,
@@ -121,14 +114,14 @@ def _search_in_python(
     joint_dim_sets: Sequence[tuple[int, ...]],
     step_price: StepPrice | None,
 ) -> tuple[RedistributeStep, ...]:
-    """The search itself, in Python: the reference and the fallback of ``_search_in_cpp``.
+    """The search itself.
 
     Uniform-cost search from ``src`` to ``dst`` (``src != dst``, both checked) over one-dim steps to
     ``candidates`` and joint steps over ``joint_dim_sets``; see ``find_cheapest_plan``. Pure work is
     done once: a step's price once per (kind, mesh dims, bytes, copied bytes), the largest local shape once per
     state (by torch.chunk arithmetic), a step's rules only into states not yet done, a step object
-    only for the plan's own steps (``test_plan_search_ext`` checks this against the straightforward
-    search on random problems).
+    only for the plan's own steps (``tests/test_plan_search.py`` checks this against the straightforward
+    search of ``tests/plan_search_helpers.py`` on random problems).
     """
     all_boxes: dict[Placements, dict[tuple[int, ...], _Box]] = {}
 

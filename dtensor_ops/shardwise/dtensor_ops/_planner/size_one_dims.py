@@ -76,16 +76,6 @@ class _PriceOnKeptDims:
         return self.inner(kind, tuple(self.kept_dims[d] for d in mesh_dims), moved, copied)
 
 
-class _PricerOnKeptDims(_PriceOnKeptDims):
-    """``_PriceOnKeptDims`` of a pricer that hands the C++ search its prices as numbers (``StepPricer``)."""
-
-    __slots__ = ()
-
-    def one_dim_price_terms(self, priced_kinds: Sequence[str | None]) -> list[Any]:
-        rows = self.inner.one_dim_price_terms(priced_kinds)  # type: ignore[attr-defined]
-        return [rows[d] for d in self.kept_dims]
-
-
 def find_cheapest_plan_without_size_one_dims(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -114,8 +104,7 @@ def find_cheapest_plan_without_size_one_dims(
     kept_dims = tuple(d for d, size in enumerate(mesh_shape) if size != 1)
     reduced_price: StepPrice | None = None
     if step_price is not None:
-        wrapper = _PricerOnKeptDims if hasattr(step_price, "one_dim_price_terms") else _PriceOnKeptDims
-        reduced_price = wrapper(step_price, kept_dims)
+        reduced_price = _PriceOnKeptDims(step_price, kept_dims)
     reduced = search.find_cheapest_plan(
         global_shape,
         tuple(mesh_shape[d] for d in kept_dims),
@@ -155,7 +144,7 @@ def _plan_without_size_one_dims(
             reduced_dst,
             itemsize,
             allow_joint_steps=joint,
-            step_price=_PricerOnKeptDims(pricer, kept_dims),
+            step_price=_PriceOnKeptDims(pricer, kept_dims),
         )
         store(SHARED_CACHES.plans_by_problem, problem, reduced, _MAX_CACHE_ENTRIES)
     return relabel_size_one_dims(mesh_shape, src, dst) + lift_plan(reduced, kept_dims)
