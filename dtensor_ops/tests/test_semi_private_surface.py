@@ -336,3 +336,61 @@ def test_offset_based_rng_tracker_takes_the_first_ranks_generator_state(mesh_sha
             assert not result["warned"] and result["total"] == 0
     if not sync:
         assert not torch.equal(results[0]["draw"], results[1]["draw"])
+
+
+# ----------------------------------------------------------------------------- PyTorch's paths: the alias table
+
+_FIRST_IMPORTS = r'''
+import importlib, pickle, sys
+import shardwise.dtensor_ops._op_schema as op_schema
+from shardwise.dtensor_ops._ops.utils import normalize_dim
+from shardwise.dtensor_ops import _redistribute
+import shardwise.dtensor_ops._ops._view_ops
+from shardwise.dtensor_ops._torch_compat import op_schema as compat_op_schema
+from shardwise.dtensor_ops._torch_compat.pytorch_paths import PYTORCH_PATHS
+assert op_schema is compat_op_schema
+assert shardwise.dtensor_ops._ops.utils.normalize_dim is normalize_dim
+assert shardwise.dtensor_ops._ops._view_ops is sys.modules["shardwise.dtensor_ops._torch_compat.view_ops"]
+assert _redistribute is sys.modules["shardwise.dtensor_ops._torch_compat.redistribute"]
+assert pickle.loads(pickle.dumps(op_schema.OpSchema)) is op_schema.OpSchema
+print("ok", len(PYTORCH_PATHS))
+'''
+
+
+def test_pytorch_paths_are_served_by_one_module_under_both_names() -> None:
+    import pathlib
+    import pickle
+    import sys
+
+    import shardwise.dtensor_ops as sw
+    from shardwise.dtensor_ops._torch_compat.pytorch_paths import PYTORCH_PATHS
+
+    package_folder = pathlib.Path(sw.__file__).parent
+    for path, served_by in PYTORCH_PATHS.items():
+        module = importlib.import_module(path)
+        assert module is importlib.import_module(served_by) is sys.modules[path], path
+        assert module.__spec__.name == served_by  # the serving module keeps its own spec
+        parent, _, child = path.rpartition(".")
+        assert getattr(sys.modules[parent], child) is module, path
+        assert importlib.util.find_spec(path) is not None, path
+        relative = path.split(".")[2:]
+        assert not package_folder.joinpath(*relative[:-1], relative[-1] + ".py").exists(), f"a file sits at {path}"
+    import shardwise.dtensor_ops._ops.utils as ops_utils
+    import shardwise.dtensor_ops._random as sw_random
+
+    assert ops_utils is sw._ops.utils and sw_random is sw._random
+    assert pickle.loads(pickle.dumps(ops_utils.normalize_dim)) is ops_utils.normalize_dim
+    # A name that no table entry and no file has stays missing.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("shardwise.dtensor_ops._ops._conv_ops")
+
+
+def test_pytorch_paths_import_first_in_every_form() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # this process's import path, Bazel's too
+    done = subprocess.run([sys.executable, "-c", _FIRST_IMPORTS], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok ")
