@@ -128,3 +128,32 @@ def test_cycles_through_lazy_and_importlib_imports_are_found(tmp_path: pathlib.P
     assert cycles == [["shardwise.dtensor_ops._api", "shardwise.dtensor_ops._dispatch", "shardwise.dtensor_ops._dtensor"]]
     violations = layers.check_tree(tmp_path)
     assert any("import cycle among" in violation.message for violation in violations)
+
+
+def test_an_import_of_a_pytorch_path_is_one_of_the_module_serving_it(tmp_path: pathlib.Path) -> None:
+    base = "dtensor_ops/shardwise/dtensor_ops/"
+    _write_tree(
+        tmp_path,
+        {
+            base + "__init__.py": "",
+            base + "_ops/__init__.py": "",
+            base + "_ops/pointwise.py": "from . import utils\n",  # PyTorch's _ops.utils: the compat module
+            base + "_torch_compat/__init__.py": "",
+            base + "_torch_compat/ops_utils.py": "",
+            base + "_torch_compat/pytorch_paths.py": (
+                "PYTORCH_PATHS: dict[str, str] = {\n"
+                "    'shardwise.dtensor_ops._ops.utils': 'shardwise.dtensor_ops._torch_compat.ops_utils',\n"
+                "    'shardwise.dtensor_ops._random': 'shardwise.dtensor_ops._torch_compat.gone',\n"
+                "}\n"
+            ),
+            base + "_random.py": "",  # a file at a path the table serves
+        },
+    )
+    graph = _graph(tmp_path)
+    assert [target for _, target, _ in graph["shardwise.dtensor_ops._ops.pointwise"]] == [
+        "shardwise.dtensor_ops._torch_compat.ops_utils"
+    ]
+    messages = [violation.message for violation in layers.check_tree(tmp_path)]
+    assert any("shardwise.dtensor_ops._ops.pointwise (rules) imports shardwise.dtensor_ops._torch_compat.ops_utils" in m for m in messages)
+    assert "shardwise.dtensor_ops._random is a file, but the alias table serves it with shardwise.dtensor_ops._torch_compat.gone" in messages
+    assert "shardwise.dtensor_ops._random is served by shardwise.dtensor_ops._torch_compat.gone, which is no module" in messages

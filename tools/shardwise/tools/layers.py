@@ -47,7 +47,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_decision",
             "_simulated_kernels",
             "_rules",
-            "_decision_cache",
+            "_engine",
             "_random_draws",
             "_op_handlers",
             "_implicit_replication",
@@ -67,30 +67,17 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
     ("API and factories", ("_api", "_factories", "experimental", "random", "debug")),
-    # PyTorch's semi-private surface: _torch_compat, and the modules at PyTorch's paths that are it.
-    (
-        "PyTorch compat",
-        (
-            "_torch_compat",
-            "_op_schema",
-            "_redistribute",
-            "_sharding_prop",
-            "_collective_utils",
-            "_utils",
-            "_random",
-            "_dtensor_spec",
-            "_ops._view_ops",
-            "_ops._pointwise_ops",
-            "_ops.utils",
-            "_ops.single_dim_strategy",
-            "_ops._embedding_ops",
-            "_ops._matrix_ops",
-            "_ops._einsum_strategy",
-            "device_mesh",
-        ),
-    ),
+    # PyTorch's semi-private surface.  PyTorch's module paths here (``_op_schema``, ``_ops.utils``, ...) are
+    # no files: the alias table (``PYTORCH_PATHS_SOURCE``) names the module serving each, and an import of
+    # a path counts as an import of that module.
+    ("PyTorch compat", ("_torch_compat",)),
     ("wiring", ("",)),  # the package __init__
 )
+
+# The alias table of PyTorch's module paths under dtensor_ops (path -> the module serving it), read from the
+# checked tree's source.
+PYTORCH_PATHS_SOURCE = pathlib.PurePath("dtensor_ops/shardwise/dtensor_ops/_torch_compat/pytorch_paths.py")
+PYTORCH_PATHS_NAME = "PYTORCH_PATHS"
 
 # PyTorch's own DTensor stack: product code must be written without it (tests: oracle only).
 FORBIDDEN_TORCH_MODULES = (
@@ -241,8 +228,26 @@ def _dtensor_ops_layer(module: str) -> int | None:
     return best_index
 
 
-def product_import_graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
-    """module -> [(line, imported module, path)] over every product source file of the shardwise packages."""
+def pytorch_paths(root: pathlib.Path) -> dict[str, str]:
+    """The alias table of the tree at ``root`` (PyTorch-shaped path -> the module serving it); {} without one."""
+    path = root / PYTORCH_PATHS_SOURCE
+    if not path.is_file():
+        return {}
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(PYTORCH_PATHS_SOURCE)).body:
+        targets: list[ast.expr]
+        if isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        if value is not None and any(isinstance(t, ast.Name) and t.id == PYTORCH_PATHS_NAME for t in targets):
+            table = ast.literal_eval(value)
+            return {str(path_): str(served) for path_, served in table.items()}
+    raise ValueError(f"{PYTORCH_PATHS_SOURCE} assigns no {PYTORCH_PATHS_NAME} literal")
+
+
+def _product_sources(root: pathlib.Path) -> dict[str, tuple[pathlib.PurePath, bool, ast.AST]]:
     sources: dict[str, tuple[pathlib.PurePath, bool, ast.AST]] = {}
     packages = [name for name in ALLOWED_IMPORTS if (root / name).is_dir()]
     for _, path in python_files(root, packages):
@@ -251,15 +256,43 @@ def product_import_graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, s
         if name is None or not is_product_source(relative):
             continue
         sources[name] = (relative, _is_package(relative), ast.parse(path.read_text(encoding="utf-8"), str(relative)))
-    known = frozenset(sources)
+    return sources
+
+
+def product_import_graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
+    """module -> [(line, imported module, path)] over every product source file of the shardwise packages.
+
+    An import of one of PyTorch's paths of the alias table is an import of the module serving it (the
+    same module object at run time).
+    """
+    sources = _product_sources(root)
+    aliases = pytorch_paths(root)
+    known = frozenset(sources) | frozenset(aliases)
     graph: dict[str, list[tuple[int, str, str]]] = {}
     for name, (source_path, is_package, tree) in sources.items():
         edges = []
         for line, target in imported_shardwise_modules(name, is_package, tree, known):
-            if target in known and target != name:
+            target = aliases.get(target, target)
+            if target in sources and target != name:
                 edges.append((line, target, str(source_path)))
         graph[name] = edges
     return graph
+
+
+def check_pytorch_paths(root: pathlib.Path) -> list[Violation]:
+    """The alias table's paths have no file of their own, and each names a module that exists."""
+    sources = _product_sources(root)
+    violations = []
+    for path, served in sorted(pytorch_paths(root).items()):
+        if path in sources:
+            violations.append(
+                Violation(str(sources[path][0]), 0, f"{path} is a file, but the alias table serves it with {served}")
+            )
+        if served not in sources and (root / served.split(".")[1]).is_dir():
+            violations.append(
+                Violation(str(PYTORCH_PATHS_SOURCE), 0, f"{path} is served by {served}, which is no module")
+            )
+    return violations
 
 
 def check_dtensor_ops_layers(graph: dict[str, list[tuple[int, str, str]]]) -> list[Violation]:
@@ -342,6 +375,7 @@ def check_tree(root: pathlib.Path) -> list[Violation]:
         violations += check_source(package, relative, path.read_text(encoding="utf-8"))
     graph = product_import_graph(root)
     violations += check_dtensor_ops_layers(graph)
+    violations += check_pytorch_paths(root)
     for cycle in import_cycles(graph):
         violations.append(Violation(cycle[0], 0, f"import cycle among {', '.join(cycle)}"))
     return violations
