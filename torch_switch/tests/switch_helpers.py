@@ -66,6 +66,20 @@ def _check_identities() -> None:
     assert torch.distributed.tensor.placement_types is shardwise.placement
     # A module keeps its own name and spec: it is shardwise's module, reachable under torch's path too.
     assert torch.distributed.tensor.__spec__.name == "shardwise.dtensor_ops"
+    # torch's semi-private paths resolve through dtensor_ops's alias table: torch's path -> the same path
+    # under shardwise.dtensor_ops -> the module serving it, one object under all three names.
+    import importlib
+
+    from shardwise.dtensor_ops._torch_compat.pytorch_paths import PYTORCH_PATHS
+
+    for path, served_by in PYTORCH_PATHS.items():
+        torch_path = "torch.distributed.tensor" + path[len("shardwise.dtensor_ops"):]
+        module = importlib.import_module(torch_path)
+        assert module is importlib.import_module(served_by) is importlib.import_module(path), torch_path
+        assert module.__spec__.name == served_by, (torch_path, module.__spec__.name)
+    from torch.distributed.tensor._ops.utils import normalize_dim
+
+    assert normalize_dim is sys.modules["shardwise.dtensor_ops._torch_compat.ops_utils"].normalize_dim
     # torch's own consumers import cleanly and see shardwise's classes.
     import torch._dynamo
     import torch.distributed._functional_collectives as funcol

@@ -46,6 +46,16 @@ def test_paths_map_module_for_module() -> None:
     assert all(target.startswith("shardwise.") for target in ALIASES.values())
 
 
+def test_torchs_semi_private_paths_map_onto_the_alias_table_of_dtensor_ops() -> None:
+    from shardwise.dtensor_ops._torch_compat.pytorch_paths import PYTORCH_PATHS
+
+    for path in PYTORCH_PATHS:
+        torch_path = "torch.distributed.tensor" + path[len("shardwise.dtensor_ops"):]
+        expected = "shardwise.placement" if path.endswith(".placement_types") else path
+        assert shardwise_path_for(torch_path) == expected, torch_path
+    assert shardwise_path_for("torch.distributed._tensor.device_mesh") == "shardwise.dtensor_ops.device_mesh"
+
+
 def test_without_the_variable_nothing_of_torch_changes(switched_python: pathlib.Path) -> None:
     assert "switch off" in _run(switched_python, [str(HELPERS), "off"], switch=False)
 

@@ -36,7 +36,10 @@ from typing import Any
 ENVIRONMENT_VARIABLE = "SHARDWISE_AS_TORCH"
 
 # torch's module path -> shardwise's module. A path's submodules map to the module's submodules
-# (``torch.distributed.tensor._api`` -> ``shardwise.dtensor_ops._api``); the longest prefix wins.
+# (``torch.distributed.tensor._api`` -> ``shardwise.dtensor_ops._api``); the longest prefix wins. Where
+# shardwise serves one of PyTorch's semi-private paths with another module (``._op_schema``, ``._ops.utils``,
+# ...), importing the mapped path resolves it through dtensor_ops's alias table (``PYTORCH_PATHS`` of
+# ``shardwise.dtensor_ops._torch_compat.pytorch_paths``): one list of those paths, kept there.
 ALIASES: dict[str, str] = {
     "torch.distributed.device_mesh": "shardwise.mesh",
     "torch.distributed.tensor": "shardwise.dtensor_ops",
