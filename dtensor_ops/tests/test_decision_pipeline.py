@@ -239,3 +239,66 @@ def test_cache_keys_with_symbolic_sizes_are_never_stored_and_other_unhashable_ke
     for index in range(5):
         store(cache, index, index, limit=4)
     assert cache == {4: 4}  # emptied when full, then stored
+
+
+def test_the_engine_owns_what_decisions_depend_on_and_a_change_starts_a_new_generation() -> None:
+    from shardwise.dtensor_ops._engine import ENGINE
+    from shardwise.dtensor_ops._rules import override_rule, restore_rule, rule_for
+
+    assert ENGINE.rank_caches is RANK_CACHES and ENGINE.dispatch_lookups is DISPATCH_LOOKUPS
+    clear_all_caches()
+    x = on_fake_mesh(torch.arange(4.0))
+    torch.neg(x)
+    assert RANK_CACHES.decisions
+    generation = ENGINE.generation
+    # A rule replaced: nothing made with the old one survives, with no cache cleared by the caller.
+    replaced = override_rule([aten.neg.default], rule_for(aten.neg.default))  # type: ignore[arg-type]
+    try:
+        assert ENGINE.generation > generation and not RANK_CACHES.decisions
+    finally:
+        restore_rule(aten.neg.default, replaced[aten.neg.default])
+    # Options decisions are made from: entering and leaving a block that changes them forget decisions.
+    torch.neg(x)
+    generation = ENGINE.generation
+    with use_options(cost_profile="nccl"):
+        assert ENGINE.generation > generation and not RANK_CACHES.decisions
+        torch.neg(x)
+        inside = ENGINE.generation
+    assert ENGINE.generation > inside and not RANK_CACHES.decisions
+    # Options decisions are not made from (where the planner searches) change nothing.
+    torch.neg(x)
+    generation = ENGINE.generation
+    with use_options(plan_search="python"):
+        pass
+    assert ENGINE.generation == generation and RANK_CACHES.decisions
+
+
+def test_implicit_replication_and_the_recorded_cp_layout_are_per_thread() -> None:
+    import threading
+
+    from shardwise.dtensor_ops._implicit_replication import implicit_replication, is_implicit_replication_enabled
+    import shardwise.dtensor_ops.experimental._cp_layout as cp_layout
+    from shardwise.dtensor_ops.experimental._cp_layout import contiguous_layout, record_layouts, recorded_layouts
+
+    seen: dict[str, object] = {}
+
+    def other_thread() -> None:
+        seen["implicit"] = is_implicit_replication_enabled()
+        record_layouts((contiguous_layout(8, 2),))
+        seen["layout"] = recorded_layouts()
+
+    mine = (contiguous_layout(6, 3),)
+    record_layouts(mine)
+    try:
+        with implicit_replication():
+            assert is_implicit_replication_enabled()
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+        assert not is_implicit_replication_enabled()
+        assert seen["implicit"] is False
+        assert seen["layout"] == (contiguous_layout(8, 2),)
+        assert recorded_layouts() == mine  # this thread's own, not the other thread's later one
+    finally:
+        record_layouts(None)
+        del cp_layout._RECORDED.rows  # this thread back to having recorded nothing

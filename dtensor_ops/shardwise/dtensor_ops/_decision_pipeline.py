@@ -75,6 +75,7 @@ from shardwise.placement import DTensorSpec
 
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._decision import ArgPosition, OpDecision
+from ._engine import ENGINE
 from ._implicit_replication import implicit_replication
 from ._op_handlers import ASKED_EVERY_CALL, CACHEABLE_HANDLERS, OpHandler
 from ._ops import rule_for
@@ -109,10 +110,10 @@ __all__ = [
 
 MAX_CACHED_DECISIONS = 1 << 16
 
-# [hits, misses] of dispatch's lookups in the memo.  debug._get_fast_path_sharding_prop_cache_stats reports
-# them and the debug clear functions zero them.  Process-wide (rank threads share the counts): a list bumped
+# [hits, misses] of dispatch's lookups in the memo (the engine's statistics).  debug._get_fast_path_sharding_prop_cache_stats
+# reports them and the debug clear functions zero them.  Process-wide (rank threads share the counts): a list bumped
 # in place costs a few tens of ns per op, a per-rank mapping would cost a lookup.
-DISPATCH_LOOKUPS: list[int] = [0, 0]
+DISPATCH_LOOKUPS: list[int] = ENGINE.dispatch_lookups
 
 # Non-tensor argument types whose value is its own key part.
 SELF_KEYED_TYPES: frozenset[type] = frozenset(

@@ -6,25 +6,29 @@ only DTensors from the user (saved inputs, incoming gradients) and makes its pla
 from global sizes and constants (``zeros``, ``ones``, ``arange``, index tensors...), identical on
 every rank: replicated by construction. A custom ``autograd.Function``'s backward is user code
 that could build rank-local plain tensors, so it gets the usual error.
+
+The context is per thread (ranks run as threads in the test world, and the decision pipeline enters it
+around a decomposition, which must not open it for other threads).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
 
 __all__ = ["implicit_replication", "is_implicit_replication_enabled"]
 
-_depth = 0
+_THREAD = threading.local()  # .depth: open implicit_replication() contexts on this thread
 _current_autograd_node = torch._C._current_autograd_node
 # Nodes of custom autograd.Functions are instances of this Python class; built-in nodes are not.
 _CustomFunctionNode: type = torch.autograd.function.BackwardCFunction
 
 
 def is_implicit_replication_enabled() -> bool:
-    return _depth > 0 or _in_builtin_backward_formula()
+    return getattr(_THREAD, "depth", 0) > 0 or _in_builtin_backward_formula()
 
 
 def _in_builtin_backward_formula() -> bool:
@@ -38,9 +42,9 @@ def implicit_replication() -> Iterator[None]:
 
     Every rank must hold the same value for that tensor; nothing checks it.
     """
-    global _depth
-    _depth += 1
+    depth = getattr(_THREAD, "depth", 0)
+    _THREAD.depth = depth + 1
     try:
         yield
     finally:
-        _depth -= 1
+        _THREAD.depth = depth

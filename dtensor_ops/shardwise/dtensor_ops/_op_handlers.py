@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from ._caches import RANK_CACHES
+from ._engine import ENGINE
 
 __all__ = [
     "OpHandler",
@@ -49,10 +49,10 @@ class _Registration(NamedTuple):
 _REGISTRATIONS: dict[torch._ops.OpOverload, tuple[_Registration, ...]] = {}
 # What the decision pipeline reads, keyed by id(op): OpOverload's hash is a Python function (about 0.1 µs),
 # an int's is not, and overloads live as long as the process.  Every handler of ops that have any ...
-CACHEABLE_HANDLERS: dict[int, tuple[OpHandler, ...]] = {}
+CACHEABLE_HANDLERS: dict[int, tuple[OpHandler, ...]] = ENGINE.cacheable_handlers
 # ... and the same for ops with at least one handler that is not cacheable (empty unless a user handler is
 # registered: dispatch then looks here before its lookup on every op).
-ASKED_EVERY_CALL: dict[int, tuple[OpHandler, ...]] = {}
+ASKED_EVERY_CALL: dict[int, tuple[OpHandler, ...]] = ENGINE.asked_every_call
 
 
 def _store(op: torch._ops.OpOverload, registrations: tuple[_Registration, ...]) -> None:
@@ -68,9 +68,7 @@ def _store(op: torch._ops.OpOverload, registrations: tuple[_Registration, ...]) 
     else:
         ASKED_EVERY_CALL.pop(id(op), None)
     # Answers memoised for this op were made with the handlers it had (an algorithm names them).
-    decisions = RANK_CACHES.decisions
-    for key in [key for key in decisions if isinstance(key, tuple) and key and key[0] is op]:
-        del decisions[key]
+    ENGINE.forget_op(op)
 
 
 def handlers_for(op: torch._ops.OpOverload) -> tuple[OpHandler, ...]:

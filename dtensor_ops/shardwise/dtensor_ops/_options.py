@@ -27,7 +27,10 @@ option                 environment override              default  what it change
 overrides applied, read when asked (so a variable set before a redistribution is first planned
 takes effect), then the process-wide changes of :func:`set_process_options` (an API's
 ``enable()``).  Readers ask when they compile or decide something they cache (a redistribution
-program, a decision on a cache miss), never per op.
+program, a decision on a cache miss), never per op.  A change of the options decisions and
+programs are made from (``cost_profile``, ``replicate_fallback``, ``gloo_all_to_all``), by any of
+these ways, starts a new engine generation (``_engine``): the caches made under the old ones are
+forgotten, so no caller has to clear them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from shardwise.mesh._cost_profile import COST_PROFILE_ENV_VAR
+
+from ._engine import ENGINE
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -92,8 +97,31 @@ _process_changes: tuple[tuple[str, object], ...] = ()
 _process_lock = threading.Lock()
 
 
+# The options cached decisions and redistribution programs are made from (the cost profile prices strategies and
+# plans; the fallback decides ops without a rule; gloo_all_to_all shapes programs).  plan_search and
+# plan_search_ext choose where the planner searches, not what it finds.
+_DECISION_INPUTS: tuple[str, ...] = ("cost_profile", "replicate_fallback", "gloo_all_to_all")
+# The process-level options last answered (environment + set_process_options), to notice a change.
+_last_process_options: list[Options | None] = [None]
+
+
+def _made_from(options: Options) -> tuple[object, ...]:
+    return tuple(getattr(options, name) for name in _DECISION_INPUTS)
+
+
+def _notice(before: Options | None, after: Options) -> None:
+    """A new engine generation when ``after`` changes what decisions are made from (see ``_engine``)."""
+    if before is not None and before is not after and _made_from(before) != _made_from(after):
+        ENGINE.changed("options")
+
+
 def _from_environment(environ: Mapping[str, str]) -> Options:
-    return _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()), _process_changes)
+    options = _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()), _process_changes)
+    before = _last_process_options[0]
+    if options is not before:  # memoised: the same values give the same object
+        _last_process_options[0] = options
+        _notice(before, options)
+    return options
 
 
 @functools.lru_cache(maxsize=16)
@@ -147,15 +175,18 @@ def current_options() -> Options:
 def use_options(options: Options | None = None, **changes: object) -> Iterator[Options]:
     """Run the block with ``options`` (or the current ones with ``changes``) in force on this thread.
 
-    Cached redistribution programs keep the options they were compiled with: clear the caches
-    (``_caches.clear_all_caches``) when switching options for specs already redistributed.
+    Entering and leaving start a new engine generation when the options decisions and programs are
+    made from change (``_engine``): nothing cached under other options is reused.
     """
-    chosen = dataclasses.replace(options or current_options(), **changes)  # type: ignore[arg-type]
+    before = current_options()
+    chosen = dataclasses.replace(options or before, **changes)  # type: ignore[arg-type]
     stack: list[Options] | None = getattr(_scoped, "stack", None)
     if stack is None:
         stack = _scoped.stack = []
+    _notice(before, chosen)
     stack.append(chosen)
     try:
         yield chosen
     finally:
         stack.pop()
+        _notice(chosen, current_options())

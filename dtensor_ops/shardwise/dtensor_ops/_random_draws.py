@@ -55,6 +55,7 @@ from shardwise.placement import DTensorSpec, Partial, Shard, _StridedShard, comp
 
 from ._caches import SHARED_CACHES
 from ._decision import OpDecision, OutputSpecs, RandomPlan
+from ._engine import ENGINE
 from ._rules import RandomDraw, registered_ops, rule_for
 from ._schema import schema_facts
 
@@ -94,6 +95,7 @@ class InstalledRngTracker:
 
 
 INSTALLED_RNG_TRACKER = InstalledRngTracker()
+ENGINE.random_state = INSTALLED_RNG_TRACKER  # the engine owns it; this module keeps its name
 
 _U32 = 1 << 32
 

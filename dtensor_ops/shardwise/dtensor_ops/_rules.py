@@ -22,6 +22,7 @@ import torch
 from shardwise.placement import SUPPORTED_REDUCE_OPS, DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
 from ._decision import ArgPosition, OpDecision
+from ._engine import ENGINE
 
 __all__ = [
     "override_rule",
@@ -254,42 +255,50 @@ class ShardingRule:
             )
 
 
-_RULES: dict[torch._ops.OpOverload, ShardingRule] = {}
+# The one rule registry, held by the engine (``_engine.ENGINE.rules``): a change goes through the functions
+# below, which start a new engine generation (every cached decision forgotten) when a rule really changes.
+_RULES: dict[torch._ops.OpOverload, ShardingRule] = ENGINE.rules
 
 
 def register_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> None:
     """Give each overload in ``ops`` the ``rule``; an overload may have only one rule."""
+    added = False
     for op in ops:
         existing = _RULES.get(op)
         if existing is not None and existing is not rule:
             raise ValueError(
                 f"{op} already has the {existing.family!r} sharding rule; refusing to replace it with {rule.family!r}"
             )
+        added = added or existing is None
         _RULES[op] = rule
+    if added:
+        ENGINE.changed("rules")
 
 
 def override_rule(ops: Iterable[torch._ops.OpOverload], rule: ShardingRule) -> dict[torch._ops.OpOverload, ShardingRule | None]:
     """Give each overload in ``ops`` the ``rule`` even if it has one (users' ``register_sharding``).
 
-    Returns the rules replaced (None where there was none). The caller must forget cached
-    decisions (``_caches.clear_all_caches``): they were made with the old rules.
+    Returns the rules replaced (None where there was none).  Decisions made with the old rules are
+    forgotten (a new engine generation).
     """
     replaced: dict[torch._ops.OpOverload, ShardingRule | None] = {}
     for op in ops:
         replaced[op] = _RULES.get(op)
         _RULES[op] = rule
+    ENGINE.changed("rules")
     return replaced
 
 
 def restore_rule(op: torch._ops.OpOverload, rule: ShardingRule | None) -> None:
     """Undo :func:`override_rule` for ``op``: put back the rule it replaced (None: the op has no rule again).
 
-    The caller must forget cached decisions, as after ``override_rule``.
+    Decisions made with the overriding rule are forgotten, as after ``override_rule``.
     """
     if rule is None:
         _RULES.pop(op, None)
     else:
         _RULES[op] = rule
+    ENGINE.changed("rules")
 
 
 def rule_for(op: torch._ops.OpOverload) -> ShardingRule | None:

@@ -55,6 +55,8 @@ from ._cp_layout import (
     contiguous_layout,
     head_tail_layout,
     one_layout,
+    record_layouts,
+    recorded_layouts,
 )
 from ._cp_ring import RingSpec, on_each_rank, ring_attention, ring_backward, ring_forward
 from ._cp_ulysses import ulysses_attention
@@ -153,14 +155,8 @@ def _default_layout(global_length: int, world_size: int) -> SequenceLayout:
     return contiguous_layout(global_length, world_size)
 
 
-# The layouts (one, or one per batch row) the most recent context_parallel / _context_parallel_shard cut
-# its buffers with: attention in the context and context_parallel_unshard after it read them back.
-_sharded_rows: tuple[SequenceLayout, ...] | None = None
-
-
 def _record_layouts(rows: tuple[SequenceLayout, ...]) -> None:
-    global _sharded_rows
-    _sharded_rows = rows
+    record_layouts(rows)  # per thread (_cp_layout)
 
 
 def _rows_of_local_length(local_length: int, rank: int, world_size: int) -> tuple[SequenceLayout, ...]:
@@ -173,7 +169,7 @@ def _rows_of_local_length(local_length: int, rank: int, world_size: int) -> tupl
 
 
 def _rows_of_rank_length(rank: int, local_length: int, world_size: int) -> tuple[SequenceLayout, ...]:
-    recorded = _sharded_rows
+    recorded = recorded_layouts()
     if recorded is not None and recorded[0].world_size == world_size and recorded[0].local_length(rank) == local_length:
         return recorded
     return (_default_layout(local_length * world_size, world_size),)

@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+import threading
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -30,6 +32,8 @@ __all__ = [
     "head_tail_chunk_sizes",
     "per_document_head_tail_layout",
     "ptrr_layout",
+    "record_layouts",
+    "recorded_layouts",
     "_LoadBalancer",
     "_HeadTailLoadBalancer",
     "_PerDocumentHeadTailLoadBalancer",
@@ -37,6 +41,25 @@ __all__ = [
 ]
 
 Segment = tuple[int, int]  # [start, stop) global positions
+
+
+# The layouts (one, or one per batch row) the most recent context_parallel / _context_parallel_shard of this
+# thread cut its buffers with: attention in the context and context_parallel_unshard after it read them back.
+# Per thread (ranks run as threads in the test world shard independently); a thread that never sharded
+# (autograd's device threads, which run a checkpointed block's recompute on CUDA) reads the latest recorded.
+_RECORDED = threading.local()
+_latest_recorded: list[tuple[SequenceLayout, ...] | None] = [None]
+
+
+def record_layouts(rows: tuple[SequenceLayout, ...] | None) -> None:
+    _RECORDED.rows = rows
+    _latest_recorded[0] = rows
+
+
+def recorded_layouts() -> tuple[SequenceLayout, ...] | None:
+    """This thread's recorded layouts (see :func:`record_layouts`), else the latest of any thread."""
+    rows: tuple[SequenceLayout, ...] | None = getattr(_RECORDED, "rows", _latest_recorded[0])
+    return rows
 
 
 @dataclass(frozen=True)
