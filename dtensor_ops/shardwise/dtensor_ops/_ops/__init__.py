@@ -2,7 +2,7 @@
 
 Each family module states, for one mesh dim, the placements its ops can run
 under (the rule types are in :mod:`shardwise.dtensor_ops._rules`);
-:mod:`shardwise.dtensor_ops._sharding_prop` extends them to n-D meshes and picks
+:mod:`shardwise.dtensor_ops._propagation` extends them to n-D meshes and picks
 the cheapest.  Rules are pure: they import neither the DTensor class nor the
 collectives, and never communicate (a reduction is a Partial output).
 """
@@ -20,26 +20,26 @@ from .._rules import (
     rule_for,
 )
 from . import (
+    along_dim,
     attention,
     concat_split,
     foreach_ops,
     indexing,
     lookup_ops,
     losses,
-    math_ops,
     matrix,
     nn_ops,
     norm_ops,
     pointwise,
-    random_ops,
     reduction,
     reduction_extra,
     replicated,
+    reshaping,
     shape_extra,
     spatial,
+    stochastic,
     tensor_basics,
     vector_products,
-    view_ops,
 )
 
 __all__ = [
@@ -50,27 +50,27 @@ __all__ = [
     "PlacementsPerTensor",
     "RandomDraw",
     "ShardingRule",
+    "along_dim",
     "attention",
     "concat_split",
     "foreach_ops",
     "indexing",
     "lookup_ops",
     "losses",
-    "math_ops",
     "matrix",
     "nn_ops",
     "norm_ops",
     "pointwise",
-    "random_ops",
     "reduction",
     "reduction_extra",
     "register_rule",
     "registered_ops",
     "replicated",
+    "reshaping",
     "rule_for",
     "shape_extra",
     "spatial",
+    "stochastic",
     "tensor_basics",
     "vector_products",
-    "view_ops",
 ]

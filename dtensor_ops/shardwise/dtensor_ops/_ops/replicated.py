@@ -85,7 +85,7 @@ REPLICATED_OPS = [
 REPLICATED_OPS += [
     aten._linalg_check_errors.default, aten.block_diag.default, aten.block_diag.out, aten._chunk_cat.default,
     aten._chunk_cat.out, aten._histogramdd_bin_edges.default, aten.addbmm.default, aten.addbmm.out,
-    aten.dist.out,  # (dist.default: math_ops' DIST_RULE)
+    aten.dist.out,  # (dist.default: along_dim's DIST_RULE)
 ]  # fmt: skip
 
 register_rule(REPLICATED_OPS, REPLICATED_RULE)

@@ -36,7 +36,7 @@ from .._rules import (
     rule_for,
 )
 # Their rules are lent to the *_copy variants below, so they must be registered first.
-from . import concat_split, tensor_basics, view_ops  # noqa: F401
+from . import concat_split, reshaping, tensor_basics  # noqa: F401
 from ._aligned import aligned_strategy, free_dim_strategies, replicated_strategy
 
 __all__ = ["TRIANGLE_RULE", "copy_variant_rule"]

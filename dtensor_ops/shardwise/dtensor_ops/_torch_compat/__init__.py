@@ -11,7 +11,7 @@ module                   over
 ``sharding_prop``        ``ShardingPropagator`` -> ``_decision_pipeline``
 ``single_dim_strategy``  ``register_single_dim_strategy``
 ``ops_utils``            ``register_op_strategy``, ``expand_to_full_mesh_op_strategy``...
-``view_ops``             dim maps over ``_ops.view_ops``
+``view_ops``             dim maps over ``_ops.reshaping``
 ``pointwise_ops``        the names torch's own code calls (``register_inductor_prims``)
 ``embedding_ops``        ``_MaskPartial``
 ``collective_utils``     ``_collectives``, the planner's costs

@@ -6,7 +6,7 @@ A *dim map* says, for each output dim of a view-like op, where it comes from in 
 ``Singleton()`` (a new size-1 dim), ``Broadcast(dim, size)`` (a size-1 dim expanded),
 ``NewDim(size)`` (a new dim), ``Repeat(dim, times)``. ``dim_maps`` gives the dim map of the
 torch functions PyTorch's tests look up, ``view_groups(from_size, to_size)`` that of a
-reshape. shardwise's own view rules (``_ops/view_ops.py``) decide shardings from
+reshape. shardwise's own view rules (``_ops/reshaping.py``) decide shardings from
 ``view_dim_groups``; ``view_groups`` is built on the same grouping.
 """
 
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from shardwise.placement import normalize_dim
 
-from .._ops.view_ops import view_dim_groups
+from .._ops.reshaping import view_dim_groups
 
 __all__ = [
     "Broadcast",

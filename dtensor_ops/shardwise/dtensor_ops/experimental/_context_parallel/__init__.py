@@ -1,8 +1,8 @@
 """PyTorch's ``torch.distributed.tensor.experimental._context_parallel`` package, at the same path.
 
-Its modules are shardwise's context-parallel modules under PyTorch's names: ``_attention`` is
-``experimental._attention``, ``_load_balancer`` holds the balancers (``_cp_layout``),
-``_cp_custom_ops`` the flex all-gather op (``_cp_flex``).
+Its modules are no files: the alias table (``_torch_compat/pytorch_paths.py``) serves each with one of
+shardwise's context-parallel modules: ``_attention`` is ``experimental._attention``, ``_load_balancer``
+the balancers (``_cp_layout``), ``_cp_custom_ops`` the flex all-gather op (``_cp_flex``).
 """
 
 from .._attention import (
