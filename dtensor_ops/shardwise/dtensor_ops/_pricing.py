@@ -82,13 +82,19 @@ def gradient_placements(placements: Sequence[Placement]) -> tuple[Placement, ...
     return tuple(Replicate() if isinstance(placement, Partial) else placement for placement in placements)
 
 
-def price_move(src: DTensorSpec[Any], dst: DTensorSpec[Any], *, profile: Any = None) -> Movement:
-    """The cost of redistributing a tensor from ``src`` to ``dst`` (same mesh and global shape)."""
+def price_move(
+    src: DTensorSpec[Any], dst: DTensorSpec[Any], *, profile: Any = None, allow_joint_steps: bool | None = None
+) -> Movement:
+    """The cost of redistributing a tensor from ``src`` to ``dst`` (same mesh and global shape).
+
+    ``allow_joint_steps``: None plans as ``plan_redistribute`` does on this mesh (joint steps where the mesh has
+    the groups); False plans one mesh dim at a time, as on the one-dim sub-meshes styles and FSDP run on."""
     if src.placements == dst.placements:
         return NO_MOVEMENT
     assert src.tensor_meta is not None
     return price_redistribution(
-        src.mesh, tuple(src.tensor_meta.shape), src.tensor_meta.dtype, src.placements, dst.placements, profile=profile
+        src.mesh, tuple(src.tensor_meta.shape), src.tensor_meta.dtype, src.placements, dst.placements, profile=profile,
+        allow_joint_steps=allow_joint_steps,
     )
 
 
@@ -100,18 +106,21 @@ def price_redistribution(
     dst: Sequence[Placement],
     *,
     profile: Any = None,
+    allow_joint_steps: bool | None = None,
 ) -> Movement:
-    """The cost of the planner's plan from ``src`` to ``dst`` for a tensor of global ``shape`` and ``dtype``."""
+    """The cost of the planner's plan from ``src`` to ``dst`` for a tensor of global ``shape`` and ``dtype``
+    (``allow_joint_steps``: see ``price_move``)."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return NO_MOVEMENT
     pricer = pricer_for_mesh(mesh) if profile is None else _pricer(mesh, profile)
-    key = (mesh, tuple(int(extent) for extent in shape), dtype.itemsize, src, dst, pricer.cache_key)
+    joint = mesh_supports_joint_steps(mesh) if allow_joint_steps is None else bool(allow_joint_steps and mesh_supports_joint_steps(mesh))
+    key = (mesh, tuple(int(extent) for extent in shape), dtype.itemsize, src, dst, pricer.cache_key, joint)
     movement = _MOVEMENTS.get(key)
     if movement is None:
         if len(_MOVEMENTS) >= _MAX_MOVEMENTS:
             _MOVEMENTS.clear()
-        movement = _MOVEMENTS[key] = _priced(mesh, key[1], key[2], src, dst, pricer)
+        movement = _MOVEMENTS[key] = _priced(mesh, key[1], key[2], src, dst, pricer, joint)
     return movement
 
 
@@ -131,7 +140,8 @@ def _pricer(mesh: Any, profile: Any) -> StepPricer:
 
 
 def _priced(
-    mesh: Any, shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], dst: tuple[Placement, ...], pricer: StepPricer
+    mesh: Any, shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], dst: tuple[Placement, ...], pricer: StepPricer,
+    joint: bool,
 ) -> Movement:
     plan = find_cheapest_plan_without_size_one_dims(
         shape,
@@ -139,7 +149,7 @@ def _priced(
         src,
         dst,
         itemsize,
-        allow_joint_steps=mesh_supports_joint_steps(mesh),
+        allow_joint_steps=joint,
         step_price=pricer,
     )
     seconds = 0.0

@@ -182,7 +182,8 @@ class LayoutPricer:
 
     # -- prices
     def move(self, src: DTensorSpec[Any], dst: DTensorSpec[Any]) -> Movement:
-        return price_move(src, dst, profile=self.profile)
+        # Styles, FSDP and context parallelism each run on a one-dim sub-mesh, where no joint step exists.
+        return price_move(src, dst, profile=self.profile, allow_joint_steps=False)
 
     def gradient_back(self, gradient: DTensorSpec[Any], source: DTensorSpec[Any]) -> Movement:
         """A redistribution's backward: its gradient, laid out ``gradient``, back to ``source``'s layout."""

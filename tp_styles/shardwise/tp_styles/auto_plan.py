@@ -14,9 +14,12 @@ How (one pass, no collective, no real compute):
    ``reshard_after_forward`` on a ``dp`` dim, context parallelism on a ``cp`` dim. Blocks of one kind
    (same modules and sizes) share their choices and are priced once times their count, so the number
    of candidates and the time to price each do not grow with depth.
-4. **Price** each candidate's step (``_auto_cost``): shardwise's calibrated collective costs for the
-   collectives its styles issue, FLOPs and per-op dispatch, and peak memory per rank. The solve is
-   exact over this space (every candidate is priced); the best one within the memory budget wins.
+4. **Price** each candidate's step (``_auto_cost``): every layout change the plan makes, priced by
+   dtensor_ops (``_pricing``: the planner's plan for the move at the cost model's prices), the layouts
+   ops produce taken from the decisions dispatch takes for them (each styled module's traced ops
+   replayed on specs); FLOPs and per-op dispatch; peak memory per rank. This module names no
+   collective. The solve is exact over this space (every candidate is priced); the best one within
+   the memory budget wins.
 
 Mesh dims are read by name: ``tp`` (tensor and sequence parallelism), ``dp`` (FSDP), ``cp`` (context
 parallelism); a 1-D mesh without names is ``tp``.
@@ -467,8 +470,12 @@ def _reduced_bucket(problem: _Problem, numel: float, dtype: torch.dtype, mesh_di
     """A flat bucket of ``numel`` elements laid out ``placement`` on ``mesh_dim``, made whole there."""
     if mesh_dim is None or problem.dims.size(mesh_dim) <= 1 or numel <= 0:
         return NO_MOVEMENT
-    pricer = problem.pricer
-    return pricer.move(pricer.flat(int(numel), dtype, {mesh_dim: placement}), pricer.flat(int(numel), dtype, {}))
+    key = ("bucket", int(numel), dtype, mesh_dim, placement)
+    found = problem.memo.get(key)
+    if found is None:
+        pricer = problem.pricer
+        found = problem.memo[key] = pricer.move(pricer.flat(int(numel), dtype, {mesh_dim: placement}), pricer.flat(int(numel), dtype, {}))
+    return found
 
 
 def _norm_reduction(problem: _Problem, mesh_dim: int | None) -> Movement:
@@ -490,10 +497,30 @@ def _norm_reduction(problem: _Problem, mesh_dim: int | None) -> Movement:
 def _fsdp_unit(problem: _Problem, unit_bytes: float) -> tuple[Movement, Movement]:
     """One FSDP unit's parameters gathered over dp (sharded -> whole) and its gradients reduced back to the
     shards (partial -> sharded)."""
-    pricer, dp, dtype = problem.pricer, problem.dims.dp, problem.parameter_dtype
     numel = max(1, int(unit_bytes // problem.parameter_itemsize))
-    sharded, whole = pricer.flat(numel, dtype, {dp: Shard(0)}), pricer.flat(numel, dtype, {})
-    return pricer.move(sharded, whole), pricer.move(pricer.flat(numel, dtype, {dp: Partial()}), sharded)
+    found = problem.memo.get(("fsdp unit", numel))
+    if found is None:
+        pricer, dp, dtype = problem.pricer, problem.dims.dp, problem.parameter_dtype
+        sharded, whole = pricer.flat(numel, dtype, {dp: Shard(0)}), pricer.flat(numel, dtype, {})
+        found = problem.memo[("fsdp unit", numel)] = (
+            pricer.move(sharded, whole), pricer.move(pricer.flat(numel, dtype, {dp: Partial()}), sharded)
+        )
+    return found
+
+
+def _context_parallel_attention(problem: _Problem, numel: int) -> Movement:
+    """One attention call under context parallelism, its key and value ``numel`` elements on this rank."""
+
+    def compute() -> _Layer:
+        pricer, dtype, cp = problem.pricer, problem.parameter_dtype, problem.dims.cp
+        # Key and value gathered together along the sequence, in forward and again in backward ...
+        gathered = pricer.move(pricer.flat(numel, dtype, {cp: Shard(0)}), pricer.flat(numel, dtype, {})).times(2)
+        # ... and each one's gradient, summed over the ranks that attended to it, handed back to its owner.
+        half = max(1, numel // 2)
+        handed_back = pricer.move(pricer.flat(half, dtype, {cp: Partial()}), pricer.flat(half, dtype, {cp: Shard(0)})).times(2)
+        return _Layer(gathered + handed_back)
+
+    return _memo(problem, ("context parallel attention", numel), compute).movement
 
 
 def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
@@ -625,15 +652,9 @@ def _price(problem: _Problem, choice: PlanChoice) -> Estimate:
             fsdp_extra = sum(units)
         per_rank_params /= D
     if choice.context_parallel and cp is not None:
-        pricer, dtype = problem.pricer, problem.parameter_dtype
         for name, key_value_bytes in problem.attention_key_value_bytes:
             cut = T if modes.get(_kind_of_attention(problem, name)) == "tensor_parallel" else 1
-            numel = int(key_value_bytes / (D * cut) // itemsize)
-            # Key and value gathered together along the sequence, in forward and again in backward ...
-            ledger.move(pricer.move(pricer.flat(numel, dtype, {cp: Shard(0)}), pricer.flat(numel, dtype, {})), 2)
-            # ... and each one's gradient, summed over the ranks that attended to it, handed back to its owner.
-            half = numel // 2
-            ledger.move(pricer.move(pricer.flat(half, dtype, {cp: Partial()}), pricer.flat(half, dtype, {cp: Shard(0)})), 2)
+            ledger.move(_context_parallel_attention(problem, int(key_value_bytes / (D * cut) // itemsize)))
         # The gradients' sum over cp.
         ledger.move(_reduced_bucket(problem, per_rank_params / itemsize, problem.parameter_dtype, cp, Partial()), optimizer=True)
     ledger.ops(plain_ops, on_dtensors=False)
