@@ -394,3 +394,27 @@ def test_pytorch_paths_import_first_in_every_form() -> None:
     done = subprocess.run([sys.executable, "-c", _FIRST_IMPORTS], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok ")
+
+
+def test_only_the_compat_package_binds_modules_in_sys_modules() -> None:
+    """PyTorch's paths reach compat code through the alias table alone: no module outside ``_torch_compat``
+    assigns into ``sys.modules`` (or swaps a module's class)."""
+    import ast
+    import pathlib
+
+    import shardwise.dtensor_ops as sw
+
+    root = pathlib.Path(sw.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "_torch_compat" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                text = ast.unparse(target)
+                if text.startswith("sys.modules[") or text.endswith(".__class__"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.modules.setdefault", "sys.modules.update"):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not found, found
