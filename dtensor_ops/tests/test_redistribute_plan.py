@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-import shardwise.dtensor_ops._redistribution as redistribute_module
+import shardwise.dtensor_ops._redistribution as executor_module  # where the executor waits
+import shardwise.dtensor_ops._redistribution_steps as redistribute_module  # where the steps launch collectives
 from redistribute_helpers import (
     PLACEMENTS_1D,
     Coordinate,
@@ -33,10 +34,6 @@ from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.mesh import MeshError
 from shardwise.dtensor_ops._redistribution import (
     _compile_program,
-    _finish,
-    _issue,
-    _run_local,
-    _send_buffer,
     gradient_placements,
     grad_target_spec,
     plan_redistribute,
@@ -163,8 +160,8 @@ def simulate(
     for index in range(step_count):
         steps = {c: programs[c].steps[index] for c in coordinates}
         first = steps[coordinates[0]]
-        if not first.kind.is_collective:
-            values = {c: _run_local(values[c], steps[c]) for c in coordinates}
+        if not first.communicates:
+            values = {c: steps[c].finish(steps[c].prepare(values[c])) for c in coordinates}
             continue
         mesh_dim = plan[index].mesh_dim
         # Groups skip independently, but every member of a group must agree.
@@ -182,13 +179,13 @@ def simulate(
                 continue
             recorder.calls.clear()
             for member in group:
-                _issue(_send_buffer(values[member], steps[member]), steps[member])
+                steps[member].issue(steps[member].prepare(values[member]))
             kind_names = {call[0] for call in recorder.calls}
             assert len(recorder.calls) == len(group) and len(kind_names) == 1
             step_kinds.add(recorder.calls[0][0])
             outputs = _emulate(recorder.calls[0][0], [call[1] for call in recorder.calls], recorder.calls[0][2])
             for member, output in zip(group, outputs):
-                received[member] = _finish(output.clone(), steps[member])
+                received[member] = steps[member].finish(output.clone())
         assert len(step_kinds) <= 1, f"step {index}: groups ran different collectives {step_kinds}"
         kinds.extend(step_kinds)
         values = received
@@ -550,7 +547,7 @@ def test_an_equal_mesh_with_other_process_groups_gets_its_own_program(monkeypatc
     recorder = _Recorder()
     recorder.install(monkeypatch)
     # What the all-gather of four equal pieces would deliver.
-    monkeypatch.setattr(redistribute_module, "wait", lambda t: torch.cat([t] * 4))
+    monkeypatch.setattr(executor_module, "wait", lambda t: torch.cat([t] * 4))
     meta = TensorMeta(torch.Size((8, 6)), (6, 1), torch.float32)
     first, second = FakeMesh((4,), (0,), ("first",)), FakeMesh((4,), (0,), ("second",))
     assert first == second

@@ -62,7 +62,7 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline", "_pricing")),
     ("collectives", ("_collectives",)),
-    ("redistribution", ("_redistribution", "_src_data")),
+    ("redistribution", ("_redistribution_steps", "_redistribution", "_src_data")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
     ("dispatch", ("_dispatch",)),
