@@ -274,3 +274,42 @@ def test_the_estimate_counts_the_collectives_of_a_hand_written_plan() -> None:
     with CommDebugMode() as mode:
         _train_step(model, inputs, targets, True)
     assert comm_counts(mode)["total"] == estimate.collectives - estimate.optimizer_collectives, (comm_counts(mode), estimate.by_kind)
+
+
+def test_the_planner_names_no_collective_and_prices_through_the_engine() -> None:
+    """The automatic planner states layouts; which collectives move them, and at what price, is dtensor_ops'
+    answer (its planner and decisions), so the two cannot disagree. No collective is named in its modules."""
+    import pathlib
+    import re
+
+    import shardwise.tp_styles as package
+    from shardwise.dtensor_ops import _pricing
+
+    folder = pathlib.Path(package.__file__).parent
+    for name in ("auto_plan.py", "_auto_cost.py", "_auto_structure.py", "_auto_trace.py"):
+        source = (folder / name).read_text()
+        named = re.findall(r"all[_ -](?:reduce|gather|to[_ -]all)|reduce[_ -]scatter|allreduce|allgather", source, flags=re.IGNORECASE)
+        assert not named, (name, named)
+    # Every move an estimate counts is one the engine priced: make it price each move twice as dear, and the
+    # estimate's communication doubles with it.
+    choice = PlanChoice(
+        sequence_parallel=True,
+        region_modes=(("layers.*.attention", "tensor_parallel"), ("layers.*.feed_forward", "tensor_parallel")),
+        embedding_modes=(("tok_embeddings", "vocabulary"), ("pos_embeddings", "feature")),
+        head_mode="loss_parallel",
+    )
+    mesh = FakeMesh((4,))
+    plain = price_plan_choice(transformer(), mesh, (tokens(),), choice, loss_fn=F.cross_entropy)
+    original = _pricing.price_redistribution
+
+    def dearer(*args: object, **kwargs: object) -> _pricing.Movement:
+        moved = original(*args, **kwargs)  # type: ignore[arg-type]
+        return _pricing.Movement(2 * moved.seconds, moved.bytes_received, moved.collectives, moved.kinds)
+
+    _pricing.price_redistribution = dearer  # type: ignore[assignment]
+    try:
+        doubled = price_plan_choice(transformer(), mesh, (tokens(),), choice, loss_fn=F.cross_entropy)
+    finally:
+        _pricing.price_redistribution = original  # type: ignore[assignment]
+    assert plain.collectives == doubled.collectives > 0
+    assert doubled.communication_seconds == pytest.approx(2 * plain.communication_seconds)
