@@ -26,7 +26,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Tens
 from ._cost_model import StepPricer, pricer_for_mesh
 from ._decision import OpDecision
 from ._decision_pipeline import propagate_op_sharding
-from ._redistribute_plan import find_cheapest_plan_without_size_one_dims, mesh_supports_joint_steps
+from ._planner import find_cheapest_plan_without_size_one_dims, mesh_supports_joint_steps
 
 __all__ = ["Movement", "NO_MOVEMENT", "decide", "gradient_placements", "price_move", "price_redistribution", "spec_of"]
 
