@@ -2,7 +2,7 @@
 
 A size-1 mesh dim is a group of one rank: every placement there holds the whole tensor's values, so
 ``plan_redistribute`` plans the problem with those dims removed and relabels them first, for free
-(``_redistribute_plan``, "Mesh dims of size 1"), and the rule engine enumerates strategies over the
+(``_planner.size_one_dims``, "Mesh dims of size 1"), and the rule engine enumerates strategies over the
 larger dims only. Here: the plans on (1, 2, 1, 2) are the (2, 2) plans plus relabels, the layout
 function agrees that the relabels move nothing, an MLP's forward/backward on (1, 2, 1, 2) asks the
 planner as often as on (2, 2), and values on 4 gloo ranks match plain torch.

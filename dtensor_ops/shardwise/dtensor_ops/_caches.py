@@ -80,7 +80,7 @@ class SharedCaches:
         self.float_values_matter: dict[Any, bool] = {}
         # (mesh, dtype) -> replicated spec of a 0-dim tensor (``_dispatch``).
         self.scalar_specs: dict[Any, Any] = {}
-        # planner problems and (src, dst, ...) -> cheapest plan (``_redistribute_plan``).
+        # planner problems and (src, dst, ...) -> cheapest plan (``_planner``).
         self.plans_by_problem: dict[Any, Any] = {}
         self.plans_by_specs: dict[Any, Any] = {}
         # (mesh, cost profile setting) -> the planner's step pricer for that mesh (``_cost_model``).

@@ -424,7 +424,7 @@ def _size_one_dims_choose_freely(call: OpCall, per_mesh_dim: Sequence[Sequence[O
 
     On a mesh dim of size 1 every placement holds the same values, so the planner moves an input's
     placements there by free relabels and prices the rest of its plan without them
-    (``_redistribute_plan``, "Mesh dims of size 1"). Not where a ``_StridedShard`` layout (or a shard
+    (``_planner.size_one_dims``, "Mesh dims of size 1"). Not where a ``_StridedShard`` layout (or a shard
     order, which is one) is involved: those plans are priced on the whole layout.
     """
     mesh_shape = tuple(call.mesh.shape)
