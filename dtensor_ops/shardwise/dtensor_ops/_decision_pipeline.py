@@ -167,11 +167,24 @@ def key_part(value: Any, keep_float_values: bool) -> Hashable:
 
 
 def call_key(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> Hashable:
-    """The memo key of ``op(*args, **kwargs)`` (DTensors replaced by their specs): the one key builder."""
-    keep = float_values_matter(op)
+    """The memo key of ``op(*args, **kwargs)`` (DTensors replaced by their specs): the one key builder.
+
+    Dispatch calls it on its hit path for calls with a float, a bool or a list: specs and self-keyed
+    values are taken as they are, and the rule is asked whether float values matter only when needed.
+    """
+    keep: bool | None = None
     parts: list[Hashable] = [op]
-    parts.extend([key_part(arg, keep) for arg in args])
+    for arg in args:
+        arg_type = type(arg)
+        if arg_type is DTensorSpec or arg_type in SELF_KEYED_TYPES:
+            parts.append(arg)
+        else:
+            if keep is None:
+                keep = float_values_matter(op)
+            parts.append(key_part(arg, keep))
     if kwargs:
+        if keep is None:
+            keep = float_values_matter(op)
         parts.append(KWARGS_MARK)
         for name, value in kwargs.items():
             parts.append(name)
