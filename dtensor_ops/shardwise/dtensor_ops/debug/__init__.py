@@ -36,8 +36,9 @@ def _clear_python_sharding_prop_cache() -> None:
 def _get_fast_path_sharding_prop_cache_stats() -> tuple[int, int]:
     """(hits, misses) of DTensor dispatch's decision cache since the last clear (PyTorch's debug helper).
 
-    Every op dispatched on DTensors looks its decision up once: a hit is executed, a miss is decided
-    by the decision pipeline (or handed to an op handler).  Calls of
+    Every op dispatched on DTensors looks its answer up once: a hit is executed (a decision, or a
+    memoised algorithm such as ``_foreach_norm``'s run again), a miss is decided by the decision
+    pipeline's walk and its answer stored.  Calls of
     ``ShardingPropagator.propagate_op_sharding`` made outside dispatch are not counted here (see
     :func:`_get_python_sharding_prop_cache_info`).  Reset by :func:`_clear_fast_path_sharding_prop_cache`
     and :func:`_clear_sharding_prop_cache`.  Counted per process: ranks run as threads share them.
