@@ -1095,6 +1095,12 @@ def _notes(problem: _Problem, choice: PlanChoice, estimate: Estimate, priced: li
             )
     if any(r.parent is not None and len(r.entries) > 1 for r in structure.regions):
         notes.append("each region's input is laid out once at its parent module: one gradient reduction per region, not one per entry")
+    if problem.pricer.undecided:
+        undecided = sorted(set(problem.pricer.undecided))
+        notes.append(
+            f"priced as moving nothing (dtensor_ops decides them only on DTensors, by a handler, or not at all): "
+            f"{'; '.join(undecided[:5])}{' ...' if len(undecided) > 5 else ''}"
+        )
     if structure.context_parallel_refused and problem.dims.cp is None:
         notes.append(f"context parallelism would not apply: {structure.context_parallel_refused}")
     return tuple(notes)
