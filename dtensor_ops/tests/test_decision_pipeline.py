@@ -273,10 +273,14 @@ def test_the_engine_owns_what_decisions_depend_on_and_a_change_starts_a_new_gene
     assert ENGINE.generation == generation and RANK_CACHES.decisions
 
 
-def test_implicit_replication_and_the_recorded_cp_layout_are_per_thread() -> None:
+def test_a_decompositions_implicit_replication_and_the_recorded_cp_layout_are_per_thread() -> None:
     import threading
 
-    from shardwise.dtensor_ops._implicit_replication import implicit_replication, is_implicit_replication_enabled
+    from shardwise.dtensor_ops._implicit_replication import (
+        implicit_replication,
+        is_implicit_replication_enabled,
+        replicated_within_this_thread,
+    )
     import shardwise.dtensor_ops.experimental._cp_layout as cp_layout
     from shardwise.dtensor_ops.experimental._cp_layout import contiguous_layout, record_layouts, recorded_layouts
 
@@ -287,18 +291,25 @@ def test_implicit_replication_and_the_recorded_cp_layout_are_per_thread() -> Non
         record_layouts((contiguous_layout(8, 2),))
         seen["layout"] = recorded_layouts()
 
+    def implicit_seen_from_another_thread() -> object:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        return seen["implicit"]
+
     mine = (contiguous_layout(6, 3),)
     record_layouts(mine)
     try:
-        with implicit_replication():
+        with replicated_within_this_thread():  # what the pipeline enters around a decomposition
             assert is_implicit_replication_enabled()
-            thread = threading.Thread(target=other_thread)
-            thread.start()
-            thread.join()
+            assert implicit_seen_from_another_thread() is False
         assert not is_implicit_replication_enabled()
-        assert seen["implicit"] is False
         assert seen["layout"] == (contiguous_layout(8, 2),)
         assert recorded_layouts() == mine  # this thread's own, not the other thread's later one
+        # The user's context is process-wide, as PyTorch's: autograd's device threads and rank threads see it.
+        with implicit_replication():
+            assert implicit_seen_from_another_thread() is True
+        assert not is_implicit_replication_enabled() and implicit_seen_from_another_thread() is False
     finally:
         record_layouts(None)
         del cp_layout._RECORDED.rows  # this thread back to having recorded nothing

@@ -76,7 +76,7 @@ from shardwise.placement import DTensorSpec
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._decision import ArgPosition, OpDecision
 from ._engine import ENGINE
-from ._implicit_replication import implicit_replication
+from ._implicit_replication import replicated_within_this_thread
 from ._op_handlers import ASKED_EVERY_CALL, CACHEABLE_HANDLERS, OpHandler
 from ._ops import rule_for
 from ._ops.fallback import replicate_fallback_rule
@@ -383,7 +383,7 @@ def _run_decomposition(
     _DECOMPOSING.ops = running | {op}
     try:
         # Plain tensors a decomposition makes itself (an arange, a constant) are the same on every rank.
-        with implicit_replication():
+        with replicated_within_this_thread():
             return decompose(*args, **kwargs)
     finally:
         _DECOMPOSING.ops = running
