@@ -265,10 +265,10 @@ def test_the_engine_owns_what_decisions_depend_on_and_a_change_starts_a_new_gene
         torch.neg(x)
         inside = ENGINE.generation
     assert ENGINE.generation > inside and not RANK_CACHES.decisions
-    # Options decisions are not made from (where the planner searches) change nothing.
+    # A block that changes no option forgets nothing.
     torch.neg(x)
     generation = ENGINE.generation
-    with use_options(plan_search="python"):
+    with use_options(cost_profile=current_options().cost_profile):
         pass
     assert ENGINE.generation == generation and RANK_CACHES.decisions
 

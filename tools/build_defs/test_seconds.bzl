@@ -5,7 +5,6 @@ TEST_SECONDS = {
     "compile_support/tests/test_extension_hook.py": 18,
     "compile_support/tests/test_lazy_joint_groups_ranks.py": 12,
     "compile_support/tests/test_transformer_ranks.py": 25,
-    "dtensor_ops/csrc/tests/test_plan_search_ext.py": 3,
     "dtensor_ops/tests/test_api.py": 12,
     "dtensor_ops/tests/test_comm_mode_collectives.py": 9,
     "dtensor_ops/tests/test_comm_mode_dtensor.py": 5,

@@ -15,11 +15,6 @@ option                 environment override              default  what it change
 ``replicate_fallback`` ``SHARDWISE_REPLICATE_FALLBACK=1`` off     an op without a sharding rule runs on replicated
                                                                   inputs instead of raising
                                                                   (``experimental.replicate_fallback``)
-``plan_search``        ``SHARDWISE_PLAN_SEARCH=python``  cpp      where the planner searches: ``cpp`` (the compiled
-                                                                  ``_plan_search_ext`` where it loads, else Python)
-                                                                  or ``python``; the plans are the same
-``plan_search_ext``    ``SHARDWISE_PLAN_SEARCH_EXT=PATH`` None    load the compiled search from this file (a Bazel
-                                                                  output) instead of the package's own
 =====================  ================================  =======  ==============================================
 
 :func:`current_options` answers what is in force: the options given to :func:`use_options`
@@ -43,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from shardwise.mesh._cost_profile import COST_PROFILE_ENV_VAR
+from shardwise.mesh._cost_profile import COST_PROFILE_ENV_VAR, cost_profile_setting
 
 from ._engine import ENGINE
 
@@ -58,7 +53,7 @@ __all__ = [
 
 
 # Text options with a fixed set of values (the first is the default).
-_CHOICES: Mapping[str, tuple[str, ...]] = {"plan_search": ("cpp", "python")}
+_CHOICES: Mapping[str, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -68,8 +63,6 @@ class Options:
     gloo_all_to_all: bool = False
     cost_profile: str | None = None
     replicate_fallback: bool = False
-    plan_search: str = "cpp"
-    plan_search_ext: str | None = None
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
@@ -85,11 +78,9 @@ ENVIRONMENT_OVERRIDES: Mapping[str, str] = {
     "gloo_all_to_all": "SHARDWISE_GLOO_ALL_TO_ALL",
     "cost_profile": COST_PROFILE_ENV_VAR,
     "replicate_fallback": "SHARDWISE_REPLICATE_FALLBACK",
-    "plan_search": "SHARDWISE_PLAN_SEARCH",
-    "plan_search_ext": "SHARDWISE_PLAN_SEARCH_EXT",
 }
 
-_TEXT_OPTIONS = frozenset({"cost_profile", "plan_search", "plan_search_ext"})
+_TEXT_OPTIONS = frozenset({"cost_profile"})
 
 _scoped = threading.local()
 # Process-wide changes (set_process_options), as sorted (name, value) pairs: part of the memo key below.
@@ -98,8 +89,7 @@ _process_lock = threading.Lock()
 
 
 # The options cached decisions and redistribution programs are made from (the cost profile prices strategies and
-# plans; the fallback decides ops without a rule; gloo_all_to_all shapes programs).  plan_search and
-# plan_search_ext choose where the planner searches, not what it finds.
+# plans; the fallback decides ops without a rule; gloo_all_to_all shapes programs): every option.
 _DECISION_INPUTS: tuple[str, ...] = ("cost_profile", "replicate_fallback", "gloo_all_to_all")
 # The process-level options last answered (environment + set_process_options), to notice a change.
 _last_process_options: list[Options | None] = [None]
@@ -116,7 +106,11 @@ def _notice(before: Options | None, after: Options) -> None:
 
 
 def _from_environment(environ: Mapping[str, str]) -> Options:
-    options = _from_values(tuple(environ.get(variable) for variable in ENVIRONMENT_OVERRIDES.values()), _process_changes)
+    values = tuple(
+        cost_profile_setting(environ) if name == "cost_profile" else environ.get(variable)  # mesh reads that one
+        for name, variable in ENVIRONMENT_OVERRIDES.items()
+    )
+    options = _from_values(values, _process_changes)
     before = _last_process_options[0]
     if options is not before:  # memoised: the same values give the same object
         _last_process_options[0] = options
@@ -133,7 +127,7 @@ def _from_values(values: tuple[str | None, ...], process_changes: tuple[tuple[st
         if value is None or value.strip() == "":
             continue
         if name in _TEXT_OPTIONS:
-            text = value.strip() if name == "plan_search_ext" else value.strip().lower()
+            text = value.strip()  # a built-in name or a file path (a path keeps its case)
             choices = _CHOICES.get(name)
             if choices is not None and text not in choices:
                 expected = " or ".join(repr(choice) for choice in choices)

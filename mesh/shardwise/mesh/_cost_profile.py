@@ -38,6 +38,7 @@ __all__ = [
     "CollectiveCost",
     "CostProfile",
     "active_cost_profile",
+    "cost_profile_setting",
     "load_cost_profile",
 ]
 
@@ -413,6 +414,15 @@ def load_cost_profile(name_or_path: str | os.PathLike[str]) -> CostProfile:
     return profile
 
 
+def cost_profile_setting(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SHARDWISE_COST_PROFILE`` in ``environ`` (default: the process's), stripped; None if unset or blank.
+
+    The one reader of the variable: ``active_cost_profile`` and dtensor_ops' options both ask here.
+    """
+    value = (os.environ if environ is None else environ).get(COST_PROFILE_ENV_VAR, "").strip()
+    return value or None
+
+
 def active_cost_profile(
     explicit: CostProfile | str | os.PathLike[str] | None = None, *, backend: str | None = None
 ) -> CostProfile:
@@ -421,13 +431,13 @@ def active_cost_profile(
     ``explicit`` and the variable take a built-in name (``gloo-loopback``, ``nccl``,
     ``nccl-intra-node``, ``nccl-inter-node``) or the path of a JSON profile. ``backend`` is the
     mesh's c10d backend (``"gloo"``, ``"nccl"``, ...); unknown or None falls back to gloo's profile.
-    This is the only place that reads the variable.
+    The variable is read by ``cost_profile_setting``.
     """
     if isinstance(explicit, CostProfile):
         return explicit
     if explicit is not None:
         return load_cost_profile(explicit)
-    chosen = os.environ.get(COST_PROFILE_ENV_VAR, "").strip()
+    chosen = cost_profile_setting()
     if chosen:
         return load_cost_profile(chosen)
     return BUILTIN_PROFILES[_DEFAULT_FOR_BACKEND.get((backend or "gloo").lower(), "gloo-loopback")]
