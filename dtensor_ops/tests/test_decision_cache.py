@@ -11,12 +11,12 @@ from typing import Any, Hashable
 import pytest
 import torch
 
-import shardwise.dtensor_ops._dispatch as dispatch
+import shardwise.dtensor_ops._op_runner as dispatch
 from shardwise.dtensor_ops import DTensor, Replicate, Shard
 from shardwise.dtensor_ops._caches import RANK_CACHES, SHARED_CACHES, RankCaches, SharedCaches, clear_all_caches
 from shardwise.dtensor_ops._decision_pipeline import call_key, decision_cache_size
 from shardwise.dtensor_ops._op_handlers import custom_op_handlers, handlers_for, register_op_handler, unregister_op_handler
-from shardwise.dtensor_ops._schema import schema_facts
+from shardwise.dtensor_ops._call_schema import schema_facts
 from shardwise.placement import DTensorSpec, Placement, TensorMeta
 from shardwise.testing import FakeMesh
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import shardwise.dtensor_ops._dispatch as dispatch
+import shardwise.dtensor_ops._op_runner as dispatch
 import shardwise.dtensor_ops._decision_pipeline as pipeline
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from shardwise.dtensor_ops._caches import clear_all_caches

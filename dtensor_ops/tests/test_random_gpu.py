@@ -45,7 +45,7 @@ SAMPLERS: dict[str, Callable[[int, torch.Generator], torch.Tensor]] = {
 
 
 def test_offset_stride_covers_what_the_kernels_consume() -> None:
-    from shardwise.dtensor_ops._random_draws import plan_for_spec
+    from shardwise.dtensor_ops._shard_rng import plan_for_spec
 
     for numel in (1, 7, 1000, 65537, (1 << 20) + 3):
         plan = plan_for_spec(spec_on(FakeMesh((2,), (1,)), (Shard(0),), (2 * numel,)))
@@ -58,7 +58,7 @@ def test_offset_stride_covers_what_the_kernels_consume() -> None:
 
 
 def test_shard_streams_use_disjoint_offsets_and_end_alike() -> None:
-    from shardwise.dtensor_ops._random_draws import plan_for_spec, run_in_shard_stream
+    from shardwise.dtensor_ops._shard_rng import plan_for_spec, run_in_shard_stream
 
     shape = (10, 33)  # rows 3, 3, 3, 1 on 4 shards
     rows = (3, 3, 3, 1)
@@ -90,7 +90,7 @@ def test_shard_streams_use_disjoint_offsets_and_end_alike() -> None:
 
 
 def test_replicated_draws_are_plain_torch_values() -> None:
-    from shardwise.dtensor_ops._random_draws import plan_for_spec, run_in_shard_stream
+    from shardwise.dtensor_ops._shard_rng import plan_for_spec, run_in_shard_stream
 
     plan = plan_for_spec(spec_on(FakeMesh((4,), (3,)), (Replicate(),), (64,)))
     generator = cuda_generator(5)
@@ -102,7 +102,7 @@ def test_replicated_draws_are_plain_torch_values() -> None:
 
 
 def test_default_cuda_generator_is_used_and_kept_in_step() -> None:
-    from shardwise.dtensor_ops._random_draws import default_generator_for, plan_random_op
+    from shardwise.dtensor_ops._shard_rng import default_generator_for, plan_random_op
 
     device = torch.device("cuda", torch.cuda.current_device())
     generator = default_generator_for(device)
@@ -114,7 +114,7 @@ def test_default_cuda_generator_is_used_and_kept_in_step() -> None:
     decision = OpDecision(output_specs=(spec, spec), input_specs=(spec,), needs_redistribute=False)
     plan = plan_random_op(torch.ops.aten.native_dropout.default, decision)
     assert plan is not None and plan.shard_index == 1
-    from shardwise.dtensor_ops._random_draws import run_random_op
+    from shardwise.dtensor_ops._shard_rng import run_random_op
 
     torch.manual_seed(3)
     start = generator.get_offset()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, DeviceMesh, Partial, Replicate, Shard, distribute_tensor
-from shardwise.dtensor_ops._random_draws import (
+from shardwise.dtensor_ops._shard_rng import (
     default_generator_for,
     is_random_op,
     plan_for_spec,

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
-from shardwise.dtensor_ops._random_draws import _largest_shard_numel
+from shardwise.dtensor_ops._shard_rng import _largest_shard_numel
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import Placement, _StridedShard

@@ -146,7 +146,7 @@ def test_torch_debug_mode_records_each_redistribution_with_its_plan() -> None:
     from torch.utils._debug_mode import DebugMode
 
     from shardwise.dtensor_ops import distribute_tensor
-    from shardwise.dtensor_ops._redistribution import debug_trace
+    from shardwise.dtensor_ops._plan_executor import debug_trace
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     mesh["a", "b"]._flatten("a_b")
@@ -168,7 +168,7 @@ def test_torch_debug_mode_records_each_redistribution_with_its_plan() -> None:
 
 
 def test_debug_trace_spells_joint_steps_with_a_double_arrow() -> None:
-    from shardwise.dtensor_ops._redistribution import debug_trace
+    from shardwise.dtensor_ops._plan_executor import debug_trace
     from shardwise.testing import FakeMesh, priced_by
 
     mesh = FakeMesh((2, 2))

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from redistribute_helpers import full_tensor, priced_by, source_locals
 from shardwise.dtensor_ops import DTensor, distribute_tensor
-from shardwise.dtensor_ops._redistribution import plan_redistribute, redistribute_local_tensor
+from shardwise.dtensor_ops._plan_executor import plan_redistribute, redistribute_local_tensor
 from shardwise.dtensor_ops._planner import (
     StepKind,
     find_cheapest_plan,

@@ -27,7 +27,7 @@ from redistribute_helpers import (
     source_locals,
 )
 from shardwise.dtensor_ops._collectives import PENDING_TENSOR_TYPES
-from shardwise.dtensor_ops._redistribution import _program_for, plan_redistribute, redistribute_local_tensor
+from shardwise.dtensor_ops._plan_executor import _program_for, plan_redistribute, redistribute_local_tensor
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard
 from shardwise.testing import multi_rank

@@ -32,7 +32,7 @@ from redistribute_helpers import (
     source_locals,
 )
 from shardwise.dtensor_ops import DTensor, distribute_tensor
-from shardwise.dtensor_ops._redistribution import redistribute_local_tensor
+from shardwise.dtensor_ops._plan_executor import redistribute_local_tensor
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.mesh import DeviceMesh, init_device_mesh
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta, select_local_shard

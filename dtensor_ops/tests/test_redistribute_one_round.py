@@ -30,7 +30,7 @@ from redistribute_helpers import (
 from shardwise.dtensor_ops import DTensor, Partial, Replicate, Shard
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.dtensor_ops._collectives import ONE_ROUND_SWITCH, PENDING_TENSOR_TYPES
-from shardwise.dtensor_ops._redistribution import plan_redistribute, redistribute_local_tensor
+from shardwise.dtensor_ops._plan_executor import plan_redistribute, redistribute_local_tensor
 from shardwise.dtensor_ops._planner import StepKind
 from shardwise.dtensor_ops.debug import CommDebugMode
 from shardwise.mesh import DeviceMesh, init_device_mesh

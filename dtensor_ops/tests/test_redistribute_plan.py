@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-import shardwise.dtensor_ops._redistribution as executor_module  # where the executor waits
-import shardwise.dtensor_ops._redistribution_steps as redistribute_module  # where the steps launch collectives
+import shardwise.dtensor_ops._plan_executor as executor_module  # where the executor waits
+import shardwise.dtensor_ops._executor_steps as redistribute_module  # where the steps launch collectives
 from redistribute_helpers import (
     PLACEMENTS_1D,
     Coordinate,
@@ -32,7 +32,7 @@ from redistribute_helpers import (
 from shardwise.dtensor_ops._collectives import AsyncCollectiveTensor, wait_local_tensor
 from shardwise.dtensor_ops._caches import clear_all_caches
 from shardwise.mesh import MeshError
-from shardwise.dtensor_ops._redistribution import (
+from shardwise.dtensor_ops._plan_executor import (
     _compile_program,
     gradient_placements,
     grad_target_spec,

@@ -306,7 +306,7 @@ def test_strategies_over_the_larger_dims_choose_what_the_full_product_chooses(mo
 
 
 def _redistribution_problems(mesh: Any) -> list[str]:
-    from shardwise.dtensor_ops._redistribution import redistribute_local_tensor
+    from shardwise.dtensor_ops._plan_executor import redistribute_local_tensor
 
     mesh_shape = tuple(mesh.shape)
     coordinate = tuple(mesh.get_coordinate())

@@ -86,7 +86,7 @@ def _graph(root: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
 
 def test_the_product_code_has_no_import_cycle_and_every_dtensor_ops_module_has_a_layer() -> None:
     graph = _graph(REPO_ROOT)
-    assert "shardwise.dtensor_ops._dispatch" in graph
+    assert "shardwise.dtensor_ops._op_runner" in graph
     assert layers.import_cycles(graph) == []
     assert layers.check_dtensor_ops_layers(graph) == []
 
@@ -118,14 +118,14 @@ def test_cycles_through_lazy_and_importlib_imports_are_found(tmp_path: pathlib.P
         tmp_path,
         {
             base + "__init__.py": "",
-            base + "_dispatch.py": "from . import _api\n",
+            base + "_op_runner.py": "from . import _api\n",
             base + "_api.py": "def g() -> None:\n    from ._dtensor import DTensor\n",
-            base + "_dtensor.py": "import importlib\nmodule = importlib.import_module('shardwise.dtensor_ops._dispatch')\n",
+            base + "_dtensor.py": "import importlib\nmodule = importlib.import_module('shardwise.dtensor_ops._op_runner')\n",
             base + "_caches.py": "",
         },
     )
     cycles = layers.import_cycles(_graph(tmp_path))
-    assert cycles == [["shardwise.dtensor_ops._api", "shardwise.dtensor_ops._dispatch", "shardwise.dtensor_ops._dtensor"]]
+    assert cycles == [["shardwise.dtensor_ops._api", "shardwise.dtensor_ops._dtensor", "shardwise.dtensor_ops._op_runner"]]
     violations = layers.check_tree(tmp_path)
     assert any("import cycle among" in violation.message for violation in violations)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardwise.dtensor_ops._random_draws import set_traced_random_runner
+from shardwise.dtensor_ops._shard_rng import set_traced_random_runner
 
 from ._dynamo_hook import after_dynamo_import
 from ._mesh_in_graph import define_derived_mesh_op

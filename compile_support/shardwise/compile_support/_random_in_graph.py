@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.dtensor_ops._random_draws import RandomPlan, run_random_op
+from shardwise.dtensor_ops._shard_rng import RandomPlan, run_random_op
 
 __all__ = ["run_sharded_random_in_graph", "recipe_count"]
 

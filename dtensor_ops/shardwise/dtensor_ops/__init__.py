@@ -31,13 +31,13 @@ from shardwise.placement._placements import install_mesh_dim_gather
 
 from ._api import distribute_module, distribute_tensor
 from ._conversions import redistribute_together
-from ._dispatch import torch_dispatch
+from ._op_runner import torch_dispatch
 from ._dtensor import DTensor
 from ._extensions import load_extensions
 from ._factories import empty, full, ones, rand, randn, zeros
 from ._handlers import BUILTIN_OP_HANDLERS
 from ._op_handlers import register_op_handler
-from ._redistribution import gather_along_mesh_dim
+from ._plan_executor import gather_along_mesh_dim
 from ._torch_compat.op_dispatch import op_dispatcher
 from ._torch_compat.pytorch_paths import install_finder
 

@@ -28,7 +28,7 @@ from shardwise.placement import (
 
 from ._conversions import _FromTorchTensor, _ToTorchTensor
 from ._dtensor import DTensor, new_dtensor
-from ._redistribution import gradient_placements
+from ._plan_executor import gradient_placements
 from ._implicit_replication import implicit_replication
 from ._placement_args import normalize_placements, resolve_device_mesh
 from ._src_data import agree_on_source_meta, distribute_local_data, distribute_simulated

@@ -74,11 +74,11 @@ class SharedCaches:
     )
 
     def __init__(self) -> None:
-        # op -> SchemaFacts (``_schema``).
+        # op -> SchemaFacts (``_call_schema``).
         self.schema_facts: dict[Any, Any] = {}
         # op -> whether its decision reads float argument values (``_decision_pipeline``).
         self.float_values_matter: dict[Any, bool] = {}
-        # (mesh, dtype) -> replicated spec of a 0-dim tensor (``_dispatch``).
+        # (mesh, dtype) -> replicated spec of a 0-dim tensor (``_op_runner``).
         self.scalar_specs: dict[Any, Any] = {}
         # planner problems and (src, dst, ...) -> cheapest plan (``_planner``).
         self.plans_by_problem: dict[Any, Any] = {}
@@ -87,7 +87,7 @@ class SharedCaches:
         self.step_pricers: dict[Any, Any] = {}
         # (src, dst, simulated rank) -> that rank's program under LocalTensorMode (``_redistribute``).
         self.simulated_programs: dict[Any, Any] = {}
-        # device -> the tensor random draws are carried on (``_random_draws``).
+        # device -> the tensor random draws are carried on (``_shard_rng``).
         self.draw_carriers: dict[Any, Any] = {}
         # (global shape, mesh shape, placements with _StridedShard) -> whether every coordinate's piece has
         # the sizes of the Shard equivalent's (``_propagation``).

@@ -27,7 +27,7 @@ from shardwise.placement import (
 from ._collectives import launch_all_reduce, mesh_dim_group_name, wait
 from ._placement_args import normalize_placements, resolve_device_mesh
 from ._planner import StepKind, plan_redistribute
-from ._redistribution import gradient_placements, gradient_placements_for, redistribute_local_tensor
+from ._plan_executor import gradient_placements, gradient_placements_for, redistribute_local_tensor
 from ._src_data import check_and_sync_from_local
 from ._wrapper import wrap_local_tensor
 

@@ -18,7 +18,7 @@ import torch
 
 from shardwise.placement import DTensorSpec
 
-from ._schema import schema_facts
+from ._call_schema import schema_facts
 
 __all__ = [
     "ArgPosition",
@@ -49,7 +49,7 @@ WRAP_NONE = 5  # returns nothing (e.g. _foreach_add_)
 
 @dataclass(frozen=True, slots=True)
 class RandomPlan:
-    """How this rank draws the values of one random op (see ``_random_draws``).
+    """How this rank draws the values of one random op (see ``_shard_rng``).
 
     ``shard_index`` is None when the values are the same on every rank of the mesh
     (no Shard mesh dim of size > 1): the op then runs on the generator as it is.

@@ -4,7 +4,7 @@ A DTensor is a ``torch.Tensor`` wrapper (no storage of its own) that reports the
 *global* shape, stride, dtype and device, and holds this rank's piece in
 ``_local_tensor`` and the layout in ``_spec`` (a :class:`DTensorSpec` with
 ``tensor_meta`` always set).  Every aten op on it goes through
-``__torch_dispatch__`` (see ``_dispatch.py``).
+``__torch_dispatch__`` (see ``_op_runner.py``).
 
 The conversions between local tensors and DTensors (``from_local``,
 ``to_local``, ``redistribute``, ``full_tensor``) are autograd Functions that live
@@ -33,7 +33,7 @@ from shardwise.placement import (
 )
 
 from . import _checkpoint, _conversions
-from ._redistribution import gradient_placements
+from ._plan_executor import gradient_placements
 from ._wrapper import wrap_local_tensor
 
 __all__ = ["DTensor", "new_dtensor"]

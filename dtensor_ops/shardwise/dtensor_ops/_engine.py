@@ -2,7 +2,7 @@
 
 :data:`ENGINE` holds the sharding rules (``_rules``), the op handlers (``_op_handlers``), the caches
 (``_caches``: this rank's and the shared ones), the statistics (dispatch's lookups, the pipeline's
-counts), the installed random-number tracker (``_random_draws``) and a **generation**: a number that
+counts), the installed random-number tracker (``_shard_rng``) and a **generation**: a number that
 changes whenever something a cached decision or program was made from changes (a rule, the options
 that decisions and programs read: ``cost_profile`` and through it the backend's profile,
 ``replicate_fallback``, ``gloo_all_to_all``).  Changing one goes through :meth:`Engine.changed`,
@@ -56,7 +56,7 @@ class Engine:
         self.shared_caches = shared_caches
         # [hits, misses] of dispatch's lookups (``debug._get_fast_path_sharding_prop_cache_stats``).
         self.dispatch_lookups: list[int] = [0, 0]
-        # The installed RNG tracker holder (``_random_draws.INSTALLED_RNG_TRACKER``), set when that module loads.
+        # The installed RNG tracker holder (``_shard_rng.INSTALLED_RNG_TRACKER``), set when that module loads.
         self.random_state: Any = None
         self.generation = 0
         self._lock = threading.Lock()

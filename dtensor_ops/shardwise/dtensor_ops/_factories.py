@@ -10,7 +10,7 @@ generator (so ``torch.manual_seed`` makes them reproducible), agree on it across
 the mesh (the first rank's seed wins, one tiny broadcast per mesh dim: factories
 run at initialisation, where this buys robustness against ranks seeded
 differently) and draw from a private generator with that seed in this rank's
-*shard stream* (``_random_draws.run_in_shard_stream``, the same derivation random ops
+*shard stream* (``_shard_rng.run_in_shard_stream``, the same derivation random ops
 on DTensors use): only the mesh dims that shard the tensor count, so ranks
 holding the same shard get the same values and different shards get
 independent values.
@@ -37,8 +37,8 @@ from shardwise.placement import (
 from ._decision import RandomPlan
 from ._dtensor import DTensor, new_dtensor
 from ._placement_args import normalize_placements, resolve_device_mesh
-from ._random_draws import plan_for_spec, run_in_shard_stream
-from ._redistribution import redistribute_local_tensor
+from ._shard_rng import plan_for_spec, run_in_shard_stream
+from ._plan_executor import redistribute_local_tensor
 from ._src_data import agree_on_int
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]

@@ -44,10 +44,10 @@ from shardwise.placement import (
 from ._caches import SHARED_CACHES, SYMBOLIC, lookup, store
 from ._decision import ArgPosition, OpDecision, OutputSpecs
 from ._ops import OneDimStrategy, OpCall, RandomDraw, ShardingRule
-from ._random_draws import plan_random_draw
+from ._shard_rng import plan_random_draw
 from ._planner import redistribute_cost_picoseconds
 from ._rules import DecideFn, ShardingPropagationError
-from ._schema import schema_facts
+from ._call_schema import schema_facts
 from ._simulated_kernels import local_arg_overrides_for_each_simulated_rank, local_kernel_for_each_simulated_rank
 
 __all__ = [

@@ -69,7 +69,7 @@ class RandomDraw(enum.Enum):
     """Whether an op's kernel draws from a random generator, and how its values are laid out.
 
     ``VALUES``: it draws values laid out like its first tensor output (the written tensor of an
-    in-place op), so each shard gets its own stream (see ``_random_draws``).  ``FILL_IGNORING_SELF``: an
+    in-place op), so each shard gets its own stream (see ``_shard_rng``).  ``FILL_IGNORING_SELF``: an
     in-place fill that ignores ``self``'s old values; on a ``Partial(sum)`` self the parts must add up
     to one draw, so one rank per such mesh dim keeps the values and the others hold zeros.
     """

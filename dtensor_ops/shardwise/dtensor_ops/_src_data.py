@@ -41,7 +41,7 @@ from shardwise.placement import (
 )
 
 from ._collectives import all_gather_rows_over_mesh, broadcast_along_mesh_dim, scatter_along_mesh_dim
-from ._redistribution import redistribute_local_tensor
+from ._plan_executor import redistribute_local_tensor
 
 __all__ = [
     "agree_on_source_meta",

@@ -1,6 +1,6 @@
 """The DTensor wrapper builder: a local tensor wrapped with a spec's global shape and stride (no checks).
 
-Every wrapper is built here except one inlined copy of these lines in ``_dispatch.torch_dispatch``'s
+Every wrapper is built here except one inlined copy of these lines in ``_op_runner.torch_dispatch``'s
 simple-decision branch, which runs for nearly every op of a training step and reads the shape and
 stride the decision precomputed: the call itself would cost ~0.2 µs of ~8 µs (bench_dispatch_overhead).
 """

@@ -31,7 +31,7 @@ def broadcast_first_rank_rng_state(mesh: DeviceMesh, state: torch.Tensor) -> tor
 
 
 def is_rng_supported_mesh(device_mesh: DeviceMesh) -> bool:
-    """Whether random ops on DTensors of ``device_mesh`` draw per shard (``_random_draws`` says how).
+    """Whether random ops on DTensors of ``device_mesh`` draw per shard (``_shard_rng`` says how).
 
     True for CPU meshes and for CUDA meshes when CUDA is available (PyTorch's
     DTensor supports only CUDA-like devices here; ours also supports CPU). Other

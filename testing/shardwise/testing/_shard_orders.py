@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from shardwise.dtensor_ops import DTensor, distribute_tensor
-from shardwise.dtensor_ops._redistribution import redistribute_local_tensor
+from shardwise.dtensor_ops._plan_executor import redistribute_local_tensor
 from shardwise.placement import DTensorSpec, Placement, Replicate, Shard, ShardOrder, ShardOrderEntry
 
 __all__ = [

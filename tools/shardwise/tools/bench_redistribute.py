@@ -180,7 +180,7 @@ def rank_body(shape: tuple[int, ...], partial_targets: bool, repeat: int) -> lis
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from shardwise.dtensor_ops._redistribution import (
+    from shardwise.dtensor_ops._plan_executor import (
         plan_redistribute,
         redistribute_local_tensor,
         redistribute_lower_bound_bytes,

@@ -43,12 +43,12 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "leaf types",
         (
             "_caches",
-            "_schema",
+            "_call_schema",
             "_decision",
             "_simulated_kernels",
             "_rules",
             "_engine",
-            "_random_draws",
+            "_shard_rng",
             "_op_handlers",
             "_implicit_replication",
             "_explicit_redistribution",
@@ -62,10 +62,10 @@ DTENSOR_OPS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("_ops",)),
     ("propagation", ("_propagation", "_decision_pipeline", "_pricing")),
     ("collectives", ("_collectives",)),
-    ("redistribution", ("_redistribution_steps", "_redistribution", "_src_data")),
+    ("redistribution", ("_executor_steps", "_plan_executor", "_src_data")),
     ("DTensor class", ("_checkpoint", "_conversions", "_dtensor")),
     ("op handlers", ("_handlers",)),
-    ("dispatch", ("_dispatch",)),
+    ("dispatch", ("_op_runner",)),
     ("API and factories", ("_api", "_factories", "experimental", "random", "debug")),
     # PyTorch's semi-private surface.  PyTorch's module paths here (``_op_schema``, ``_ops.utils``, ...) are
     # no files: the alias table (``PYTORCH_PATHS_SOURCE``) names the module serving each, and an import of

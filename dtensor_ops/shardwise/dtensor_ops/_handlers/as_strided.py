@@ -28,7 +28,7 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta, contiguous_s
 from .._dtensor import DTensor, new_dtensor
 from .._op_handlers import OpHandler
 from .._ops.nn_ops import bound_arguments
-from .._redistribution import redistribute_local_tensor
+from .._plan_executor import redistribute_local_tensor
 
 __all__ = ["AS_STRIDED_HANDLERS"]
 

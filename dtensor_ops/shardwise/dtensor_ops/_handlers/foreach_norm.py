@@ -22,7 +22,7 @@ from .._collectives import all_reduce_along_mesh_dim
 from .._dtensor import DTensor, new_dtensor
 from .._implicit_replication import is_implicit_replication_enabled
 from .._ops.foreach_ops import named_arguments
-from .._redistribution import redistribute_local_tensor
+from .._plan_executor import redistribute_local_tensor
 
 __all__ = ["FOREACH_NORM_HANDLERS", "norms_across_shards"]
 

@@ -22,7 +22,7 @@ from shardwise.placement import DTensorSpec, Partial, Replicate, TensorMeta, con
 
 from .._dtensor import DTensor, new_dtensor
 from .._ops.nn_ops import REDUCTION_MEAN, REDUCTION_SUM, bound_arguments
-from .._redistribution import redistribute_local_tensor
+from .._plan_executor import redistribute_local_tensor
 from .._decision_pipeline import propagate_op_sharding
 
 __all__ = ["NLL_LOSS_HANDLERS"]

@@ -25,7 +25,7 @@ from shardwise.placement import DTensorSpec, Replicate, TensorMeta
 from .._dtensor import DTensor, new_dtensor
 from .._implicit_replication import is_implicit_replication_enabled
 from .._op_handlers import OpHandler
-from .._redistribution import redistribute_local_tensor
+from .._plan_executor import redistribute_local_tensor
 
 __all__ = ["VALUE_SIZED_HANDLERS"]
 

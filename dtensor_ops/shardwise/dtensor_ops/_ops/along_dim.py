@@ -39,7 +39,7 @@ from ._shapes import (
     input_meta,
     is_contiguous,
 )
-from .._schema import schema_facts
+from .._call_schema import schema_facts
 from .._rules import (
     OneDimStrategy,
     OpCall,

@@ -28,7 +28,7 @@ import torch
 
 from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shard, TensorMeta
 
-from .._schema import schema_facts
+from .._call_schema import schema_facts
 from .._rules import (
     CombinedDecision,
     DecideFn,

@@ -34,7 +34,7 @@ from ._shapes import (
     contiguous_meta,
     dtype_on_empty_tensors,
 )
-from .._schema import schema_facts
+from .._call_schema import schema_facts
 from .._rules import (
     OneDimStrategy,
     OpCall,

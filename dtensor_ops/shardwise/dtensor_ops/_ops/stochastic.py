@@ -1,7 +1,7 @@
 """Random ops: dropout, bernoulli, in-place and functional distribution fills, ``*_like`` random factories.
 
 Where the values land is decided here; which values each rank draws (per shard,
-equal on replicas, generators kept in step) is ``shardwise.dtensor_ops._random_draws``'s
+equal on replicas, generators kept in step) is ``shardwise.dtensor_ops._shard_rng``'s
 job, which dispatch runs for every op in its random-op set.
 
 * Fills (``uniform_``, ``normal_``, ``bernoulli_(p)``, ``exponential_``, ...) never
@@ -34,7 +34,7 @@ job, which dispatch runs for every op in its random-op set.
   ``_StridedShard`` that tensor holds (on any mesh dim; where it holds something else that
   strategy would move it, so the cost model leaves it out).  Random rules get no strided
   variants from the engine, so they name them here; the draw then treats a strided mesh dim
-  like a Shard one (its coordinate picks the shard's stream, ``_random_draws``), with no
+  like a Shard one (its coordinate picks the shard's stream, ``_shard_rng``), with no
   communication.
 """
 

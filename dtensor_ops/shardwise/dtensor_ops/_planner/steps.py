@@ -262,7 +262,7 @@ def local_copy_bytes(
     after: Placement,
 ) -> int:
     """Bytes the most loaded rank writes locally in a one-dim step: what the executor
-    (``_redistribution_steps``: a step's ``prepare`` and ``finish``) copies around the collective.
+    (``_executor_steps``: a step's ``prepare`` and ``finish``) copies around the collective.
 
     On the largest pieces, as ``_kind_bytes``: padding an uneven piece to the group's largest,
     regrouping when the collective's dim is not the tensor's outermost (the pieces travel as dim-0

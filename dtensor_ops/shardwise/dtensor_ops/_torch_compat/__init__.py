@@ -21,7 +21,7 @@ module                   over
 ``matrix_ops``           single-dim einsum strategies
 ``einsum_strategy``      ``EinsumDims``, full-mesh ``gen_einsum_strategies``
 ``device_mesh``          ``shardwise.mesh``
-``random``               ``OffsetBasedRNGTracker``, ``_PhiloxState``, ``_rng_tracker`` -> ``_random_draws``
+``random``               ``OffsetBasedRNGTracker``, ``_PhiloxState``, ``_rng_tracker`` -> ``_shard_rng``
 =======================  ==========================================
 
 The engine never imports this package: PyTorch-style registrations reach it as ordinary

@@ -2,7 +2,7 @@
 
 PyTorch's tests and users read ``DTensor._op_dispatcher.sharding_propagator`` to reach the strategy
 registries (``op_strategy_funcs``, ``op_to_schema_info``, ...: add, replace or delete an op's entry).
-shardwise dispatches in ``_dispatch``; this object only leads to the propagator view
+shardwise dispatches in ``_op_runner``; this object only leads to the propagator view
 (``sharding_prop.sharding_propagator``), imported when first asked for, so that wiring it onto
 ``DTensor`` costs nothing at import.
 """

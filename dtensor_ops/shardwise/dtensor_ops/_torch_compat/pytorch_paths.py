@@ -35,6 +35,7 @@ PYTORCH_PATHS: dict[str, str] = {
     "shardwise.dtensor_ops._utils": "shardwise.dtensor_ops._torch_compat.utils",
     "shardwise.dtensor_ops._dtensor_spec": "shardwise.dtensor_ops._torch_compat.dtensor_spec",
     "shardwise.dtensor_ops._random": "shardwise.dtensor_ops._torch_compat.random",
+    "shardwise.dtensor_ops._dispatch": "shardwise.dtensor_ops._torch_compat.op_dispatch",
     # torch.distributed._tensor.device_mesh, after the mechanical swap of torch.distributed._tensor.
     "shardwise.dtensor_ops.device_mesh": "shardwise.dtensor_ops._torch_compat.device_mesh",
     "shardwise.dtensor_ops.placement_types": "shardwise.placement",

@@ -2,7 +2,7 @@
 
 ``OffsetBasedRNGTracker`` and ``_PhiloxState`` are PyTorch's handles on random ops over DTensors;
 ``_rng_tracker`` is the tracker a user installs (PyTorch code assigns it: ``_random._rng_tracker = tracker``).
-The engine (``_random_draws``) owns where it is kept, ``INSTALLED_RNG_TRACKER``: this module's ``_rng_tracker``
+The engine (``_shard_rng``) owns where it is kept, ``INSTALLED_RNG_TRACKER``: this module's ``_rng_tracker``
 attribute reads and writes that object, so the engine never imports this module.  ``manual_seed`` and
 ``is_rng_supported_mesh`` are the public ones of ``shardwise.dtensor_ops.random``.
 """
@@ -19,7 +19,7 @@ import torch
 from shardwise.mesh import DeviceMesh
 from shardwise.placement import DTensorSpec, Shard, _StridedShard, compute_local_shape
 
-from .._random_draws import INSTALLED_RNG_TRACKER, default_generator_for, enter_shard_stream, plan_for_spec
+from .._shard_rng import INSTALLED_RNG_TRACKER, default_generator_for, enter_shard_stream, plan_for_spec
 from ..random import broadcast_first_rank_rng_state, is_rng_supported_mesh, manual_seed
 
 __all__ = ["OffsetBasedRNGTracker", "is_rng_supported_mesh", "manual_seed"]
@@ -69,10 +69,10 @@ class OffsetBasedRNGTracker:
     """PyTorch's name for the object that puts random ops on DTensors in per-shard streams.
 
     shardwise needs no tracker state (each op derives its shard's stream from the generator,
-    see ``_random_draws``); this object gives PyTorch's handles on that mechanism:
+    see ``_shard_rng``); this object gives PyTorch's handles on that mechanism:
 
     * ``distribute_region_enabled``: while False on the installed tracker (``_random._rng_tracker``, held by
-      ``_random_draws.INSTALLED_RNG_TRACKER``),
+      ``_shard_rng.INSTALLED_RNG_TRACKER``),
       random ops on DTensors run on each rank's generator as it is, like plain local ops;
     * ``_distribute_region(spec, generator=None)``: a context in which random ops on *plain*
       tensors draw from this rank's stream for a tensor laid out as ``spec`` (what DTensor does

@@ -1,6 +1,6 @@
 """PyTorch's ``torch.distributed.tensor._redistribute`` names over shardwise's redistribution.
 
-``redistribute_local_tensor`` is the executor (``_redistribution``) under PyTorch's contract for the
+``redistribute_local_tensor`` is the executor (``_plan_executor``) under PyTorch's contract for the
 name: a change from one Partial reduce op to another is refused (shardwise's engine, which may route
 one through Replicate, calls the executor itself); ``Redistribute`` is PyTorch's autograd-function
 spelling of ``DTensor.redistribute``.
@@ -30,7 +30,7 @@ from shardwise.placement import DTensorSpec, Partial, Placement, Replicate, Shar
 
 from .._conversions import redistribute as redistribute_dtensor
 from .._planner import plan_states
-from .._redistribution import (
+from .._plan_executor import (
     RedistributeStep,
     StepKind,
     grad_target_spec,
@@ -40,7 +40,7 @@ from .._redistribution import (
     redistribute_cost_bytes,
     redistribute_lower_bound_bytes,
 )
-from .._redistribution import redistribute_local_tensor as _run_redistribution
+from .._plan_executor import redistribute_local_tensor as _run_redistribution
 
 __all__ = [
     "_FlattenedTransformInfo",

@@ -1,7 +1,7 @@
 """The executor's steps: one plan step compiled for this rank, with everything it needs precomputed.
 
 Three classes, one interface (``prepare`` -> ``issue`` -> ``finish``), so the executor
-(``_redistribution._run_steps``) runs every step alike and never asks what kind it is:
+(``_plan_executor._run_steps``) runs every step alike and never asks what kind it is:
 
 * :class:`LocalStep` (chunk, R -> P, S -> P, relabel, selecting a strided layout's indices): ``prepare``
   does the work, there is nothing to issue, ``finish`` hands it back;

@@ -41,10 +41,10 @@ from ._decision_pipeline import (
 )
 from ._dtensor import DTensor
 from ._implicit_replication import is_implicit_replication_enabled
-from ._random_draws import run_random_op
+from ._shard_rng import run_random_op
 from . import _explicit_redistribution as explicit_redistribution
 from ._planner import redistribute_cost_bytes
-from ._redistribution import redistribute_local_tensor
+from ._plan_executor import redistribute_local_tensor
 from ._wrapper import wrap_local_tensor
 
 __all__ = ["torch_dispatch"]

@@ -6,7 +6,7 @@ Three layers:
    ``(source spec, target spec)`` and by the underlying problem
    ``(mesh shape, global shape, item size, placements)``.
 2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
-   and trims worked out once (each step one of ``_redistribution_steps``' three classes),
+   and trims worked out once (each step one of ``_executor_steps``' three classes),
    cached by ``(source spec, target spec)``.
 3. Execution (:func:`_run_steps`, the one executor): a loop over the program's steps, each
    prepared, issued (a ``torch.ops._c10d_functional`` collective, none for a local step) and
@@ -77,7 +77,7 @@ from ._planner import (
     redistribute_cost_bytes,
     redistribute_lower_bound_bytes,
 )
-from ._redistribution_steps import ExecStep, compile_step
+from ._executor_steps import ExecStep, compile_step
 
 __all__ = [
     "RedistributeStep",

@@ -57,7 +57,7 @@ from ._caches import SHARED_CACHES
 from ._decision import OpDecision, OutputSpecs, RandomPlan
 from ._engine import ENGINE
 from ._rules import RandomDraw, registered_ops, rule_for
-from ._schema import schema_facts
+from ._call_schema import schema_facts
 
 __all__ = [
     "INSTALLED_RNG_TRACKER",
