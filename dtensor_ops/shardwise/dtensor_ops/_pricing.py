@@ -6,7 +6,7 @@ dispatch would run it, from sizes alone: no DTensor, no process group, no collec
 - ``decide(op, args, kwargs)``: the decision dispatch takes for the call (DTensors given as their specs):
   ``_decision_pipeline.propagate_op_sharding``, the same cached decision object dispatch uses.
 - ``price_redistribution(...)`` / ``price_move(src_spec, dst_spec)``: the plan the planner makes for that
-  move (``_redistribute_plan``: the same search ``plan_redistribute`` runs, size-one mesh dims relabelled)
+  move (``_planner``: the same search ``plan_redistribute`` runs, size-one mesh dims relabelled)
   priced by the calibrated cost model (``_cost_model.StepPricer``), as seconds, bytes one rank receives,
   the number of collectives and their kinds (the planner's step kinds).
 
