@@ -304,12 +304,14 @@ def torch_dispatch(
         if mesh is not None and mesh.get_coordinate() is None:
             # Never cached, so every call of a rank outside the mesh comes here (and only those).
             return _outside_mesh(func, mesh, args, kwargs or {}, spec_args, spec_kwargs)
-        decided = decide(Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key))
+        call = Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key)
+        decided = decide(call)
         if type(decided) is Handled:
             return decided.result
         prepared = decided
     else:
         prepared = found
+        call = None
         DISPATCH_LOOKUPS[0] += 1  # a hit
     if prepared.simple and not local_kwargs:
         # The common hit: run and wrap one tensor (wrap_result's WRAP_TENSOR branch, inlined: it runs for
@@ -330,38 +332,34 @@ def torch_dispatch(
         if _moved_view_copies and prepared.views_first_argument and _is_moved_view(args[0]):
             _mark_moved_view(wrapped)
         return wrapped
+    if call is None:  # a hit that is not the simple one: the call as one object, built once
+        call = Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key)
     if type(prepared) is Algorithm:  # "run this algorithm", memoised: a handler, a decomposition
-        ran = run_algorithm(
-            prepared, Call(func, args, kwargs or {}, spec_args, spec_kwargs, local_args, local_kwargs, key)
-        )
+        ran = run_algorithm(prepared, call)
         if type(ran) is Handled:
             return ran.result
         prepared = ran
-    return _execute(prepared, args, kwargs or _NO_KWARGS, spec_args, local_args, spec_kwargs, local_kwargs)
+    return _execute(prepared, call)
 
 
 _NO_KWARGS: dict[str, Any] = {}
 
 
-def _execute(
-    prepared: OpDecision,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    spec_args: list[Any],
-    local_args: list[Any],
-    spec_kwargs: dict[str, Any],
-    local_kwargs: dict[str, Any],
-) -> Any:
+def _execute(prepared: OpDecision, call: Call) -> Any:
     """Stage (c) for every decision but the simple one: moved-view check, redistribution of the inputs
-    whose target differs, argument overrides, the local call (through the random plan if any), wrapping."""
+    whose target differs (in place in ``call``'s local arguments), argument overrides, the local call
+    (through the random plan if any), wrapping."""
+    args, kwargs = call.args, call.kwargs
+    local_args, local_kwargs = call.local_args, call.local_kwargs
+    assert args is not None and kwargs is not None and local_args is not None and local_kwargs is not None
     if _moved_view_copies and prepared.written:
         _refuse_writes_into_moved_views(prepared, args, kwargs)
     if prepared.needs_redistribute:
         # Slots in flattened order: positional args (into lists), then kwargs.
         slots: list[tuple[Any, Any, DTensorSpec[DeviceMesh], int | str]] = []
-        for position, spec_value in enumerate(spec_args):
+        for position, spec_value in enumerate(call.spec_args):
             _collect_slots(spec_value, local_args, position, position, slots)
-        for name, spec_value in spec_kwargs.items():
+        for name, spec_value in call.spec_kwargs.items():
             _collect_slots(spec_value, local_kwargs, name, name, slots)
         _check_input_count(prepared, len(slots))
         for (container, index, current, location), target in zip(slots, prepared.input_specs):
