@@ -286,8 +286,10 @@ def test_the_planner_names_no_collective_and_prices_through_the_engine() -> None
     from shardwise.dtensor_ops import _pricing
 
     folder = pathlib.Path(package.__file__).parent
-    for name in ("auto_plan.py", "_auto_cost.py", "_auto_structure.py", "_auto_trace.py"):
-        source = (folder / name).read_text()
+    planner_modules = sorted([folder / "auto_plan.py", *folder.glob("_auto_*.py")])  # every module of the planner
+    assert {"_auto_candidates.py", "_auto_cost.py", "_auto_price_choice.py", "_auto_result.py"} <= {m.name for m in planner_modules}
+    for module in planner_modules:
+        name, source = module.name, module.read_text()
         named = re.findall(r"all[_ -](?:reduce|gather|to[_ -]all)|reduce[_ -]scatter|allreduce|allgather", source, flags=re.IGNORECASE)
         assert not named, (name, named)
     # Every move an estimate counts is one the engine priced: make it price each move twice as dear, and the
