@@ -13,7 +13,10 @@ Three classes, one interface (``prepare`` -> ``issue`` -> ``finish``), so the ex
 
 ``communicates`` says whether ``issue`` runs a collective (the executor issues it once for all the ranks
 it runs, then waits); ``sends_nothing`` that every member of the group would move nothing (all skip it).
-:func:`compile_step` is the one place that picks the class from the planner's step.
+:func:`compile_step` is the one place that picks the class from the planner's step.  Every builder takes
+a :class:`StepCompileContext` (what all the steps of one plan share on this rank, built once per
+compiled program by ``_plan_executor``) and the step's own data (the planner's step, the placements
+before and after it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import product as _product
-from typing import Any, Callable, ClassVar, Sequence, cast
+from typing import Any, ClassVar, Sequence, cast
 
 import torch
 
@@ -57,7 +60,7 @@ from ._collectives import (
 )
 from ._planner import Placements, RedistributeStep, StepKind, joint_collective_dims, largest_piece_shape, run_indices, run_length
 
-__all__ = ["CollectiveStep", "ExecStep", "LocalStep", "PieceStep", "compile_step"]
+__all__ = ["CollectiveStep", "ExecStep", "LocalStep", "PieceStep", "StepCompileContext", "compile_step"]
 
 Splits = Sequence[int | torch.SymInt]
 
@@ -389,44 +392,52 @@ ExecStep = LocalStep | CollectiveStep | PieceStep
 # -- compiling a plan step for this rank ------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class StepCompileContext:
+    """What every step of one plan is compiled against on this rank: built once per program, not per step.
+
+    ``group_names``: the c10d group of every mesh dim (empty when the plan has no collective).
+    ``joint_groups``: filled as steps compile, with the joint group (name, member order) of every set of
+    mesh dims a joint step runs over; the program keeps them to tell whether another mesh has its groups.
+    """
+
+    mesh: Any
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    group_names: tuple[str, ...]
+    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]]
+
+    def local_shape(self, state: Placements) -> tuple[int, ...]:
+        """This rank's local shape under the placements ``state``."""
+        return compute_local_shape_and_global_offset(self.global_shape, self.mesh_shape, self.coordinate, state)[0]
+
+
 def compile_step(
-    step: RedistributeStep,
-    before_state: Placements,
-    after_state: Placements,
-    global_shape: tuple[int, ...],
-    mesh: Any,
-    coordinate: tuple[int, ...],
-    group_names: Sequence[str],
-    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]],
-    local_shape: Callable[[Placements], tuple[int, ...]],
+    context: StepCompileContext, step: RedistributeStep, before_state: Placements, after_state: Placements
 ) -> ExecStep:
     """This rank's step for the plan's ``step`` from ``before_state`` to ``after_state`` (the one place that
-    chooses a step class); ``joint_groups`` collects the joint groups the step runs over."""
+    chooses a step class); a joint step records its group in ``context.joint_groups``."""
     if step.kind.is_strided:
-        return _strided_step(step, before_state, after_state, global_shape, mesh, coordinate, group_names, local_shape)
+        return _strided_step(context, step, before_state, after_state)
     if step.kind is StepKind.JOINT_ALL_REDUCE:
-        return _joint_all_reduce(step, local_shape(before_state), mesh, joint_groups)
+        return _joint_all_reduce(context, step, before_state)
     if step.joint:
-        return _joint_step(step, before_state, after_state, global_shape, mesh, coordinate, joint_groups)
-    return _one_dim_step(step, before_state, after_state, global_shape, mesh, coordinate, group_names, local_shape)
+        return _joint_step(context, step, before_state, after_state)
+    return _one_dim_step(context, step, before_state, after_state)
 
 
 def _one_dim_step(
-    step: RedistributeStep,
-    before_state: Placements,
-    after_state: Placements,
-    global_shape: tuple[int, ...],
-    mesh: Any,
-    coordinate: tuple[int, ...],
-    group_names: Sequence[str],
-    local_shape: Callable[[Placements], tuple[int, ...]],
+    context: StepCompileContext, step: RedistributeStep, before_state: Placements, after_state: Placements
 ) -> LocalStep | CollectiveStep:
-    mesh_shape = tuple(mesh.shape)
+    global_shape = context.global_shape
+    mesh_shape = context.mesh_shape
+    coordinate = context.coordinate
     mesh_dim = step.mesh_dim
     group_size = mesh_shape[mesh_dim]
     index_in_group = coordinate[mesh_dim]
     before, after = step.before, step.after
-    shape_before, shape_after = local_shape(before_state), local_shape(after_state)
+    shape_before, shape_after = context.local_shape(before_state), context.local_shape(after_state)
     from_dim = before.dim if isinstance(before, Shard) else -1
     to_dim = after.dim if isinstance(after, Shard) else -1
     reduce_op = (
@@ -472,7 +483,7 @@ def _one_dim_step(
         sent[to_dim] = to_piece * group_size
     return CollectiveStep(
         kind=step.kind,
-        group_name=group_names[mesh_dim] if group_names else "",
+        group_name=context.group_names[mesh_dim] if context.group_names else "",
         group_size=group_size,
         reduce_op=reduce_op,
         sends_nothing=math.prod(sent) == 0,
@@ -484,23 +495,18 @@ def _one_dim_step(
         to_piece=to_piece,
         joined=joined,
         kept=kept,
-        one_round=step.kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER) and one_round_collectives(mesh, mesh_dim),
+        one_round=step.kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER) and one_round_collectives(context.mesh, mesh_dim),
     )
 
 
 def _strided_step(
-    step: RedistributeStep,
-    before_state: Placements,
-    after_state: Placements,
-    global_shape: tuple[int, ...],
-    mesh: Any,
-    coordinate: tuple[int, ...],
-    group_names: Sequence[str],
-    local_shape: Callable[[Placements], tuple[int, ...]],
+    context: StepCompileContext, step: RedistributeStep, before_state: Placements, after_state: Placements
 ) -> LocalStep | PieceStep:
     """A step into or out of a ``_StridedShard`` layout (see ``_StridedLayout``)."""
-    mesh_shape = tuple(mesh.shape)
-    shape_before, shape_after = local_shape(before_state), local_shape(after_state)
+    global_shape = context.global_shape
+    mesh_shape = context.mesh_shape
+    coordinate = context.coordinate
+    shape_before, shape_after = context.local_shape(before_state), context.local_shape(after_state)
     if step.kind is StepKind.SELECT_LOCAL:
         runs = local_index_runs(global_shape, mesh_shape, coordinate, after_state)
         return LocalStep(kind=step.kind, shape_before=shape_before, shape_after=shape_after, piece_runs=runs)
@@ -508,7 +514,7 @@ def _strided_step(
     padded = largest_piece_shape(global_shape, mesh_shape, before_state)
     if step.kind is StepKind.STRIDED_ALL_GATHER:
         mesh_dim = step.mesh_dim
-        group_name, group_size = group_names[mesh_dim], mesh_shape[mesh_dim]
+        group_name, group_size = context.group_names[mesh_dim], mesh_shape[mesh_dim]
         tensor_dim = cast(_StridedShard, step.before).dim % len(global_shape)
         members = (coordinate[:mesh_dim] + (index,) + coordinate[mesh_dim + 1 :] for index in range(group_size))
         sizes = tuple(
@@ -525,7 +531,7 @@ def _strided_step(
         ]
         layout = _StridedLayout(
             padded_shape=padded,
-            gather_groups=tuple((group_names[m], mesh_shape[m]) for m in reversed(gathered) if mesh_shape[m] > 1),
+            gather_groups=tuple((context.group_names[m], mesh_shape[m]) for m in reversed(gathered) if mesh_shape[m] > 1),
             piece_runs=tuple(local_index_runs(global_shape, mesh_shape, rank, before_state) for rank in ranks),
             global_shape=global_shape,
         )
@@ -541,22 +547,19 @@ def _strided_step(
     )
 
 
-def _joint_all_reduce(
-    step: RedistributeStep,
-    local_shape: tuple[int, ...],
-    mesh: Any,
-    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]],
-) -> CollectiveStep:
+def _joint_all_reduce(context: StepCompileContext, step: RedistributeStep, before_state: Placements) -> CollectiveStep:
     """A joint all-reduce runs as one all-reduce, over the joint group of its mesh dims."""
+    local_shape = context.local_shape(before_state)
+    mesh = context.mesh
     joint_group = mesh._joint_group(step.mesh_dims)
     if joint_group is None:
         raise AssertionError(f"the plan uses a joint all-reduce over mesh dims {step.mesh_dims} but {mesh!r} has no group for them")
-    joint_groups[step.mesh_dims] = joint_group
+    context.joint_groups[step.mesh_dims] = joint_group
     assert isinstance(step.before, Partial)
     return CollectiveStep(
         kind=StepKind.JOINT_ALL_REDUCE,
         group_name=joint_group[0],
-        group_size=math.prod(mesh.shape[d] for d in step.mesh_dims),
+        group_size=math.prod(context.mesh_shape[d] for d in step.mesh_dims),
         reduce_op=step.before.reduce_op,
         sends_nothing=math.prod(local_shape) == 0,
         shape_before=local_shape,
@@ -565,20 +568,18 @@ def _joint_all_reduce(
 
 
 def _joint_step(
-    step: RedistributeStep,
-    before_state: Placements,
-    after_state: Placements,
-    global_shape: tuple[int, ...],
-    mesh: Any,
-    coordinate: tuple[int, ...],
-    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]],
+    context: StepCompileContext, step: RedistributeStep, before_state: Placements, after_state: Placements
 ) -> PieceStep:
-    mesh_shape = tuple(mesh.shape)
+    """A step over the joint group of several mesh dims (see ``_JointLayout``)."""
+    mesh = context.mesh
+    global_shape = context.global_shape
+    mesh_shape = context.mesh_shape
+    coordinate = context.coordinate
     group_dims = joint_collective_dims(step.kind, before_state, step.mesh_dims)
     joint_group = mesh._joint_group(group_dims)
     if joint_group is None:
         raise AssertionError(f"the plan uses a joint step over mesh dims {group_dims} but {mesh!r} has no group for them")
-    joint_groups[group_dims] = joint_group
+    context.joint_groups[group_dims] = joint_group
     group_name, member_of_group_rank = joint_group
 
     def members(dims: Sequence[int], around: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -6,8 +6,9 @@ Three layers:
    ``(source spec, target spec)`` and by the underlying problem
    ``(mesh shape, global shape, item size, placements)``.
 2. A per-rank *program*: the plan with this rank's group names, padded sizes, offsets
-   and trims worked out once (each step one of ``_executor_steps``' three classes),
-   cached by ``(source spec, target spec)``.
+   and trims worked out once (each step one of ``_executor_steps``' three classes, compiled
+   against one ``StepCompileContext`` built for the whole plan), cached by
+   ``(source spec, target spec)``.
 3. Execution (:func:`_run_steps`, the one executor): a loop over the program's steps, each
    prepared, issued (a ``torch.ops._c10d_functional`` collective, none for a local step) and
    finished alike, for this rank or, under
@@ -50,7 +51,6 @@ from shardwise.placement import (
     Shard,
     TensorMeta,
     _StridedShard,
-    compute_local_shape_and_global_offset,
     contiguous_strides,
 )
 
@@ -67,7 +67,6 @@ except ImportError:  # a torch without DebugMode records nothing
 from ._caches import RANK_CACHES, SHARED_CACHES, SYMBOLIC, lookup, store
 from ._collectives import AsyncCollectiveTensor, mesh_group_names, wait, wait_local_tensor
 from ._planner import (
-    Placements,
     RedistributeStep,
     StepKind,
     check_redistribute_specs,
@@ -77,7 +76,7 @@ from ._planner import (
     redistribute_cost_bytes,
     redistribute_lower_bound_bytes,
 )
-from ._executor_steps import ExecStep, compile_step
+from ._executor_steps import ExecStep, StepCompileContext, compile_step
 
 __all__ = [
     "RedistributeStep",
@@ -193,32 +192,33 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
             mesh=mesh,
             group_names=(),
         )
-    coordinate = tuple(coordinate_or_none)
-    group_names = mesh_group_names(mesh) if any(step.kind.is_collective for step in plan) else ()
-
-    def local_shape(state: Placements) -> tuple[int, ...]:
-        return compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, state)[0]
-
+    # Built once for the whole plan: every step compiles against it.
+    context = StepCompileContext(
+        mesh=mesh,
+        mesh_shape=mesh_shape,
+        coordinate=tuple(coordinate_or_none),
+        global_shape=global_shape,
+        group_names=mesh_group_names(mesh) if any(step.kind.is_collective for step in plan) else (),
+        joint_groups={},
+    )
     states = plan_states(src.placements, plan)
-    steps: list[ExecStep] = []
-    joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]] = {}
-    for step, before_state, after_state in zip(plan, states, states[1:]):
-        steps.append(
-            compile_step(step, before_state, after_state, global_shape, mesh, coordinate, group_names, joint_groups, local_shape)
-        )
+    steps = [
+        compile_step(context, step, before_state, after_state)
+        for step, before_state, after_state in zip(plan, states, states[1:])
+    ]
     last_collective = -1
     for index, exec_step in enumerate(steps):
         if exec_step.communicates and not exec_step.sends_nothing:
             last_collective = index
     return _Program(
-        src_local_shape=local_shape(src.placements),
-        dst_local_shape=local_shape(dst.placements),
+        src_local_shape=context.local_shape(src.placements),
+        dst_local_shape=context.local_shape(dst.placements),
         steps=tuple(steps),
         last_collective=last_collective,
         participating=True,
         mesh=mesh,
-        group_names=tuple(group_names),
-        joint_groups=tuple(joint_groups.items()),
+        group_names=context.group_names,
+        joint_groups=tuple(context.joint_groups.items()),
     )
 
 
