@@ -24,6 +24,7 @@ _LIB = torch.library.Library("swopschema", "DEF")
 _LIB.define("row_scale(Tensor x, Tensor scale) -> Tensor")
 _LIB.define("bad_count(Tensor x) -> Tensor")
 _LIB.define("scale_all(Tensor x, Tensor[] others) -> Tensor")
+_LIB.define("engine_owned(Tensor x) -> Tensor")
 
 
 def _row_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,11 @@ _LIB.impl("bad_count", lambda x: torch.empty_like(x), "Meta")
 _LIB.impl("scale_all", lambda x, others: x * sum(o.sum() for o in others), "CPU")
 _LIB.impl("scale_all", lambda x, others: torch.empty_like(x), "Meta")
 
+_LIB.impl("engine_owned", lambda x: x.clone(), "CPU")
+_LIB.impl("engine_owned", lambda x: torch.empty_like(x), "Meta")
+
 ROW_SCALE = torch.ops.swopschema.row_scale.default
+ENGINE_OWNED = torch.ops.swopschema.engine_owned.default
 BAD_COUNT = torch.ops.swopschema.bad_count.default
 SCALE_ALL = torch.ops.swopschema.scale_all.default
 
@@ -352,3 +357,63 @@ def _compact_op_spec() -> str:
 
 def test_op_spec_prints_pytorchs_compact_form() -> None:
     assert run_on_threads(_compact_op_spec, world_size=WORLD) == ["(P(sum), R) -> S(1)"] * WORLD
+
+
+def _strategy_keeping(sharded: bool) -> Callable[[Any], Any]:
+    """An op strategy with one candidate: the input and the output sharded on dim 0 (or replicated) on every mesh dim."""
+
+    def strategy(op_schema: Any) -> Any:
+        from shardwise.dtensor_ops import Replicate, Shard
+        from shardwise.dtensor_ops._op_schema import OpSpec, OpStrategy
+        from shardwise.placement import DTensorSpec
+
+        (current,) = (strategy.strategies[0].output_spec for strategy in op_schema.args_strategy)
+        placements = tuple(Shard(0) if sharded else Replicate() for _ in range(current.mesh.ndim))
+        spec = DTensorSpec(current.mesh, placements, tensor_meta=current.tensor_meta)
+        return OpStrategy([OpSpec(spec, input_specs=[spec])])
+
+    return strategy
+
+
+def _registration_changes_reach_the_engine() -> dict[str, Any]:
+    from shardwise.dtensor_ops import DTensor, Replicate, Shard, distribute_tensor
+    from shardwise.dtensor_ops._engine import ENGINE
+    from shardwise.dtensor_ops._op_schema import RuntimeSchemaInfo
+    from shardwise.dtensor_ops._ops.utils import register_op_strategy
+    from shardwise.dtensor_ops._rules import rule_for
+    from shardwise.mesh import init_device_mesh
+
+    propagator = DTensor._op_dispatcher.sharding_propagator  # type: ignore[attr-defined]
+    x = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+    rule_before = rule_for(ENGINE_OWNED)
+    seen: dict[str, Any] = {"registries_are_the_engines": propagator.op_strategy_funcs is ENGINE.registrations.strategy_funcs}
+    try:
+        generation = ENGINE.generation
+        register_op_strategy(ENGINE_OWNED)(_strategy_keeping(sharded=False))
+        seen["registered"] = (ENGINE.generation > generation, ENGINE_OWNED(x).placements == (Replicate(),))
+        # PyTorch's map assigned directly: the engine installs the rule and the decision cached above is not reused.
+        generation = ENGINE.generation
+        propagator.op_strategy_funcs[ENGINE_OWNED] = _strategy_keeping(sharded=True)
+        seen["assigned"] = (ENGINE.generation > generation, ENGINE_OWNED(x).placements == (Shard(0),))
+        generation = ENGINE.generation
+        propagator.op_to_schema_info[ENGINE_OWNED] = RuntimeSchemaInfo(static_argnum=1)
+        seen["schema_info"] = ENGINE.generation > generation
+        generation = ENGINE.generation
+        del propagator.op_strategy_funcs[ENGINE_OWNED]
+        seen["unregistered"] = (ENGINE.generation > generation, rule_for(ENGINE_OWNED) is rule_before)
+    finally:
+        propagator.op_strategy_funcs.pop(ENGINE_OWNED, None)
+        propagator.op_to_schema_info.pop(ENGINE_OWNED, None)
+    return seen
+
+
+def test_registering_through_pytorchs_api_changes_the_engine_and_forgets_cached_decisions() -> None:
+    # One rank thread: the registration and the decisions it must change happen in the thread whose caches hold them.
+    (seen,) = run_on_threads(_registration_changes_reach_the_engine, world_size=1)
+    assert seen == {
+        "registries_are_the_engines": True,
+        "registered": (True, True),
+        "assigned": (True, True),
+        "schema_info": True,
+        "unregistered": (True, True),
+    }

@@ -8,6 +8,8 @@ alias table ``pytorch_paths.PYTORCH_PATHS`` (whose import finder binds the modul
 module                   over
 =======================  ==========================================
 ``op_schema``            ``OpSchema``/``OpStrategy``/``OpSpec``, strategy registration -> ``_rules.ShardingRule``
+                         (the names of ``strategy_types``, ``strategy_expansion``, ``strategy_choice``,
+                         ``strategy_registration``; the registries are ``_engine.ENGINE.registrations``)
 ``sharding_prop``        ``ShardingPropagator`` -> ``_decision_pipeline``
 ``single_dim_strategy``  ``register_single_dim_strategy``
 ``ops_utils``            ``register_op_strategy``, ``expand_to_full_mesh_op_strategy``...
@@ -24,8 +26,9 @@ module                   over
 ``random``               ``OffsetBasedRNGTracker``, ``_PhiloxState``, ``_rng_tracker`` -> ``_shard_rng``
 =======================  ==========================================
 
-The engine never imports this package: PyTorch-style registrations reach it as ordinary
-``ShardingRule`` s of the one rule registry.  Nothing here is imported until a user imports it, but
+The engine never imports this package: PyTorch-style registrations are held in the engine's maps and reach
+its decisions as ordinary ``ShardingRule`` s of the one rule registry (``strategy_registration`` installs
+the hook that makes one from the other).  Nothing here is imported until a user imports it, but
 ``pytorch_paths`` (the table and its finder, which import nothing) and ``op_dispatch``: the package's
 wiring sets ``DTensor._op_dispatcher`` to it (PyTorch's handle on the registries), and it imports
 ``sharding_prop`` only when asked for the propagator.

@@ -15,7 +15,6 @@ import torch
 
 from shardwise.placement import DTensorSpec, TensorMeta
 
-from .._caches import clear_all_caches
 from .._decision import OpDecision
 from .._decision_pipeline import PropagationCacheInfo, call_key, clear_decisions, decision_cache_size, propagation_cache_info
 from .._decision_pipeline import decide_from_specs, propagate_op_sharding
@@ -201,8 +200,7 @@ class ShardingPropagator:
         self, op: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule: ShardingRule
     ) -> None:
         ops = [op] if isinstance(op, torch._ops.OpOverload) else list(op)
-        override_rule(ops, rule)
-        clear_all_caches()
+        override_rule(ops, rule)  # the engine forgets the caches made from the old rule
 
     def rule_for(self, op: torch._ops.OpOverload) -> ShardingRule | None:
         return rule_for(op)
