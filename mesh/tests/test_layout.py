@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 
 from shardwise.mesh._layout import MeshLayout
 from shardwise.mesh._validation import RankGrid
@@ -82,9 +83,10 @@ def test_the_group_through_a_rank_is_its_group_along_the_dim(
 def test_coordinate_and_submesh_agree(shape: tuple[int, ...], ranks: list[int] | None, dims: tuple[tuple[int, ...], ...]) -> None:
     layout = _root(shape, ranks).view(dims)
     for rank in layout.root_ranks:
-        grid = layout.submesh_grid(rank)
+        members = layout.submesh_ranks(rank)
         coordinate = layout.coordinate(rank)
-        assert grid is not None and coordinate is not None
+        assert members is not None and coordinate is not None
+        grid = torch.tensor(members).reshape(layout.shape)
         assert tuple(grid.shape) == layout.shape
         assert int(grid[coordinate]) == rank
         # Along each dim, the sub-mesh's line through the rank is that rank's process group, in order.
@@ -100,10 +102,10 @@ def test_2x2_root_and_slices() -> None:
     assert root.groups_along(1) == ((0, 1), (2, 3))
     assert root.coordinate(2) == (1, 0)
     tp = root.view(((1,),))
-    assert tp.submesh_grid(2).tolist() == [2, 3]  # type: ignore[union-attr]
+    assert tp.submesh_ranks(2) == (2, 3)
     assert tp.coordinate(2) == (0,)
     dp = root.view(((0,),))
-    assert dp.submesh_grid(3).tolist() == [1, 3]  # type: ignore[union-attr]
+    assert dp.submesh_ranks(3) == (1, 3)
     assert dp.coordinate(3) == (1,)
 
 
@@ -116,7 +118,7 @@ def test_flattened_dims_count_row_major_over_their_root_dims() -> None:
     assert dp_cp.coordinate(6) == (3,)
     dp_tp = root.view(((0, 2),))
     assert dp_tp.strides == ((4, 1),)
-    assert dp_tp.submesh_grid(2).tolist() == [2, 3, 6, 7]  # type: ignore[union-attr]
+    assert dp_tp.submesh_ranks(2) == (2, 3, 6, 7)
 
 
 def test_size_one_dims_take_no_stride_as_in_pytorch_repr() -> None:
@@ -158,9 +160,9 @@ def test_rank_listing_of_large_meshes_is_bounded_and_still_distinct() -> None:
 def test_rank_outside_the_root() -> None:
     root = _root((2,), [1, 3])
     assert not root.contains(0) and root.coordinate(0) is None
-    assert root.submesh_grid(0).tolist() == [1, 3]  # type: ignore[union-attr]  # one sub-mesh: the root
+    assert root.submesh_ranks(0) == (1, 3)  # one sub-mesh: the root
     sliced = _root((2, 1), [1, 3]).view(((1,),))
-    assert sliced.submesh_grid(0) is None  # two sub-meshes, none holds rank 0
+    assert sliced.submesh_ranks(0) is None  # two sub-meshes, none holds rank 0
 
 
 @pytest.mark.parametrize("dims", [((1,), (0,)), ((0,), (0,)), ((0, 0),), (), ((),), ((2,),)])

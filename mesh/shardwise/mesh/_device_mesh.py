@@ -18,7 +18,7 @@ from shardwise.mesh import _process_groups as process_groups
 from shardwise.mesh import _simulation as simulation
 from shardwise.mesh import _validation as validation
 from shardwise.mesh._errors import MeshDimError, MeshError
-from shardwise.mesh._layout import MeshLayout, Run
+from shardwise.mesh._layout import MeshLayout, Run, nested_ranks
 from shardwise.mesh._world import ensure_default_process_group, world_generation, world_size_for_validation
 
 __all__ = [
@@ -267,13 +267,13 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
         """The grid of global ranks of the (sub-)mesh that holds this rank."""
         pinned = simulation.pinned_rank()
         rank = self._rank if pinned is None else pinned
-        grid = self._layout.submesh_grid(rank)
-        if grid is None:
+        ranks = self._layout.submesh_ranks(rank)
+        if ranks is None:
             raise MeshError(
                 f"rank {rank} is not part of {self!r}, which is one of several sub-meshes of its root mesh; "
                 "there is no single grid of ranks to return on this rank"
             )
-        return grid.to(torch.int)
+        return torch.tensor(ranks, dtype=torch.int).reshape(self.shape)
 
     # ------------------------------------------------------------------------------ this rank
 
@@ -787,8 +787,8 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
             text += f", _init_backend=False, _rank={self._rank}"
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "") == "DETAIL":
             # As PyTorch: with detail on, show this rank's grid (the only rank-dependent repr).
-            grid = self._layout.submesh_grid(self._rank)
-            text += f", Mesh: {grid.tolist() if grid is not None else None}"
+            ranks = self._layout.submesh_ranks(self._rank)
+            text += f", Mesh: {nested_ranks(ranks, self.shape) if ranks is not None else None}"
         return text + ")"
 
     def __copy__(self) -> DeviceMesh:

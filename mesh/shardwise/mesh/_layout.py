@@ -12,13 +12,11 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable
-
-import torch
+from typing import Any, Iterable, Sequence
 
 from shardwise.mesh._validation import RankGrid
 
-__all__ = ["MeshLayout", "Run"]
+__all__ = ["MeshLayout", "Run", "nested_ranks"]
 
 Run = tuple[int, int]
 """``(size, stride)``: a dim's index ``i`` in ``range(size)`` moves ``i * stride`` places in the root's rank list."""
@@ -241,8 +239,21 @@ class MeshLayout:
             return ("range", self.root_ranks[0], len(self.root_ranks))
         return self.root_ranks
 
-    def _root_grid(self) -> torch.Tensor:
-        return torch.tensor(self.root_ranks, dtype=torch.int64).reshape(self.root_shape)
+    def _ranks_walking(self, root_dims: Iterable[int], start: int = 0) -> tuple[int, ...]:
+        """The root's ranks read row-major over ``root_dims`` (outermost first) from position ``start``.
+
+        Plain Python, on purpose: a mesh's ranks are static data, and mesh queries run while
+        torch.compile traces (under fake and proxy modes), where a tensor built here would be fake
+        and reading it back (``tolist``) data-dependent.
+        """
+        order = tuple(root_dims)
+        if start == 0 and order == tuple(range(len(self.root_shape))):
+            return self.root_ranks
+        positions = [start]
+        for d in order:  # the first dim varies slowest
+            stride = self.root_strides[d]
+            positions = [first + step * stride for first in positions for step in range(self.root_shape[d])]
+        return tuple(self.root_ranks[position] for position in positions)
 
     def _root_index(self, rank: int) -> tuple[int, ...] | None:
         position = self._position_of_rank.position(rank)
@@ -279,8 +290,9 @@ class MeshLayout:
         """
         spanned = self.dims[dim]
         others = [d for d in range(len(self.root_shape)) if d not in spanned]
-        rows = self._root_grid().permute(*others, *spanned).reshape(-1, self.shape[dim])
-        return tuple(tuple(int(rank) for rank in row) for row in rows.tolist())
+        ranks = self._ranks_walking((*others, *spanned))
+        size = self.shape[dim]
+        return tuple(ranks[start : start + size] for start in range(0, len(ranks), size))
 
     def group_through(self, dim: int, rank: int) -> tuple[int, ...] | None:
         """The one rank list of ``groups_along(dim)`` that holds ``rank`` (None if the root lacks it).
@@ -296,35 +308,27 @@ class MeshLayout:
         if len(spanned) == 1:  # a plain dim: one strided slice of the rank list
             stride = self.root_strides[spanned[0]]
             return self.root_ranks[base : base + stride * self.root_shape[spanned[0]] : stride]
-        positions = [base]
-        for d in spanned:  # row-major over the spanned root dims: the first one varies slowest
-            positions = [start + step * self.root_strides[d] for start in positions for step in range(self.root_shape[d])]
-        return tuple(self.root_ranks[position] for position in positions)
+        return self._ranks_walking(spanned, base)
 
-    def submesh_grid(self, rank: int) -> torch.Tensor | None:
-        """The grid of ranks of the sub-mesh holding ``rank``.
+    @property
+    def submesh_count(self) -> int:
+        """How many sub-meshes the view has: one per index of the root dims it leaves out."""
+        return len(self.root_ranks) // self.numel
+
+    def submesh_ranks(self, rank: int) -> tuple[int, ...] | None:
+        """The ranks of the sub-mesh holding ``rank``, row-major over this view's shape.
 
         For a rank outside the root there is only an answer when the view has a single sub-mesh
-        (no batch dims, e.g. the root itself); otherwise None.
+        (no batch dims, e.g. the root itself); otherwise None. Costs the sub-mesh's size.
         """
         batch = self.batch_root_dims
-        grids = self._all_submesh_grids
-        if grids.shape[0] == 1:
-            return grids[0]
+        spanned = [d for root_dims in self.dims for d in root_dims]
+        if self.submesh_count == 1:
+            return self._ranks_walking((*batch, *spanned))
         root_index = self._root_index(rank)
         if root_index is None:
             return None
-        batch_position = 0
-        for d in batch:
-            batch_position = batch_position * self.root_shape[d] + root_index[d]
-        return grids[batch_position]
-
-    @functools.cached_property
-    def _all_submesh_grids(self) -> torch.Tensor:
-        """Every sub-mesh of this view, stacked: shape ``(number of sub-meshes, *shape)``, batch order."""
-        batch = self.batch_root_dims
-        spanned = [d for root_dims in self.dims for d in root_dims]
-        return self._root_grid().permute(*batch, *spanned).reshape(-1, *self.shape)
+        return self._ranks_walking(spanned, sum(root_index[d] * self.root_strides[d] for d in batch))
 
     @functools.cached_property
     def rank_listing(self) -> str:
@@ -337,18 +341,26 @@ class MeshLayout:
         are consecutive in row-major order, else by their first ranks, their count and a
         digest of the whole list, so that different layouts never print alike.
         """
-        grids = self._all_submesh_grids
-        label = "ranks" if grids.shape[0] == 1 else "submeshes"
-        values = grids[0] if grids.shape[0] == 1 else grids
-        flat = [int(rank) for rank in values.reshape(-1).tolist()]
+        batch = self.batch_root_dims
+        flat = list(self._ranks_walking((*batch, *(d for root_dims in self.dims for d in root_dims))))
+        label = "ranks" if self.submesh_count == 1 else "submeshes"
         if len(flat) <= _RANKS_PRINTED_IN_FULL:
-            return f"{label}={values.tolist()}"
+            shape = self.shape if self.submesh_count == 1 else (self.submesh_count, *self.shape)
+            return f"{label}={nested_ranks(flat, shape)}"
         start = flat[0]
         if flat == list(range(start, start + len(flat))):
             return f"{label}=range({start}, {start + len(flat)})"
         digest = hashlib.blake2b(repr(flat).encode(), digest_size=4).hexdigest()
         head = ", ".join(str(rank) for rank in flat[:8])
         return f"{label}=[{head}, ...] ({len(flat)} ranks, digest {digest})"
+
+
+def nested_ranks(flat: Sequence[int], shape: Sequence[int]) -> list[Any]:
+    """``flat`` (row-major) as nested lists of ``shape``, as ``Tensor.tolist()`` would give them."""
+    if len(shape) <= 1:
+        return list(flat)
+    step = len(flat) // shape[0]
+    return [nested_ranks(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def _coalesce(runs: Iterable[Run]) -> tuple[Run, ...]:
