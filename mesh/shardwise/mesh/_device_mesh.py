@@ -12,13 +12,25 @@ from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
-from torch._opaque_base import OpaqueBaseMeta
 
+from shardwise.mesh import _existing_groups as existing_groups
 from shardwise.mesh import _process_groups as process_groups
 from shardwise.mesh import _simulation as simulation
 from shardwise.mesh import _validation as validation
 from shardwise.mesh._errors import MeshDimError, MeshError
 from shardwise.mesh._layout import MeshLayout, Run, nested_ranks
+from shardwise.mesh._mesh_metaclass import (
+    _METHODS_LOCAL_TENSOR_MODE_PATCHES,
+    _DeviceMeshClass,
+    _is_local_tensor_mode_patch,
+)
+from shardwise.mesh._opaque_registration import (
+    _opaque_type_registrations,
+    _register_distributed_opaque_types,
+    _register_opaque_type_registration,
+)
+from shardwise.mesh._existing_groups import _ranks_text
+from shardwise.mesh._process_groups import backend_choices_for_new_dims as _backend_choices
 from shardwise.mesh._world import ensure_default_process_group, world_generation, world_size_for_validation
 
 __all__ = [
@@ -27,6 +39,14 @@ __all__ = [
     "init_device_mesh",
     "unwrap_traced_mesh",
     "_register_distributed_opaque_types",
+    # Moved to their own modules, still importable from here (tests import some):
+    "_METHODS_LOCAL_TENSOR_MODE_PATCHES",
+    "_DeviceMeshClass",
+    "_backend_choices",
+    "_is_local_tensor_mode_patch",
+    "_opaque_type_registrations",
+    "_ranks_text",
+    "_register_opaque_type_registration",
 ]
 
 
@@ -43,41 +63,6 @@ def get_current_mesh() -> DeviceMesh:
     if not _active_meshes.meshes:
         raise MeshError("no DeviceMesh is active; enter one with `with mesh:` first")
     return _active_meshes.meshes[-1]
-
-
-# What torch's LocalTensorMode replaces on "the" DeviceMesh class while it is enabled
-# (``_local_tensor._PATCHED_DEVICE_MESH_METHODS``): its module imports
-# ``torch.distributed.device_mesh.DeviceMesh``, which is this class when shardwise stands in for
-# torch (``shardwise.torch_switch``).
-_METHODS_LOCAL_TENSOR_MODE_PATCHES = frozenset(
-    {"get_coordinate", "get_local_rank", "get_rank", "_is_current_rank_part_of_mesh", "_sym_get_coordinate"}
-)
-
-
-class _DeviceMeshClass(OpaqueBaseMeta):
-    """Keeps this class's own answers under torch's LocalTensorMode; a torch.compile opaque class.
-
-    ``OpaqueBaseMeta`` is what torch.compile asks of a class it can take as an opaque *reference* type
-    (torch's own ``DeviceMesh`` is one): while AOTAutograd traces, a mesh travels as torch's stand-in
-    (``FakeScriptObject``), which is then still an instance of this class. shardwise.compile_support
-    does the registration.
-
-    torch's replacements read torch's mesh internals (``_rank_map``, its layout's
-    ``remap_to_tensor``) and ignore the rank that ``_simulation.as_simulated_rank`` pins, which
-    dtensor_ops relies on; ``_simulation`` already answers for every simulated rank, as they do.
-    So their assignment is dropped (the mode's restore, which assigns our own methods, goes through).
-    """
-
-    def __setattr__(cls, name: str, value: Any) -> None:
-        if name in _METHODS_LOCAL_TENSOR_MODE_PATCHES and _is_local_tensor_mode_patch(value):
-            return
-        super().__setattr__(name, value)
-
-
-def _is_local_tensor_mode_patch(value: object) -> bool:
-    return getattr(value, "__module__", None) == simulation._LOCAL_TENSOR_MODULE and str(
-        getattr(value, "__qualname__", "")
-    ).startswith("_LocalDeviceMesh.")
 
 
 class DeviceMesh(metaclass=_DeviceMeshClass):
@@ -703,51 +688,9 @@ class DeviceMesh(metaclass=_DeviceMeshClass):
         order, the ranks of ``mesh`` along its dim through this rank.
         """
         device_type = validation.check_device_type(device_type)
-        if isinstance(group, dist.ProcessGroup):
-            group_ranks = dist.get_process_group_ranks(group)
-            if mesh is not None:
-                given = validation.rank_grid_from(mesh)
-                if given.shape != (len(group_ranks),) or list(given.ranks) != group_ranks:
-                    raise MeshError(
-                        f"from_group: mesh {_ranks_text(mesh)} does not match the process group, whose ranks in group "
-                        f"rank order are {group_ranks}; pass mesh=None or exactly those ranks"
-                    )
-            groups = [group]
-            grid = validation.rank_grid_from(group_ranks)
-        else:
-            if not isinstance(group, (list, tuple)) or not group:
-                raise MeshError(f"from_group needs a ProcessGroup or a non-empty list of them, got {group!r}")
-            not_groups = [g for g in group if not isinstance(g, dist.ProcessGroup)]
-            if not_groups:
-                raise MeshError(f"from_group: {not_groups!r} are not ProcessGroups")
-            if mesh is None:
-                raise MeshError(f"from_group with {len(group)} process groups needs mesh, the n-D grid of their ranks")
-            if mesh_dim_names is None:
-                raise MeshError(f"from_group with {len(group)} process groups needs mesh_dim_names, one per group")
-            groups = list(group)
-            grid = validation.rank_grid_from(mesh)
-            if len(grid.shape) != len(groups):
-                raise MeshError(
-                    f"from_group: mesh has {len(grid.shape)} dims (shape {list(grid.shape)}) but {len(groups)} process "
-                    "groups were given; expected one group per mesh dim"
-                )
-        names = validation.normalize_dim_names(mesh_dim_names, len(grid.shape))
-        validation.check_fits_world(grid, process_groups.default_process_group().size())
-        layout = MeshLayout.root(grid)
-        rank = dist.get_rank()
-        coordinate = layout.coordinate(rank)
-        if coordinate is None:
-            raise MeshError(f"from_group: rank {rank} is not in mesh {list(grid.ranks)}; its groups cannot be used here")
-        for dim, dim_group in enumerate(groups):
-            expected = layout.group_through(dim, rank)
-            actual = tuple(dist.get_process_group_ranks(dim_group))
-            if actual != expected:
-                raise MeshError(
-                    f"from_group: the process group for mesh dim {dim} has ranks {list(actual)} (in group rank order) "
-                    f"but the mesh has {list(expected or ())} along that dim through rank {rank}"
-                )
+        layout, names, groups, rank = existing_groups.layout_of_groups(group, mesh, mesh_dim_names)
         result = DeviceMesh.__new__(DeviceMesh)
-        result._setup(device_type, layout, names, root=None, groups=tuple(groups), rank=rank)
+        result._setup(device_type, layout, names, root=None, groups=groups, rank=rank)
         return result
 
     # ------------------------------------------------------------------- identity and display
@@ -866,29 +809,6 @@ def _member_groups(groups: Sequence[dist.ProcessGroup | None]) -> tuple[dist.Pro
     return tuple(present)
 
 
-def _backend_choices(
-    where: str, backend_override: dict[Any, Any] | None, names: tuple[str, ...]
-) -> list[process_groups.BackendChoice]:
-    """One backend choice per new dim from ``backend_override``, keyed by name or by index among ``names``."""
-    if backend_override is None:
-        return [process_groups.DEFAULT_BACKEND] * len(names)
-    if not isinstance(backend_override, dict):
-        raise MeshError(f"{where}: backend_override must be a dict from dim name or index to a backend, got {backend_override!r}")
-    unused = dict(backend_override)
-    choices = []
-    for index, name in enumerate(names):
-        if name in unused and index in unused:
-            raise MeshError(f"{where}: backend_override names dim {name!r} twice, by name and by index {index}; give one")
-        value = unused.pop(name, unused.pop(index, None))
-        choices.append(process_groups.backend_choice(value, f"{where} backend_override[{name!r}]"))
-    if unused:
-        raise MeshError(
-            f"{where}: backend_override has keys {list(unused)} that are not new dims; expected names in {names} "
-            f"or indices in [0, {len(names)})"
-        )
-    return choices
-
-
 def unwrap_traced_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh`` itself, also when torch.compile hands its tracing stand-in for it.
 
@@ -930,31 +850,8 @@ def derive_mesh_now(mesh: DeviceMesh, how: str, names: tuple[str, ...]) -> Devic
     raise ValueError(f"derive_mesh_now: unknown derivation {how!r}; expected 'slice', 'flatten' or 'root'")
 
 
-_opaque_type_registrations: list[Callable[[], None]] = []
-
-
-def _register_opaque_type_registration(registration: Callable[[], None]) -> None:
-    """Add what ``_register_distributed_opaque_types`` runs (shardwise.compile_support adds its registration)."""
-    if registration not in _opaque_type_registrations:
-        _opaque_type_registrations.append(registration)
-
-
-def _register_distributed_opaque_types() -> None:
-    """Register ``DeviceMesh`` (and what it holds) as opaque types for torch.compile, as PyTorch 2.13's function of that name.
-
-    The registration lives above this layer (``shardwise.compile_support``, which also runs it when
-    ``shardwise.dtensor_ops`` is imported); here it is run through the hooks that layer added. Idempotent.
-    """
-    for registration in list(_opaque_type_registrations):
-        registration()
-
-
 def _group_description(names: tuple[str, ...] | None, dim: int) -> str:
     return f"mesh_{names[dim]}" if names else f"mesh_dim_{dim}"
-
-
-def _ranks_text(mesh: object) -> str:
-    return str(mesh.tolist()) if isinstance(mesh, torch.Tensor) else repr(mesh)
 
 
 def init_device_mesh(

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_BACKEND",
     "FAKE_BACKEND",
     "backend_choice",
+    "backend_choices_for_new_dims",
     "default_process_group",
     "group_for_dim",
     "member_only_creation",
@@ -136,6 +137,29 @@ def backend_choice(value: object, where: str) -> BackendChoice:
         f"{where}: {value!r} is not a backend override; expected a backend name ('gloo', 'nccl', 'fake'...), "
         "backend options, or a (name, options) tuple"
     )
+
+
+def backend_choices_for_new_dims(
+    where: str, backend_override: dict[Any, Any] | None, names: tuple[str, ...]
+) -> list[BackendChoice]:
+    """One backend choice per new dim from ``backend_override``, keyed by name or by index among ``names``."""
+    if backend_override is None:
+        return [DEFAULT_BACKEND] * len(names)
+    if not isinstance(backend_override, dict):
+        raise MeshError(f"{where}: backend_override must be a dict from dim name or index to a backend, got {backend_override!r}")
+    unused = dict(backend_override)
+    choices = []
+    for index, name in enumerate(names):
+        if name in unused and index in unused:
+            raise MeshError(f"{where}: backend_override names dim {name!r} twice, by name and by index {index}; give one")
+        value = unused.pop(name, unused.pop(index, None))
+        choices.append(backend_choice(value, f"{where} backend_override[{name!r}]"))
+    if unused:
+        raise MeshError(
+            f"{where}: backend_override has keys {list(unused)} that are not new dims; expected names in {names} "
+            f"or indices in [0, {len(names)})"
+        )
+    return choices
 
 
 def default_process_group() -> dist.ProcessGroup:
