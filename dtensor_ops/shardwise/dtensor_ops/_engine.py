@@ -95,6 +95,10 @@ class RegistryMap(dict[_Key, _Value]):
         if removed:
             self._on_change(removed)
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[type[dict[_Key, _Value]], tuple[dict[_Key, _Value]]]:
+        # A copy (copy, deepcopy, pickle) is a plain dict of the entries: only the engine's maps are registries.
+        return dict, (dict(self),)
+
     def __missing__(self, key: _Key) -> _Value:
         found = None if self.fallback is None else self.fallback(key)
         if found is None:
