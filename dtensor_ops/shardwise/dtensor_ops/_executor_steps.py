@@ -397,8 +397,10 @@ class StepCompileContext:
     """What every step of one plan is compiled against on this rank: built once per program, not per step.
 
     ``group_names``: the c10d group of every mesh dim (empty when the plan has no collective).
-    ``joint_groups``: filled as steps compile, with the joint group (name, member order) of every set of
-    mesh dims a joint step runs over; the program keeps them to tell whether another mesh has its groups.
+    The fields never change; two of them are dicts filled as the steps compile (pass them empty):
+    ``joint_groups``, the joint group (name, member order) of every set of mesh dims a joint step runs
+    over, which the program keeps to tell whether another mesh has its groups; ``local_shapes``, this
+    rank's local shape of every state asked for (see :meth:`local_shape`).
     """
 
     mesh: Any
@@ -407,10 +409,16 @@ class StepCompileContext:
     global_shape: tuple[int, ...]
     group_names: tuple[str, ...]
     joint_groups: dict[tuple[int, ...], tuple[str, tuple[int, ...]]]
+    local_shapes: dict[Placements, tuple[int, ...]]
 
     def local_shape(self, state: Placements) -> tuple[int, ...]:
-        """This rank's local shape under the placements ``state``."""
-        return compute_local_shape_and_global_offset(self.global_shape, self.mesh_shape, self.coordinate, state)[0]
+        """This rank's local shape under the placements ``state``.  Worked out once per state: a step's
+        after-state is the next one's before-state, and the program asks again for the first and last."""
+        shape = self.local_shapes.get(state)
+        if shape is None:
+            shape = compute_local_shape_and_global_offset(self.global_shape, self.mesh_shape, self.coordinate, state)[0]
+            self.local_shapes[state] = shape
+        return shape
 
 
 def compile_step(

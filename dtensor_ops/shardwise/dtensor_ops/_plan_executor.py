@@ -200,6 +200,7 @@ def _compile_program(src: DTensorSpec[Any], dst: DTensorSpec[Any], plan: tuple[R
         global_shape=global_shape,
         group_names=mesh_group_names(mesh) if any(step.kind.is_collective for step in plan) else (),
         joint_groups={},
+        local_shapes={},
     )
     states = plan_states(src.placements, plan)
     steps = [
